@@ -1,0 +1,45 @@
+"""course_utils: the support package of the FlashAttention course.
+
+Start every notebook with::
+
+    import course_utils as cu
+    cu.setup()          # GPU if there is one, else the CPU simulator/interpreter
+
+Modules (import them as ``from course_utils import grader`` etc.):
+
+- ``runtime``   mode switch: ``setup``, ``on_gpu``, ``pick``, ``device``, ``kernel_array``
+- ``reference`` float64 attention and softmax: the ground truth of every check
+- ``checks``    compare a candidate with the reference on fresh inputs and edge cases
+- ``grader``    ``check(exercise_id, fn)``, and grading whole notebooks
+- ``cuda``      CUDA C++: ``load_cuda`` (load_inline), ``compile_kernel`` (NVRTC),
+                ``resource_usage`` (registers, shared memory, spills)
+- ``bench``     ``time_fn``, ``attention_flops``, result tables
+- ``plots``     small drawing helpers (tile maps, thread maps)
+- ``recorded``  results measured on a GPU, shipped as JSON for CPU readers
+
+Command line: ``python -m course_utils doctor | grade | record | assign | strip``.
+"""
+
+from .runtime import (
+    Mode,
+    device,
+    kernel_array,
+    mode,
+    needs_gpu,
+    on_gpu,
+    pick,
+    setup,
+    synchronize,
+)
+
+__all__ = [
+    "Mode",
+    "device",
+    "kernel_array",
+    "mode",
+    "needs_gpu",
+    "on_gpu",
+    "pick",
+    "setup",
+    "synchronize",
+]

@@ -1,0 +1,99 @@
+"""Command line: ``python -m course_utils {doctor,grade,assign,strip}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _doctor(args) -> int:
+    from .doctor import main
+
+    return main()
+
+
+def _grade(args) -> int:
+    from . import grader
+
+    reports = grader.grade_notebooks(args.notebooks, timeout=args.timeout)
+    print(grader.score_table(reports))
+    json_path, csv_path = grader.write_reports(reports, args.out)
+    print(f"\nwrote {json_path} and {csv_path}")
+    return 0
+
+
+def _record(args) -> int:
+    from . import grader, recorded, runtime
+
+    if not runtime.on_gpu():
+        print("recording measures on the GPU: run this on a machine with one")
+        return 1
+    status = 0
+    for path in args.notebooks:
+        errors, failure = grader.execute_notebook(path, {recorded.RECORD_ENV: "1"}, args.timeout)
+        print(f"{path}: " + ("ok" if not (errors or failure) else "FAILED"))
+        for line in errors + ([failure] if failure else []):
+            print(f"  {line}")
+            status = 1
+    print(f"recordings are in {recorded.FOLDER}")
+    return status
+
+
+def _assign(args) -> int:
+    from .assign import assign
+
+    changed = assign(ROOT, check=args.check)
+    if args.check:
+        if changed:
+            print("exercises/ is out of date (run `python -m course_utils assign`):")
+            print("\n".join(f"  {p}" for p in changed))
+            return 1
+        print("exercises/ is up to date")
+        return 0
+    print("\n".join(f"wrote {p}" for p in changed) or "exercises/ was already up to date")
+    return 0
+
+
+def _strip(args) -> int:
+    import nbformat
+
+    from .assign import clear_outputs
+
+    for folder in ("notebooks", "solutions"):
+        for path in sorted((ROOT / folder).glob("*.ipynb")):
+            nb = nbformat.read(path, as_version=4)
+            before = nbformat.writes(nb)
+            clear_outputs(nb)
+            if nbformat.writes(nb) != before:
+                nbformat.write(nb, path)
+                print(f"stripped {path.relative_to(ROOT)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="check what this machine can run").set_defaults(func=_doctor)
+    g = sub.add_parser("grade", help="grade notebooks, each in a fresh kernel")
+    g.add_argument("notebooks", nargs="+", type=Path)
+    g.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    g.add_argument("--out", type=Path, default=Path("grades"), help="folder for JSON and CSV")
+    g.set_defaults(func=_grade)
+    r = sub.add_parser("record", help="run notebooks on a GPU, saving their recorded results")
+    r.add_argument("notebooks", nargs="+", type=Path)
+    r.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    r.set_defaults(func=_record)
+    a = sub.add_parser("assign", help="generate exercises/ from solutions/")
+    a.add_argument("--check", action="store_true", help="only report out-of-date exercises")
+    a.set_defaults(func=_assign)
+    s = sub.add_parser("strip", help="clear outputs of notebooks/ and solutions/")
+    s.set_defaults(func=_strip)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

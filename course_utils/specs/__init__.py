@@ -1,0 +1,60 @@
+"""What every graded exercise must do: its id, title, points, and visible and hidden cases.
+
+One module per chapter (``ch00``, ``ch01``, ...) defines its ``Exercise`` objects; ``get(id)``
+finds one by id and ``for_chapter("00")`` lists a chapter's exercises for the grade command.
+Chapter modules are imported on first use, after ``course_utils.setup()`` has chosen the mode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ..grader import Exercise
+
+
+def _chapter_modules():
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("ch") and info.name[2:].isdigit():
+            yield importlib.import_module(f"{__name__}.{info.name}")
+
+
+def all_exercises() -> dict[str, Exercise]:
+    """Every registered exercise, by id, in chapter order."""
+    found: dict[str, Exercise] = {}
+    for module in _chapter_modules():
+        for value in vars(module).values():
+            if isinstance(value, Exercise):
+                if value.id in found and found[value.id] is not value:
+                    raise ValueError(f"two exercises share the id {value.id!r}")
+                found[value.id] = value
+    return found
+
+
+def get(exercise_id: str) -> Exercise:
+    """The exercise with this id, or a KeyError that lists the known ids."""
+    exercises = all_exercises()
+    if exercise_id not in exercises:
+        known = ", ".join(exercises) or "none"
+        raise KeyError(f"no exercise has the id {exercise_id!r}; known ids: {known}")
+    return exercises[exercise_id]
+
+
+def for_chapter(chapter: str) -> list[Exercise]:
+    """The exercises of one chapter ("00", "07", ...), in the order they were defined."""
+    return [ex for ex in all_exercises().values() if ex.id.split(".")[0] == chapter]
+
+
+def require_implemented(candidate) -> None:
+    """Raise NotImplementedError if ``candidate`` still has the exercise's placeholder.
+
+    A Numba kernel compiled for a real GPU does not propagate Python exceptions, so a stub
+    kernel whose body is ``raise NotImplementedError`` would silently write nothing. Looking at
+    the Python function behind the kernel (Numba's ``py_func``, Triton's ``fn``) makes the stub
+    fail the same clear way on a GPU as in the simulator.
+    """
+    fn = getattr(candidate, "py_func", None) or getattr(candidate, "fn", None) or candidate
+    code = getattr(fn, "__code__", None)
+    if code is not None and "NotImplementedError" in code.co_names:
+        name = getattr(fn, "__name__", "the function")
+        raise NotImplementedError(f"{name} still raises NotImplementedError")

@@ -1,0 +1,94 @@
+"""Chapter 00's graded cases catch the bugs students make, with advice that names the fix."""
+
+import pytest
+from numba import cuda
+
+from course_utils import grader
+from course_utils.specs import ch00
+
+
+@pytest.fixture(autouse=True)
+def hidden_cases_too(monkeypatch):
+    monkeypatch.setenv(grader.GRADING_ENV, "1")
+    monkeypatch.delenv(grader.RAISE_ENV, raising=False)
+    monkeypatch.delenv(grader.RESULTS_ENV, raising=False)
+
+
+def verdict(exercise_id, candidate):
+    grader.check(exercise_id, candidate)
+    return grader.results()[-1]
+
+
+@cuda.jit
+def add_guarded(x, y, out, n):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < n:
+        out[i] = x[i] + y[i]
+
+
+@cuda.jit
+def add_unguarded(x, y, out, n):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    out[i] = x[i] + y[i]
+
+
+@cuda.jit
+def add_assumes_128_threads(x, y, out, n):
+    i = cuda.blockIdx.x * 128 + cuda.threadIdx.x
+    if i < n:
+        out[i] = x[i] + y[i]
+
+
+def test_vector_add_passes_when_right():
+    assert verdict("00.vector_add", add_guarded).status == "passed"
+
+
+def test_vector_add_missing_guard_is_named():
+    r = verdict("00.vector_add", add_unguarded)
+    assert r.status == "failed" and "if i < n" in r.message
+
+
+def test_vector_add_hard_coded_block_size_fails_a_hidden_case():
+    r = verdict("00.vector_add", add_assumes_128_threads)
+    assert r.status == "failed" and r.passed < r.total and "32 threads" in r.message
+
+
+@cuda.jit
+def matrix_add_right(A, B, C):
+    row = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if row < C.shape[0] and col < C.shape[1]:
+        C[row, col] = A[row, col] + B[row, col]
+
+
+@cuda.jit
+def matrix_add_swapped(A, B, C):
+    row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    col = cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y
+    if row < C.shape[0] and col < C.shape[1]:
+        C[row, col] = A[row, col] + B[row, col]
+
+
+def test_matrix_add():
+    assert verdict("00.matrix_add", matrix_add_right).status == "passed"
+    r = verdict("00.matrix_add", matrix_add_swapped)
+    assert r.status == "failed" and "x runs along columns" in r.message
+    assert "NaN" in r.message  # the unwritten elements show
+
+
+def test_elements_touched():
+    right = lambda b, t, bd, gd, n: list(range(b * bd + t, n, bd * gd))
+    assert verdict("00.elements_touched", right).status == "passed"
+    block_stride = lambda b, t, bd, gd, n: list(range(b * bd + t, n, bd))
+    r = verdict("00.elements_touched", block_stride)
+    assert r.status == "failed" and "gridDim.x * blockDim.x" in r.message
+    assert verdict("00.elements_touched", lambda *a: 5).status == "failed"
+
+
+def test_stub_kernel_is_not_implemented_even_on_a_gpu():
+    @cuda.jit
+    def stub(x, y, out, n):
+        raise NotImplementedError("replace this line with your code")
+
+    assert verdict("00.vector_add", stub).status == "not implemented"
+    assert ch00.vector_add.points == 3
