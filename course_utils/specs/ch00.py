@@ -79,7 +79,7 @@ def _vector_add_case(n: int, threads: int):
         )
         _check_guard(buffer, n, case, MISSING_GUARD_HINT)
         compare(
-            "out", out, x + y, case=case, atol=0, rtol=0,
+            "out", out, x + y, case=case, atol=0, rtol=0, poisoned=True,
             hint="out[i] must be x[i] + y[i] for every i < n, with "
             "i = blockIdx.x * blockDim.x + threadIdx.x",
         )
@@ -119,7 +119,7 @@ def _matrix_add_case(M: int, N: int):
             case=case, hint=MAPPING_HINT,
         )
         _check_guard(buffer, M * N, case, MAPPING_HINT)
-        compare("C", C, A + B, case=case, atol=0, rtol=0, hint=MAPPING_HINT)
+        compare("C", C, A + B, case=case, atol=0, rtol=0, poisoned=True, hint=MAPPING_HINT)
 
     return run
 
