@@ -58,7 +58,8 @@ _MODES = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 def time_fn(fn, *args, warmup=None, rep=None, flush_l2=False, **kwargs):
     """Time ``fn(*args, **kwargs)``; return a :class:`Timing` (median, min, spread, n).
 
-    On a GPU (when an argument is a CUDA tensor, or the course runs in GPU mode):
+    On a GPU (when an argument is a CUDA tensor, or, with no tensor arguments, the course runs
+    in GPU mode):
 
     1. one call, not timed (compilation, autotuning, first-touch allocations);
     2. ``warmup`` more calls (default: enough to fill ~25 ms);
@@ -224,11 +225,16 @@ def environment_info():
 
 
 def _cuda_device(args, kwargs):
-    """The CUDA device to time on, or None to time on the CPU."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.is_cuda:
+    """The CUDA device to time on, or None to time on the CPU.
+
+    A CUDA tensor among the arguments decides for the GPU, CPU tensors alone for the CPU (a
+    CPU baseline measured on a GPU machine); without tensor arguments the mode decides.
+    """
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    for value in tensors:
+        if value.is_cuda:
             return value.device
-    if runtime.on_gpu() and torch.cuda.is_available():
+    if not tensors and runtime.on_gpu() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return None
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass
 
@@ -34,13 +35,20 @@ def _probe(code: str, cpu: bool = False) -> tuple[bool, str]:
     env = dict(os.environ)
     if cpu:
         env["COURSE_DEVICE"] = "cpu"
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            capture_output=True, text=True, timeout=PROBE_TIMEOUT, env=env,
-        )
-    except subprocess.TimeoutExpired:
-        return False, f"timed out after {PROBE_TIMEOUT} s"
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    # A file, not `python -c`: Triton's @jit reads the source of the functions it compiles.
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "probe.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(textwrap.dedent(code))
+        try:
+            proc = subprocess.run(
+                [sys.executable, script],
+                capture_output=True, text=True, timeout=PROBE_TIMEOUT, env=env,
+            )
+        except subprocess.TimeoutExpired:
+            return False, f"timed out after {PROBE_TIMEOUT} s"
     if proc.returncode == 0:
         return True, proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
