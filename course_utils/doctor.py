@@ -33,6 +33,7 @@ class Row:
 def _probe(code: str, cpu: bool = False) -> tuple[bool, str]:
     """Run ``code`` in a fresh interpreter; it prints one line of detail. Returns (ok, text)."""
     env = dict(os.environ)
+    env.pop("COURSE_DEVICE", None)  # GPU rows probe the GPU even under COURSE_DEVICE=cpu
     if cpu:
         env["COURSE_DEVICE"] = "cpu"
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

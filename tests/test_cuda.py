@@ -19,7 +19,7 @@ from course_utils import runtime
 
 HAS_NVCC = C.nvcc_path() is not None
 HAS_NVRTC = C.nvrtc_available()
-HAS_GPU = torch.cuda.is_available()
+HAS_GPU = runtime.on_gpu()  # False with COURSE_DEVICE=cpu, even on a GPU machine
 # NVRTC 13.0 (seen on an H100 machine) returns no ptxas report when it reuses a result from the
 # CUDA compute cache, i.e. from the second run on; NVRTC 13.5 without a driver always returns it.
 NVRTC_REPORTS_RELIABLY = HAS_NVRTC and C._nvrtc_version() >= C.BUNDLED_HEADERS_MIN_NVRTC
@@ -30,7 +30,7 @@ needs_nvcc = pytest.mark.skipif(
 needs_nvrtc = pytest.mark.skipif(
     not HAS_NVRTC, reason="NVRTC not available (pip install nvidia-cuda-nvrtc cuda-core)"
 )
-needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs GPU mode (no COURSE_DEVICE=cpu)")
 
 # ---------------------------------------------------------------------------------------------
 # Sources
