@@ -58,3 +58,19 @@ def test_exercise_scores_zero_on_not_implemented(path):
     for r in report.results:
         assert r.score == 0, f"{r.id} scored {r.score} on the unsolved exercise"
         assert r.status == "not implemented", f"{r.id} failed for another reason: {r.message}"
+
+
+def test_grade_command_writes_a_table_json_and_csv(tmp_path):
+    import subprocess
+    import sys
+
+    notebook = ROOT / "exercises" / "00_gpu_execution_model.ipynb"
+    proc = subprocess.run(
+        [sys.executable, "-m", "course_utils", "grade", str(notebook), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "00.vector_add" in proc.stdout and "TOTAL" in proc.stdout
+    data = json.loads((tmp_path / "grades.json").read_text())
+    assert data[0]["score"] == 0 and len(data[0]["exercises"]) == 3
+    assert "not implemented" in (tmp_path / "grades.csv").read_text()
