@@ -339,7 +339,7 @@ def score_table(reports: list[NotebookReport]) -> str:
     for rep in reports:
         from pathlib import Path
 
-        name = Path(rep.path).name
+        name = "/".join(Path(rep.path).parts[-2:])  # exercises/00_x.ipynb vs solutions/...
         for r in rep.results:
             why = r.message.splitlines()[0] if r.message else ""
             rows.append((name, r.id, f"{r.score:g}/{r.points}", r.status, why[:70]))
