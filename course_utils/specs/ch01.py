@@ -1,0 +1,478 @@
+"""Chapter 01, attention as classification: graded exercises.
+
+- ``01.naive_attention``: ``naive_attention(Q, K, V, causal=False, scale=None) -> (O, LSE)`` on
+  ``(B, H, N, d)`` float32 tensors, materialising S and P, stable for scores of any size, with a
+  top-left causal mask; ``torch.softmax``, ``log_softmax``, ``logsumexp`` and SDPA are forbidden.
+- ``01.split_merge_heads``: the pair ``(split_heads, merge_heads)``:
+  ``split_heads(X, H)`` maps ``(B, N, H*d)`` to ``(B, H, N, d)`` and ``merge_heads(O)`` maps
+  ``(B, H, N, d)`` back to a contiguous ``(B, N, H*d)``; graded as one candidate.
+- ``01.memory_formula``: ``attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element)``: the bytes
+  of S and P together.
+
+Every case draws fresh random inputs; the attention cases are the course's standard edge cases
+(``checks.attention_cases``) with hints written for a naive, untiled implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import random
+
+import torch
+
+from .. import reference
+from ..checks import (
+    AttentionCase,
+    CheckFailure,
+    assert_unchanged,
+    attention_cases,
+    check_attention,
+    compare,
+    random_qkv,
+    snapshot,
+    tolerance,
+)
+from ..grader import Exercise
+from ..runtime import device
+
+# ----------------------------------------------------------------------------- naive attention
+
+naive_attention = Exercise(
+    "01.naive_attention",
+    "Naive attention: O and LSE, causal, any scale",
+    points=4,
+    forbidden=("scaled_dot_product_attention", "softmax", "log_softmax", "logsumexp"),
+)
+
+HINT_PLAIN = (
+    "S = scale * Q K^T (use K.transpose(-2, -1)), m = S.amax(dim=-1, keepdim=True), "
+    "P = exp(S - m) / l with l = exp(S - m).sum(dim=-1, keepdim=True), O = P V, "
+    "LSE = (m + log(l)) without the last axis."
+)
+HINT_HEADS = (
+    "several batches and heads: every reduction runs over the keys only (dim=-1), and K is "
+    "transposed with K.transpose(-2, -1); K.T or K.t() would reverse or reject all four dims."
+)
+HINT_LENGTHS = (
+    "Nq != Nk: S is Nq x Nk. Take the query length from Q (Q.shape[-2]) and the key length "
+    "from K (K.shape[-2]), and run the softmax over the keys (dim=-1), never over the queries."
+)
+HINT_ONE_KEY = (
+    "a single key: every row has P = [1], so O[i] = V[0] and LSE[i] = S[i, 0]. A reduction "
+    "over the wrong axis, or one that drops a dim (keepdim=False), shows up here."
+)
+HINT_ONE_QUERY = (
+    "a single query: reduce over the keys (dim=-1) with keepdim=True, so that m and l "
+    "broadcast against S of shape (B, H, 1, Nk)."
+)
+HINT_CAUSAL = (
+    "causal: query i sees keys j <= i, the diagonal included. Set S[i, j] = -inf where j > i "
+    "before the max and the exp (torch.ones(Nq, Nk, dtype=torch.bool).tril() is the keep mask); "
+    "a mask of j < i leaves row 0 with no key at all (NaN)."
+)
+HINT_CAUSAL_RECT = (
+    "causal with Nq != Nk is aligned top-left, as SDPA's is_causal: query i sees keys j <= i "
+    "(keep = torch.ones(Nq, Nk, dtype=torch.bool).tril()), not j <= i + Nk - Nq (bottom-right)."
+)
+HINT_SCALE = (
+    "the scale argument is not 1/sqrt(d) in this case: use S = scale * Q K^T with the scale "
+    "passed in, and 1/sqrt(d) only when scale is None."
+)
+HINT_LARGE = (
+    "scores reach about +-150 here and exp overflows float32 above 88.7: subtract the row max "
+    "m = S.amax(dim=-1, keepdim=True) before exp, and return LSE = m + log(l), not "
+    "log(sum(exp(S)))."
+)
+HINT_HUGE = (
+    "scores of about +-10,000: exp of them overflows even float64 (above 709), so upcasting is "
+    "no way out. Only subtracting the row max m first works: exp(S - m) <= 1, LSE = m + log(l)."
+)
+HINT_DEFAULT = (
+    "called as naive_attention(Q, K, V): scale=None means 1/sqrt(d) with d = Q.shape[-1], and "
+    "causal defaults to False."
+)
+
+
+def _hint_for(case: AttentionCase) -> str:
+    """A hint written for a naive (untiled) implementation, chosen by what the case stresses."""
+    if case.causal:
+        return HINT_CAUSAL_RECT if case.Nq != case.Nk else HINT_CAUSAL
+    if case.scale is not None:
+        return HINT_SCALE
+    if case.logit_scale > 1:
+        return HINT_LARGE
+    if case.Nk == 1:
+        return HINT_ONE_KEY
+    if case.Nq == 1:
+        return HINT_ONE_QUERY
+    if case.Nq != case.Nk:
+        return HINT_LENGTHS
+    if case.B * case.H > 1:
+        return HINT_HEADS
+    return HINT_PLAIN
+
+
+def _describe(case: AttentionCase) -> str:
+    """A case name without the tile vocabulary of later chapters."""
+    parts = []
+    if case.logit_scale > 1:
+        parts.append(f"large logits (scores of std {case.logit_scale:g})")
+    if case.causal:
+        parts.append("causal")
+    if case.scale is not None:
+        parts.append(f"scale={case.scale:g} (not 1/sqrt(d)={1 / math.sqrt(case.d):.4g})")
+    if case.B * case.H > 1:
+        parts.append(f"B={case.B}, H={case.H}")
+    parts.append(f"Nq={case.Nq}, Nk={case.Nk}, d={case.d}")
+    if case.Nq == 1 or case.Nk == 1:
+        parts.append("a single query" if case.Nq == 1 else "a single key")
+    elif case.Nq != case.Nk:
+        parts.append("fewer queries than keys" if case.Nq < case.Nk else "more queries than keys")
+    return ", ".join(parts)
+
+
+def _attention_case(case: AttentionCase, scale: str = "default"):
+    def run(fn):
+        check_attention(fn, cases=[case], device=device(), scale=scale, verbose=False)
+
+    return run
+
+
+for _c in attention_cases(sizes="small"):
+    _c = dataclasses.replace(_c, name=_describe(_c), hint=_hint_for(_c))
+    naive_attention.case(_c.name)(_attention_case(_c))
+
+
+@naive_attention.case("fresh random shapes, random scale", hidden=True)
+def _random_shapes(fn):
+    for _ in range(3):
+        B, H = random.randint(1, 3), random.randint(1, 4)
+        Nq, Nk = random.randint(1, 40), random.randint(1, 40)
+        d, causal = random.choice((8, 16, 24, 32)), random.random() < 0.5
+        case = AttentionCase("", B, H, Nq, Nk, d, causal=causal)
+        case = dataclasses.replace(case, name=_describe(case) + " (random)", hint=_hint_for(case))
+        check_attention(fn, cases=[case], device=device(), scale="random", verbose=False)
+
+
+def _fixed(B, H, Nq, Nk, d, causal=False, logit_scale=1.0, hint=None, scale="default"):
+    case = AttentionCase("", B, H, Nq, Nk, d, causal=causal, logit_scale=logit_scale)
+    case = dataclasses.replace(case, name=_describe(case), hint=hint or _hint_for(case))
+    return _attention_case(case, scale)
+
+
+naive_attention.case("length 1: Nq = Nk = 1", hidden=True)(
+    _fixed(2, 2, 1, 1, 16, hint=HINT_ONE_KEY)
+)
+naive_attention.case("causal, length 1", hidden=True)(_fixed(1, 1, 1, 1, 8, causal=True))
+naive_attention.case("Nq != Nk, several heads", hidden=True)(_fixed(2, 2, 5, 29, 16))
+naive_attention.case("causal, Nq > Nk (rows i >= Nk see every key)", hidden=True)(
+    _fixed(1, 2, 29, 7, 16, causal=True)
+)
+naive_attention.case("large logits (scores of std 1e4)", hidden=True)(
+    _fixed(1, 2, 24, 24, 16, logit_scale=1e4, hint=HINT_HUGE)
+)
+naive_attention.case("scale not 1/sqrt(d), causal, several heads", hidden=True)(
+    _fixed(2, 2, 19, 19, 32, causal=True, scale="random", hint=HINT_SCALE)
+)
+
+
+@naive_attention.case("default arguments: naive_attention(Q, K, V)", hidden=True)
+def _default_arguments(fn):
+    case = AttentionCase("naive_attention(Q, K, V), Nq=12, Nk=20, d=16", 1, 2, 12, 20, 16)
+    q, k, v = random_qkv(case, torch.float32, device())
+    O_ref, LSE_ref = reference.attention(q, k, v)
+    snap = snapshot(q, k, v, names=("Q", "K", "V"))
+    result = fn(q, k, v)
+    assert_unchanged(snap, case=case.name)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise CheckFailure(case.name, "expected the pair (O, LSE)", "return O, LSE")
+    max_score = float((q.double() @ k.double().mT).abs().amax()) / math.sqrt(case.d)
+    atol, rtol = tolerance(torch.float32, max_score)
+    compare("O", result[0], O_ref, case=case.name, atol=atol, rtol=rtol, hint=HINT_DEFAULT,
+            dtype=torch.float32)  # fmt: skip
+    compare("LSE", result[1], LSE_ref, case=case.name, atol=atol, rtol=rtol, hint=HINT_DEFAULT)
+
+
+# ----------------------------------------------------------------------------- split / merge heads
+
+split_merge_heads = Exercise(
+    "01.split_merge_heads", "Split and merge attention heads", points=2
+)
+
+HINT_SPLIT_VIEW = (
+    "the head axis comes from the feature axis: head h owns features h*d ... h*d + d - 1 of "
+    "every token. A plain X.view(B, H, N, d) cuts each sequence along the tokens instead (head 0 "
+    "gets the first N/H tokens' features). View X as (B, N, H, d), then move the head axis in "
+    "front of the tokens with .transpose(1, 2)."
+)
+HINT_SPLIT_INTERLEAVED = (
+    "head h owns d consecutive features, h*d ... h*d + d - 1, not every H-th feature: split "
+    "the last axis as (H, d), not (d, H)."
+)
+HINT_SPLIT = "Xh[b, h, n, j] must be X[b, n, h*d + j], with d = X.shape[-1] // H."
+HINT_SPLIT_SHAPE = (
+    "split_heads returns (B, H, N, d) with d = D // H: the head axis goes in front of the "
+    "tokens (a (B, N, H, d) result still needs .transpose(1, 2))."
+)
+HINT_MERGE_VIEW = (
+    "the head axis must go back next to the features before flattening: a plain "
+    ".reshape(B, N, H*d) of a (B, H, N, d) tensor glues tokens of one head together instead of "
+    "the heads of one token. Use .transpose(1, 2) -> (B, N, H, d), then .reshape(B, N, H*d)."
+)
+HINT_MERGE = "O[b, n, h*d + j] must be Oh[b, h, n, j]."
+HINT_MERGE_SHAPE = "merge_heads returns (B, N, H*d) for an input of shape (B, H, N, d)."
+HINT_CONTIGUOUS = (
+    "the merged tensor feeds a matmul with W_O and is often .view()ed: it must be contiguous. "
+    "transpose only swaps strides; .reshape copies when it must, or call .contiguous()."
+)
+HINT_VIEW_ERROR = (
+    ".view needs the data already in the right order, and a transposed tensor is not: use "
+    ".reshape (which copies when it must) or .contiguous().view(...)."
+)
+HINT_PAIR = (
+    "pass both functions as one candidate: grader.check('01.split_merge_heads', "
+    "(split_heads, merge_heads))"
+)
+
+
+def _pair(candidate, case):
+    ok = isinstance(candidate, (tuple, list)) and len(candidate) == 2
+    if not ok or not all(callable(f) for f in candidate):
+        raise CheckFailure(case, f"got {type(candidate).__name__}, not a pair of functions",
+                           HINT_PAIR)  # fmt: skip
+    return candidate
+
+
+def _index_grids(B, H, N, d, dev):
+    """Index tensors b, h, n, j of shapes (B,1,1,1), (1,H,1,1), (1,1,N,1), (1,1,1,d)."""
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.arange(H, device=dev).view(1, H, 1, 1)
+    n = torch.arange(N, device=dev).view(1, 1, N, 1)
+    j = torch.arange(d, device=dev).view(1, 1, 1, d)
+    return b, h, n, j
+
+
+def split_by_index(X, H):
+    """Xh[b, h, n, j] = X[b, n, h*d + j], written as the index formula itself."""
+    B, N, D = X.shape
+    d = D // H
+    b, h, n, j = _index_grids(B, H, N, d, X.device)
+    return X[b, n, h * d + j]
+
+
+def merge_by_index(Oh):
+    """O[b, n, h*d + j] = Oh[b, h, n, j], written as the index formula itself."""
+    B, H, N, d = Oh.shape
+    b, h, n, j = _index_grids(B, H, N, d, Oh.device)
+    O = torch.full((B, N, H * d), math.nan, dtype=Oh.dtype, device=Oh.device)
+    O[b, n, h * d + j] = Oh
+    return O
+
+
+def _call_shaping(fn, arg, *extra, case):
+    """Call split_heads or merge_heads, turning a failed .view into advice."""
+    try:
+        return fn(arg, *extra)
+    except RuntimeError as exc:
+        if isinstance(exc, NotImplementedError) or "view" not in str(exc):
+            raise
+        raise CheckFailure(case, f"{getattr(fn, '__name__', 'the function')} raised: {exc}",
+                           HINT_VIEW_ERROR) from None  # fmt: skip
+
+
+def _check_split(split_heads, B, N, H, d, case):
+    X = torch.randn(B, N, H * d, device=device())
+    snap = snapshot(X, names=("X",))
+    Xh = _call_shaping(split_heads, X, H, case=case)
+    assert_unchanged(snap, case=case)
+    if not isinstance(Xh, torch.Tensor):
+        raise CheckFailure(case, f"split_heads returned {type(Xh).__name__}, not a tensor",
+                           HINT_SPLIT_SHAPE)  # fmt: skip
+    if Xh.shape != (B, H, N, d):
+        detail = (f"split_heads(X, H={H}) of X {tuple(X.shape)} has shape {tuple(Xh.shape)}, "
+                  f"expected {(B, H, N, d)}")
+        raise CheckFailure(case, detail, HINT_SPLIT_SHAPE)
+    hint = HINT_SPLIT
+    if torch.equal(Xh, X.reshape(B, H, N, d)):
+        hint = HINT_SPLIT_VIEW
+    elif torch.equal(Xh, X.reshape(B, N, d, H).permute(0, 3, 1, 2)):
+        hint = HINT_SPLIT_INTERLEAVED
+    compare("split_heads(X)", Xh, split_by_index(X, H), case=case, atol=0, rtol=0, hint=hint)
+    return X, Xh
+
+
+def _check_merge(merge_heads, Oh, case):
+    B, H, N, d = Oh.shape
+    snap = snapshot(Oh, names=("Oh",))
+    O = _call_shaping(merge_heads, Oh, case=case)
+    assert_unchanged(snap, case=case)
+    if not isinstance(O, torch.Tensor):
+        raise CheckFailure(case, f"merge_heads returned {type(O).__name__}, not a tensor",
+                           HINT_MERGE_SHAPE)  # fmt: skip
+    if O.shape != (B, N, H * d):
+        detail = (f"merge_heads of a {tuple(Oh.shape)} tensor has shape {tuple(O.shape)}, "
+                  f"expected {(B, N, H * d)}")
+        raise CheckFailure(case, detail, HINT_MERGE_SHAPE)
+    hint = HINT_MERGE_VIEW if torch.equal(O, Oh.reshape(B, N, H * d)) else HINT_MERGE
+    compare("merge_heads(Oh)", O, merge_by_index(Oh), case=case, atol=0, rtol=0, hint=hint)
+    if not O.is_contiguous():
+        raise CheckFailure(case, f"merge_heads returned a non-contiguous tensor (strides "
+                           f"{O.stride()})", HINT_CONTIGUOUS)  # fmt: skip
+    return O
+
+
+def _split_case(B, N, H, d):
+    def run(candidate):
+        case = f"split_heads: B={B}, N={N}, H={H}, d={d}"
+        split_heads, _ = _pair(candidate, case)
+        _check_split(split_heads, B, N, H, d, case)
+
+    return run
+
+
+def _merge_case(B, H, N, d):
+    def run(candidate):
+        case = f"merge_heads: B={B}, H={H}, N={N}, d={d}"
+        _, merge_heads = _pair(candidate, case)
+        _check_merge(merge_heads, torch.randn(B, H, N, d, device=device()), case)
+
+    return run
+
+
+def _round_trip_case(B, N, H, d):
+    def run(candidate):
+        case = f"round trip: B={B}, N={N}, H={H}, d={d}"
+        split_heads, merge_heads = _pair(candidate, case)
+        X, Xh = _check_split(split_heads, B, N, H, d, case)
+        back = _check_merge(merge_heads, Xh, case)  # Xh may be a non-contiguous view
+        compare("merge_heads(split_heads(X))", back, X, case=case, atol=0, rtol=0,
+                hint="merging must undo splitting exactly")  # fmt: skip
+        back.view(B, N * H * d)  # contiguous, so a flat view works
+        Oh = torch.randn(B, H, N, d, device=device())
+        again = _call_shaping(split_heads, _check_merge(merge_heads, Oh, case), H, case=case)
+        compare("split_heads(merge_heads(Oh))", again, Oh, case=case, atol=0, rtol=0,
+                hint="splitting must undo merging exactly")  # fmt: skip
+
+    return run
+
+
+split_merge_heads.case("split_heads: Xh[b, h, n, j] == X[b, n, h*d + j]")(_split_case(2, 5, 3, 4))
+split_merge_heads.case("merge_heads: O[b, n, h*d + j] == Oh[b, h, n, j], contiguous")(
+    _merge_case(2, 3, 5, 4)
+)
+split_merge_heads.case("round trip both ways")(_round_trip_case(2, 6, 4, 8))
+split_merge_heads.case("one head (H = 1)", hidden=True)(_round_trip_case(2, 7, 1, 8))
+split_merge_heads.case("many small heads (H = 8, d = 2)", hidden=True)(_round_trip_case(1, 5, 8, 2))
+split_merge_heads.case("one token (N = 1), B = 1", hidden=True)(_round_trip_case(1, 1, 4, 3))
+
+
+@split_merge_heads.case("fresh random shapes", hidden=True)
+def _random_heads(candidate):
+    # d >= 2: with d = 1, torch's .reshape of the transposed O can return a non-contiguous view
+    # (a size-1 axis has no stride constraint), failing a sound answer on a shape no model uses.
+    for _ in range(3):
+        B, N, H, d = (random.randint(1, 4), random.randint(2, 17), random.randint(2, 8),
+                      random.choice((2, 8, 16)))  # fmt: skip
+        _round_trip_case(B, N, H, d)(candidate)
+
+
+# ----------------------------------------------------------------------------- memory formula
+
+memory_formula = Exercise(
+    "01.memory_formula", "Bytes of S and P in naive attention", points=2
+)
+
+HINT_FORMULA = "bytes = 2 * B * H * Nq * Nk * bytes_per_element (S and P, each B*H*Nq*Nk elements)"
+BYTES_PER_ELEMENT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def expected_bytes(B, H, Nq, Nk, bytes_per_element):
+    """S and P together: two (B, H, Nq, Nk) tensors of ``bytes_per_element`` bytes each."""
+    return 2 * B * H * Nq * Nk * bytes_per_element
+
+
+def _as_number(x, case):
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    if x is None:
+        raise CheckFailure(case, "the function returned None", "did you forget `return`?")
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise CheckFailure(case, f"the function returned a {type(x).__name__}, not a number",
+                           HINT_FORMULA)  # fmt: skip
+    return x
+
+
+def _memory_hint(fn, got, B, H, Nq, Nk, bpe):
+    """The likely mistake behind a wrong byte count."""
+    want = expected_bytes(B, H, Nq, Nk, bpe)
+    same = lambda x, y: math.isclose(x, y, rel_tol=1e-9)  # noqa: E731
+
+    def again(*args):  # the candidate on other arguments; None if that fails
+        try:
+            return _as_number(fn(*args), "")
+        except Exception:  # the hint is a guess: a second call that fails changes nothing
+            return None
+
+    other = again(B, H, Nq, Nk, 2 * bpe)
+    if other is not None and same(other, got):
+        return "the count does not change with bytes_per_element: multiply by it."
+    if same(got * 2, want):
+        return ("half the expected count: only S or only P was counted. The naive code holds "
+                "both at once (P = softmax(S) is a new tensor while S is still alive).")
+    if same(got, 2 * want):
+        return "twice the expected count: S and P are one matrix each, counted once each."
+    for unit, name in ((2**30, "GiB"), (1e9, "GB"), (2**20, "MiB"), (1e6, "MB")):
+        if same(got * unit, want):
+            return f"return bytes, not {name}."
+    if same(got * bpe, want):
+        return "that counts elements: multiply by bytes_per_element."
+    if Nq != Nk and (same(got, expected_bytes(B, H, Nq, Nq, bpe))
+                     or same(got, expected_bytes(B, H, Nk, Nk, bpe))):  # fmt: skip
+        return "S and P are Nq x Nk (one row per query, one column per key), not square."
+    doubled = again(B, H, 2 * Nq, 2 * Nk, bpe)
+    if doubled is not None and same(doubled, 2 * got):
+        return ("doubling Nq and Nk only doubled your count: S and P grow like Nq * Nk, not "
+                "like N * d (that is the size of Q, K, V and O, which are not counted).")
+    for missing in (B, H, B * H):
+        if missing > 1 and same(got * missing, want):
+            return "every (batch, head) pair has its own S and P: multiply by B and by H."
+    return HINT_FORMULA
+
+
+def _memory_case(B, H, Nq, Nk, dtype_name):
+    def run(fn):
+        bpe = BYTES_PER_ELEMENT[dtype_name]
+        case = f"B={B}, H={H}, Nq={Nq}, Nk={Nk}, {dtype_name} ({bpe} bytes)"
+        got = _as_number(fn(B, H, Nq, Nk, bpe), case)
+        want = expected_bytes(B, H, Nq, Nk, bpe)
+        if not math.isclose(got, want, rel_tol=1e-9):
+            detail = f"got {got:,} bytes, expected {want:,} ({want / 2**30:.4g} GiB)"
+            raise CheckFailure(case, detail, _memory_hint(fn, got, B, H, Nq, Nk, bpe))
+
+    return run
+
+
+memory_formula.case("B=1, H=16, N=1024, float32")(_memory_case(1, 16, 1024, 1024, "float32"))
+memory_formula.case("B=1, H=16, N=128k, bfloat16")(
+    _memory_case(1, 16, 131072, 131072, "bfloat16")
+)
+memory_formula.case("Nq != Nk: B=3, H=8, Nq=4096, Nk=1024, float32")(
+    _memory_case(3, 8, 4096, 1024, "float32")
+)
+memory_formula.case("one element: B=H=Nq=Nk=1", hidden=True)(_memory_case(1, 1, 1, 1, "float32"))
+memory_formula.case("N=128k, float32", hidden=True)(_memory_case(1, 16, 131072, 131072, "float32"))
+memory_formula.case("float16, Nq < Nk", hidden=True)(_memory_case(4, 32, 512, 8192, "float16"))
+memory_formula.case("float64", hidden=True)(_memory_case(3, 12, 2048, 2048, "float64"))
+
+
+@memory_formula.case("fresh random shapes", hidden=True)
+def _random_memory(fn):
+    for _ in range(5):
+        shape = [random.randint(1, 8), random.randint(1, 64)]
+        shape += [random.randint(1, 200_000), random.randint(1, 200_000)]
+        _memory_case(*shape, random.choice(list(BYTES_PER_ELEMENT)))(fn)
+
+
+__all__ = ["naive_attention", "split_merge_heads", "memory_formula"]
