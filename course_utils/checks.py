@@ -327,7 +327,7 @@ def assert_unchanged(snap, *, case=""):
             idx = _first_index(changed)
             raise CheckFailure(
                 case,
-                f"the kernel wrote into its input {name}: {int(changed.sum())} of "
+                f"your code wrote into its input {name}: {int(changed.sum())} of "
                 f"{changed.numel()} elements changed, at {_where(changed)} (first at "
                 f"{_index_str(idx)}: was {_fmt(copy[idx].item())}, now {_fmt(now[idx].item())})",
                 _MUTATION_HINT,
