@@ -111,6 +111,9 @@ class Result:
     def ok(self) -> bool:
         return self.status == "passed"
 
+    def _ipython_display_(self) -> None:
+        """Show nothing: ``check`` has already printed the verdict above the cell's result."""
+
 
 _results: list[Result] = []
 
@@ -170,12 +173,12 @@ def grading() -> bool:
     return os.environ.get(GRADING_ENV) == "1"
 
 
-def check(exercise_id: str, candidate) -> None:
+def check(exercise_id: str, candidate) -> Result:
     """Run an exercise's cases on ``candidate`` (a function or kernel) and print the verdict.
 
     Prints ✅ and one line when every case passes; otherwise ❌, the first failing case with its
     worst element and a hint, and the names of the other failing cases. The score is the
-    exercise's points times the fraction of cases passed.
+    exercise's points times the fraction of cases passed. Returns the recorded ``Result``.
     """
     from .specs import get
 
@@ -218,6 +221,7 @@ def check(exercise_id: str, candidate) -> None:
     _record(result)
     if failures and os.environ.get(RAISE_ENV) == "1":
         raise AssertionError(f"{ex.id} failed ({status}): {message}")
+    return result
 
 
 # ----------------------------------------------------------------------------- notebooks

@@ -6,17 +6,7 @@ from numba import cuda
 from course_utils import grader
 from course_utils.specs import ch00
 
-
-@pytest.fixture(autouse=True)
-def hidden_cases_too(monkeypatch):
-    monkeypatch.setenv(grader.GRADING_ENV, "1")
-    monkeypatch.delenv(grader.RAISE_ENV, raising=False)
-    monkeypatch.delenv(grader.RESULTS_ENV, raising=False)
-
-
-def verdict(exercise_id, candidate):
-    grader.check(exercise_id, candidate)
-    return grader.results()[-1]
+pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
 
 @cuda.jit
@@ -40,16 +30,16 @@ def add_assumes_128_threads(x, y, out, n):
 
 
 def test_vector_add_passes_when_right():
-    assert verdict("00.vector_add", add_guarded).status == "passed"
+    assert grader.check("00.vector_add", add_guarded).status == "passed"
 
 
 def test_vector_add_missing_guard_is_named():
-    r = verdict("00.vector_add", add_unguarded)
+    r = grader.check("00.vector_add", add_unguarded)
     assert r.status == "failed" and "if i < n" in r.message
 
 
 def test_vector_add_hard_coded_block_size_fails_a_hidden_case():
-    r = verdict("00.vector_add", add_assumes_128_threads)
+    r = grader.check("00.vector_add", add_assumes_128_threads)
     assert r.status == "failed" and r.passed < r.total and "32 threads" in r.message
 
 
@@ -70,19 +60,19 @@ def matrix_add_swapped(A, B, C):
 
 
 def test_matrix_add():
-    assert verdict("00.matrix_add", matrix_add_right).status == "passed"
-    r = verdict("00.matrix_add", matrix_add_swapped)
+    assert grader.check("00.matrix_add", matrix_add_right).status == "passed"
+    r = grader.check("00.matrix_add", matrix_add_swapped)
     assert r.status == "failed" and "x runs along columns" in r.message
     assert "NaN" in r.message  # the unwritten elements show
 
 
 def test_elements_touched():
     right = lambda b, t, bd, gd, n: list(range(b * bd + t, n, bd * gd))
-    assert verdict("00.elements_touched", right).status == "passed"
+    assert grader.check("00.elements_touched", right).status == "passed"
     block_stride = lambda b, t, bd, gd, n: list(range(b * bd + t, n, bd))
-    r = verdict("00.elements_touched", block_stride)
+    r = grader.check("00.elements_touched", block_stride)
     assert r.status == "failed" and "gridDim.x * blockDim.x" in r.message
-    assert verdict("00.elements_touched", lambda *a: 5).status == "failed"
+    assert grader.check("00.elements_touched", lambda *a: 5).status == "failed"
 
 
 def test_stub_kernel_is_not_implemented_even_on_a_gpu():
@@ -90,5 +80,5 @@ def test_stub_kernel_is_not_implemented_even_on_a_gpu():
     def stub(x, y, out, n):
         raise NotImplementedError("replace this line with your code")
 
-    assert verdict("00.vector_add", stub).status == "not implemented"
+    assert grader.check("00.vector_add", stub).status == "not implemented"
     assert ch00.vector_add.points == 3

@@ -8,17 +8,7 @@ import torch
 from course_utils import grader
 from course_utils.specs import ch01
 
-
-@pytest.fixture(autouse=True)
-def hidden_cases_too(monkeypatch):
-    monkeypatch.setenv(grader.GRADING_ENV, "1")
-    monkeypatch.delenv(grader.RAISE_ENV, raising=False)
-    monkeypatch.delenv(grader.RESULTS_ENV, raising=False)
-
-
-def verdict(exercise_id, candidate):
-    grader.check(exercise_id, candidate)
-    return grader.results()[-1]
+pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
 
 # ----------------------------------------------------------------------------- naive attention
@@ -58,7 +48,7 @@ def make_attention(*, subtract_max=True, upcast=False, mask="top-left", own_scal
 
 
 def test_naive_attention_right_answer_passes_every_case():
-    r = verdict("01.naive_attention", make_attention())
+    r = grader.check("01.naive_attention", make_attention())
     assert r.status == "passed" and r.hidden_run and r.total == len(ch01.naive_attention.cases)
     assert ch01.naive_attention.points == 4
 
@@ -68,18 +58,18 @@ def test_naive_attention_library_softmax_is_forbidden():
         P = torch.softmax(scale * Q @ K.transpose(-2, -1), dim=-1)
         return P @ V, torch.zeros(Q.shape[:-1])
 
-    r = verdict("01.naive_attention", with_softmax)
+    r = grader.check("01.naive_attention", with_softmax)
     assert r.status == "forbidden" and "softmax" in r.message
 
 
 def test_naive_attention_without_the_max_overflows_in_large_logits():
-    r = verdict("01.naive_attention", make_attention(subtract_max=False))
+    r = grader.check("01.naive_attention", make_attention(subtract_max=False))
     assert r.status == "failed" and "large logits (scores of std 50)" in r.message
     assert "subtract the row max" in r.message
 
 
 def test_naive_attention_upcasting_instead_of_the_max_fails_the_hidden_1e4_case():
-    r = verdict("01.naive_attention", make_attention(subtract_max=False, upcast=True))
+    r = grader.check("01.naive_attention", make_attention(subtract_max=False, upcast=True))
     assert r.status == "failed" and r.passed == r.total - 1
     assert "scores of std 10000" in r.message and "overflows even float64" in r.message
 
@@ -92,23 +82,23 @@ def test_naive_attention_upcasting_instead_of_the_max_fails_the_hidden_1e4_case(
     ],
 )
 def test_naive_attention_wrong_causal_masks(mask, case_part, hint_part):
-    r = verdict("01.naive_attention", make_attention(mask=mask))
+    r = grader.check("01.naive_attention", make_attention(mask=mask))
     assert r.status == "failed" and case_part in r.message and hint_part in r.message
 
 
 def test_naive_attention_hard_coded_scale():
-    r = verdict("01.naive_attention", make_attention(own_scale=False))
+    r = grader.check("01.naive_attention", make_attention(own_scale=False))
     assert r.status == "failed" and "scale=0.375" in r.message
     assert "scale passed in" in r.message
 
 
 def test_naive_attention_lse_without_the_max():
-    r = verdict("01.naive_attention", make_attention(lse="log(l)"))
+    r = grader.check("01.naive_attention", make_attention(lse="log(l)"))
     assert r.status == "failed" and "LSE" in r.message and "m + log(l)" in r.message
 
 
 def test_naive_attention_output_in_the_wrong_dtype():
-    r = verdict("01.naive_attention", make_attention(out_dtype=torch.float64))
+    r = grader.check("01.naive_attention", make_attention(out_dtype=torch.float64))
     assert r.status == "failed" and "dtype" in r.message
 
 
@@ -118,7 +108,7 @@ def test_naive_attention_ignoring_scale_none_fails_only_the_default_case():
     def needs_a_scale(Q, K, V, causal=False, scale=None):
         return right(Q, K, V, causal=causal, scale=float(scale))  # float(None) raises
 
-    r = verdict("01.naive_attention", needs_a_scale)
+    r = grader.check("01.naive_attention", needs_a_scale)
     assert r.passed == r.total - 1 and "default arguments" in r.message
 
 
@@ -126,7 +116,7 @@ def test_naive_attention_stub_is_not_implemented():
     def stub(Q, K, V, causal=False, scale=None):
         raise NotImplementedError("replace this line with your code")
 
-    assert verdict("01.naive_attention", stub).status == "not implemented"
+    assert grader.check("01.naive_attention", stub).status == "not implemented"
 
 
 # ----------------------------------------------------------------------------- split / merge
@@ -143,42 +133,42 @@ def merge_right(O):
 
 
 def test_split_merge_right_answers_pass():
-    assert verdict("01.split_merge_heads", (split_right, merge_right)).status == "passed"
+    assert grader.check("01.split_merge_heads", (split_right, merge_right)).status == "passed"
     other = (lambda X, H: X.unflatten(-1, (H, -1)).permute(0, 2, 1, 3),
              lambda O: O.permute(0, 2, 1, 3).contiguous().flatten(2))  # fmt: skip
-    r = verdict("01.split_merge_heads", other)
+    r = grader.check("01.split_merge_heads", other)
     assert r.status == "passed" and r.total == len(ch01.split_merge_heads.cases)
 
 
 def test_split_with_a_plain_view_names_the_head_axis():
     plain_view = lambda X, H: X.view(X.shape[0], H, X.shape[1], -1)
-    r = verdict("01.split_merge_heads", (plain_view, merge_right))
+    r = grader.check("01.split_merge_heads", (plain_view, merge_right))
     assert r.status == "failed" and "split_heads: B=2" in r.message
     assert "head axis comes from the feature axis" in r.message and "transpose(1, 2)" in r.message
 
 
 def test_split_interleaved_features():
     interleaved = lambda X, H: X.view(X.shape[0], X.shape[1], -1, H).permute(0, 3, 1, 2)
-    r = verdict("01.split_merge_heads", (interleaved, merge_right))
+    r = grader.check("01.split_merge_heads", (interleaved, merge_right))
     assert r.status == "failed" and "not every H-th feature" in r.message
 
 
 def test_split_forgetting_the_transpose_is_a_shape_error():
     no_transpose = lambda X, H: X.view(X.shape[0], X.shape[1], H, -1)
-    r = verdict("01.split_merge_heads", (no_transpose, merge_right))
+    r = grader.check("01.split_merge_heads", (no_transpose, merge_right))
     assert r.status == "failed" and "(B, H, N, d)" in r.message
 
 
 def test_merge_with_a_plain_reshape_names_the_head_axis():
     plain = lambda O: O.reshape(O.shape[0], O.shape[2], -1)
-    r = verdict("01.split_merge_heads", (split_right, plain))
+    r = grader.check("01.split_merge_heads", (split_right, plain))
     assert r.status == "failed" and "merge_heads: B=2" in r.message
     assert "head axis must go back" in r.message
 
 
 def test_merge_with_view_after_transpose_gets_advice_not_a_crash():
     view = lambda O: O.transpose(1, 2).view(O.shape[0], O.shape[2], -1)
-    r = verdict("01.split_merge_heads", (split_right, view))
+    r = grader.check("01.split_merge_heads", (split_right, view))
     assert r.status == "failed" and ".reshape" in r.message
 
 
@@ -189,25 +179,25 @@ def test_merge_must_be_contiguous():
         out.copy_(merge_right(O))
         return out
 
-    r = verdict("01.split_merge_heads", (split_right, strided))
+    r = grader.check("01.split_merge_heads", (split_right, strided))
     assert r.status == "failed" and "non-contiguous" in r.message and "contiguous()" in r.message
 
 
 def test_split_merge_needs_a_pair_and_stubs_are_not_implemented():
-    r = verdict("01.split_merge_heads", split_right)
+    r = grader.check("01.split_merge_heads", split_right)
     assert r.status == "failed" and "(split_heads, merge_heads)" in r.message
 
     def stub(X, H):
         raise NotImplementedError("replace this line with your code")
 
-    assert verdict("01.split_merge_heads", (stub, stub)).status == "not implemented"
+    assert grader.check("01.split_merge_heads", (stub, stub)).status == "not implemented"
 
 
 # ----------------------------------------------------------------------------- memory formula
 
 
 def test_memory_formula_right_answer_passes():
-    r = verdict("01.memory_formula", lambda B, H, Nq, Nk, b: 2 * B * H * Nq * Nk * b)
+    r = grader.check("01.memory_formula", lambda B, H, Nq, Nk, b: 2 * B * H * Nq * Nk * b)
     assert r.status == "passed" and r.total == len(ch01.memory_formula.cases)
     assert ch01.memory_formula.points == 2
 
@@ -226,7 +216,7 @@ def test_memory_formula_right_answer_passes():
     ],
 )
 def test_memory_formula_mistakes_get_their_hint(wrong, hint_part):
-    r = verdict("01.memory_formula", wrong)
+    r = grader.check("01.memory_formula", wrong)
     assert r.status == "failed" and hint_part in r.message
 
 
@@ -234,7 +224,7 @@ def test_memory_formula_stub_is_not_implemented():
     def stub(B, H, Nq, Nk, bytes_per_element):
         raise NotImplementedError("replace this line with your code")
 
-    assert verdict("01.memory_formula", stub).status == "not implemented"
+    assert grader.check("01.memory_formula", stub).status == "not implemented"
 
 
 def test_reference_index_formulas_agree_with_torch():

@@ -12,17 +12,7 @@ from course_utils.checks import CheckFailure
 from course_utils.specs import ch02
 from course_utils.specs.ch02 import THREADS
 
-
-@pytest.fixture(autouse=True)
-def hidden_cases_too(monkeypatch):
-    monkeypatch.setenv(grader.GRADING_ENV, "1")
-    monkeypatch.delenv(grader.RAISE_ENV, raising=False)
-    monkeypatch.delenv(grader.RESULTS_ENV, raising=False)
-
-
-def verdict(exercise_id, candidate):
-    grader.check(exercise_id, candidate)
-    return grader.results()[-1]
+pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
 
 def failure(exercise, case_name, candidate):
@@ -48,7 +38,7 @@ def stable_softmax(x):
 
 
 def test_stable_softmax_passes_when_right():
-    assert verdict("02.stable_softmax", stable_softmax).status == "passed"
+    assert grader.check("02.stable_softmax", stable_softmax).status == "passed"
 
 
 def test_stable_softmax_without_the_max_overflows():
@@ -59,7 +49,7 @@ def test_stable_softmax_without_the_max_overflows():
 
 def test_stable_softmax_with_one_max_for_the_whole_tensor_underflows():
     global_max = lambda x: torch.exp(x - x.max()) / torch.exp(x - x.max()).sum(-1, keepdim=True)
-    assert verdict("02.stable_softmax", global_max).status == "failed"
+    assert grader.check("02.stable_softmax", global_max).status == "failed"
     f = failure(ch02.stable_softmax, "logits of magnitude 1e4, 5 x 40", global_max)
     assert "0 / 0" in f.hint
 
@@ -84,7 +74,7 @@ def test_stable_softmax_in_place_and_forbidden_and_dtype():
 
     assert "wrote into its input x" in failure(
         ch02.stable_softmax, "random logits, 6 x 37", in_place).detail  # fmt: skip
-    r = verdict("02.stable_softmax", lambda x: torch.softmax(x, dim=-1))
+    r = grader.check("02.stable_softmax", lambda x: torch.softmax(x, dim=-1))
     assert r.status == "forbidden"
     f = failure(ch02.stable_softmax, "random logits, 6 x 37", lambda x: stable_softmax(x.double()))
     assert "dtype" in f.detail
@@ -112,7 +102,7 @@ def online_softmax(x, block, rescale=True, safe_max=True, last_block=True):
 
 
 def test_online_softmax_passes_when_right():
-    assert verdict("02.online_softmax", online_softmax).status == "passed"
+    assert grader.check("02.online_softmax", online_softmax).status == "passed"
 
 
 def test_online_softmax_missing_rescale():
@@ -126,7 +116,7 @@ def test_online_softmax_minus_inf_minus_minus_inf():
     name = "-inf entries, first blocks of some rows fully masked, block = 8"
     f = failure(ch02.online_softmax, name, unsafe)
     assert "NaN" in f.detail and "safe max" in f.hint
-    assert verdict("02.online_softmax", unsafe).passed == len(ch02.online_softmax.cases) - 1
+    assert grader.check("02.online_softmax", unsafe).passed == len(ch02.online_softmax.cases) - 1
 
 
 def test_online_softmax_forgets_the_partial_block():
@@ -137,7 +127,7 @@ def test_online_softmax_forgets_the_partial_block():
 
 
 def test_online_softmax_may_not_call_softmax():
-    assert verdict("02.online_softmax", lambda x, b: x.softmax(-1)).status == "forbidden"
+    assert grader.check("02.online_softmax", lambda x, b: x.softmax(-1)).status == "forbidden"
 
 
 # ----------------------------------------------------------------------------- merge states
@@ -153,7 +143,7 @@ def merge(a, b, rescale_b=True, safe_max=True):
 
 
 def test_merge_passes_when_right():
-    assert verdict("02.merge_states", merge).status == "passed"
+    assert grader.check("02.merge_states", merge).status == "passed"
 
 
 def test_merge_randomly_matches_the_whole_set():
@@ -204,7 +194,7 @@ def attention_row(q, K, V, Bc, scale, subtract_max=True, log=torch.log):
 
 
 def test_attention_row_passes_when_right():
-    assert verdict("02.online_attention_row", attention_row).status == "passed"
+    assert grader.check("02.online_attention_row", attention_row).status == "passed"
 
 
 def test_attention_row_without_the_running_max_overflows():
@@ -322,7 +312,7 @@ def softmax_reads_past_the_row(x, out):  # reads x[row, t] before checking t < N
 
 
 def test_kernel_passes_when_right():
-    assert verdict("02.softmax_kernel", softmax_online).status == "passed"
+    assert grader.check("02.softmax_kernel", softmax_online).status == "passed"
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator warns about the NaN
@@ -349,6 +339,6 @@ def test_stub_kernel_is_not_implemented():
     def stub(x, out):
         raise NotImplementedError("replace this line with your code")
 
-    assert verdict("02.softmax_kernel", stub).status == "not implemented"
+    assert grader.check("02.softmax_kernel", stub).status == "not implemented"
     assert [e.points for e in (ch02.stable_softmax, ch02.online_softmax, ch02.merge_states,
                                ch02.online_attention_row, ch02.softmax_kernel)] == [2, 3, 3, 3, 4]
