@@ -41,7 +41,9 @@ __all__ = [
     "attention_cases",
     "check_against_sdpa",
     "check_attention",
+    "check_guard",
     "compare",
+    "guarded",
     "poison_like",
     "poisoned",
     "random_qkv",
@@ -142,6 +144,38 @@ def poisoned(shape, dtype=torch.float32, device=None):
 def poison_like(t):
     """A poisoned tensor (NaN, or the integer maximum) with the shape, dtype and device of ``t``."""
     return poisoned(t.shape, t.dtype, t.device)
+
+
+GUARD_VALUE = 12345.0  # what fills the guard region behind a guarded output
+
+
+def guarded(shape, dtype=torch.float32, device=None, guard=None):
+    """``(out, buffer)``: a poisoned output followed in memory by a guard region.
+
+    ``out`` is a NaN-filled view of the start of ``buffer``; the ``guard`` elements after it
+    (default: as many as ``out`` has, at least 1024) hold ``GUARD_VALUE``. The simulator
+    catches a thread that writes past the end of an array; a GPU does not (the write lands in
+    whatever memory follows, or kills the CUDA context). The guard region gives that memory an
+    owner, so :func:`check_guard` can report the write instead of a later crash.
+    """
+    numel = math.prod(shape)
+    guard = max(numel, 1024) if guard is None else guard
+    device = runtime.device() if device is None else torch.device(device)
+    buffer = torch.full((numel + guard,), GUARD_VALUE, dtype=dtype, device=device)
+    buffer[:numel] = math.nan
+    return buffer[:numel].view(tuple(shape)), buffer
+
+
+def check_guard(buffer, numel, *, name, case, hint=""):
+    """Raise :class:`CheckFailure` if anything in ``buffer`` past ``numel`` was written."""
+    written = (buffer[numel:] != GUARD_VALUE).nonzero().flatten()
+    if len(written):
+        raise CheckFailure(
+            case,
+            f"a thread wrote out of bounds: {len(written)} element(s) past the end of {name} "
+            f"were written (the first at {name}'s last element + {int(written[0]) + 1})",
+            hint,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

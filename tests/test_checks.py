@@ -374,3 +374,17 @@ def test_tiled_candidate_and_bugs_on_cuda():
     assert "input_precision='ieee'" in info.value.hint
     rows = checks.check_against_sdpa(flash_with(Br=64, Bc=64), cases=cases, device="cuda")
     assert all(r["ok"] for r in rows)
+
+
+def test_guarded_output_reports_a_write_past_its_end():
+    out, buffer = checks.guarded((3, 4))
+    assert out.shape == (3, 4) and torch.isnan(out).all()
+    assert out.data_ptr() == buffer.data_ptr() and buffer.numel() == 12 + 1024
+    out.fill_(1.0)
+    checks.check_guard(buffer, 12, name="C", case="fine")  # nothing past the end: no error
+    buffer[12 + 5] = 0.0  # what an unguarded thread with a linear index of 17 does on a GPU
+    with pytest.raises(CheckFailure) as info:
+        checks.check_guard(buffer, 12, name="C", case="3 x 4", hint="guard the store")
+    message = str(info.value)
+    assert "out of bounds" in message and "1 element(s) past the end of C" in message
+    assert "last element + 6" in message and "guard the store" in message

@@ -175,7 +175,7 @@ def test_merge_with_view_after_transpose_gets_advice_not_a_crash():
 def test_merge_must_be_contiguous():
     def strided(O):  # the right values in a column-major buffer
         B, H, N, d = O.shape
-        out = torch.empty(B, H * d, N).transpose(1, 2)
+        out = torch.empty(B, H * d, N, device=O.device).transpose(1, 2)
         out.copy_(merge_right(O))
         return out
 

@@ -16,38 +16,15 @@ import math
 import torch
 from numba import cuda  # specs are imported after course_utils.setup() has chosen the mode
 
-from ..checks import CheckFailure, compare
+from ..checks import CheckFailure, check_guard, compare, guarded
 from ..grader import Exercise
 from ..runtime import device, kernel_array, pick, synchronize
 from . import require_implemented
-
-SENTINEL = 12345.0  # value of the guard region behind every output
-GUARD = 64  # elements of guard region
 
 MISSING_GUARD_HINT = (
     "launches come in whole blocks, so the last block has threads with i >= n: "
     "guard the access with `if i < n:`"
 )
-
-
-def _guarded_output(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, buffer): ``out`` is NaN-filled, followed in memory by GUARD sentinel values."""
-    numel = math.prod(shape)
-    buffer = torch.full((numel + GUARD,), SENTINEL, dtype=torch.float32, device=device())
-    buffer[:numel] = float("nan")
-    return buffer[:numel].view(shape), buffer
-
-
-def _check_guard(buffer: torch.Tensor, numel: int, case: str, hint: str) -> None:
-    guard = buffer[numel:]
-    written = (guard != SENTINEL).nonzero().flatten()
-    if len(written):
-        raise CheckFailure(
-            case,
-            f"{len(written)} element(s) past the end of the output were written "
-            f"(first at offset +{int(written[0])})",
-            hint,
-        )
 
 
 def _launch(kernel, grid, block, *args, case: str, hint: str) -> None:
@@ -70,14 +47,14 @@ def _vector_add_case(n: int, threads: int):
         case = f"n = {n}, {threads} threads per block"
         x = torch.randn(n, device=device())
         y = torch.randn(n, device=device())
-        out, buffer = _guarded_output((n,))
+        out, buffer = guarded((n,))
         blocks = math.ceil(n / threads)
         _launch(
             kernel, blocks, threads,
             kernel_array(x), kernel_array(y), kernel_array(out), n,
             case=case, hint=MISSING_GUARD_HINT,
         )
-        _check_guard(buffer, n, case, MISSING_GUARD_HINT)
+        check_guard(buffer, n, name="out", case=case, hint=MISSING_GUARD_HINT)
         compare(
             "out", out, x + y, case=case, atol=0, rtol=0, poisoned=True,
             hint="out[i] must be x[i] + y[i] for every i < n, with "
@@ -111,14 +88,14 @@ def _matrix_add_case(M: int, N: int):
         case = f"M x N = {M} x {N}, block {BLOCK_2D}"
         A = torch.randn(M, N, device=device())
         B = torch.randn(M, N, device=device())
-        C, buffer = _guarded_output((M, N))
+        C, buffer = guarded((M, N))
         grid = (math.ceil(N / BLOCK_2D[0]), math.ceil(M / BLOCK_2D[1]))
         _launch(
             kernel, grid, BLOCK_2D,
             kernel_array(A), kernel_array(B), kernel_array(C),
             case=case, hint=MAPPING_HINT,
         )
-        _check_guard(buffer, M * N, case, MAPPING_HINT)
+        check_guard(buffer, M * N, name="C", case=case, hint=MAPPING_HINT)
         compare("C", C, A + B, case=case, atol=0, rtol=0, poisoned=True, hint=MAPPING_HINT)
 
     return run

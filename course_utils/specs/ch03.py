@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from ..checks import CheckFailure, compare, unchanged
+from ..checks import CheckFailure, check_guard, compare, guarded, unchanged
 from ..grader import Exercise
 from ..runtime import device, kernel_array, synchronize
 from . import require_implemented
@@ -273,9 +273,6 @@ for _i in range(3):
 
 fused_kernel = Exercise("03.fused_kernel", "A fused elementwise kernel (Numba)", points=3)
 
-SENTINEL = 12345.0  # value of the guard region behind the output
-GUARD = 64
-
 
 def fused_reference(x: torch.Tensor) -> torch.Tensor:
     """y = sin(x)**2 + 2 * cos(x) * x in float64."""
@@ -295,9 +292,7 @@ def _fused_case(n: int, threads: int):
         require_implemented(kernel)
         case = f"n = {n}, {threads} threads per block"
         x = (torch.rand(n, device=device()) * 8 - 4).float()
-        buffer = torch.full((n + GUARD,), SENTINEL, dtype=torch.float32, device=device())
-        buffer[:n] = float("nan")
-        y = buffer[:n]
+        y, buffer = guarded((n,))
         with unchanged(x, names=("x",), case=case):
             try:
                 kernel[math.ceil(n / threads), threads](kernel_array(x), kernel_array(y), n)
@@ -305,10 +300,7 @@ def _fused_case(n: int, threads: int):
             except IndexError as exc:  # the simulator checks every index; a GPU would not
                 raise CheckFailure(case, f"a thread indexed out of bounds: {exc}",
                                    GUARD_HINT) from None
-        written = (buffer[n:] != SENTINEL).nonzero().flatten()
-        if len(written):
-            raise CheckFailure(case, f"{len(written)} element(s) past the end of y were written",
-                               GUARD_HINT)
+        check_guard(buffer, n, name="y", case=case, hint=GUARD_HINT)
         hint = FUSED_HINT
         if torch.allclose(y.double(), torch.ones_like(y, dtype=torch.float64), atol=1e-4):
             hint = "that is sin(x)**2 + cos(x)**2 (always 1); this kernel adds 2 * cos(x) * x"

@@ -27,7 +27,14 @@ import math
 import torch
 from numba import cuda, float32  # specs are imported after course_utils.setup() has chosen the mode
 
-from ..checks import CheckFailure, assert_unchanged, compare, poisoned, snapshot
+from ..checks import (
+    CheckFailure,
+    assert_unchanged,
+    check_guard,
+    compare,
+    guarded,
+    snapshot,
+)
 from ..grader import Exercise
 from ..runtime import device, kernel_array, on_gpu, pick, synchronize
 from . import require_implemented
@@ -82,7 +89,7 @@ def _tiled_case(M: int, N: int, K: int):
         case = f"M x N x K = {M} x {N} x {K}, TILE = {TILE}"
         require_implemented(kernel)
         A, B = _inputs(M, N, K)
-        C = poisoned((M, N))
+        C, buffer = guarded((M, N))
         snap = snapshot(A, B, names=("A", "B"))
         grid = (math.ceil(N / TILE), math.ceil(M / TILE))
         try:
@@ -92,6 +99,7 @@ def _tiled_case(M: int, N: int, K: int):
             detail = f"a thread indexed out of bounds: {exc}"
             raise CheckFailure(case, detail, HINT_BOUNDS) from None
         assert_unchanged(snap, case=case)
+        check_guard(buffer, M * N, name="C", case=case, hint=HINT_BOUNDS)
         hint = HINT_UNWRITTEN if torch.isnan(C).any() else HINT_VALUES
         atol, rtol = matmul_tolerance(K)
         compare("C", C, _reference(A, B), case=case, atol=atol, rtol=rtol, poisoned=True, hint=hint)
