@@ -1,0 +1,45 @@
+"""Every GPU-only figure of a lecture notebook ships as a recording that a CPU reader sees."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from course_utils import recorded
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CALL = re.compile(r"recorded\.(save|load)\(\s*\\?[\"']([\w.-]+)\\?[\"']")
+
+
+def _calls(path):
+    text = path.read_text(encoding="utf-8")
+    found = {"save": set(), "load": set()}
+    for kind, name in CALL.findall(text):
+        found[kind].add(name)
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_recording_a_notebook_saves_is_also_shown_without_a_gpu(path):
+    calls = _calls(path)
+    missing = calls["save"] - calls["load"]
+    assert not missing, f"{path.name} records {sorted(missing)} but never loads it on a CPU"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_recording_a_notebook_loads_exists_and_says_where_it_was_measured(path):
+    for name in sorted(_calls(path)["load"]):
+        file = recorded.FOLDER / f"{name}.json"
+        assert file.exists(), f"{path.name} loads {name!r}: record it on a GPU"
+        payload = json.loads(file.read_text(encoding="utf-8"))
+        env = payload["environment"]
+        assert payload["name"] == name and payload["data"]
+        assert env["device"] and env["date"] and env["torch"], env
+        assert "cuda" in env["torch"] or env.get("cuda"), f"{name} was not recorded on a GPU"
+
+
+def test_the_pattern_finds_the_calls():
+    calls = _calls(ROOT / "notebooks" / "03_gpu_performance_model.ipynb")
+    assert {"03_ceilings", "03_fusion", "03_recompute", "03_wavy_matmul"} <= calls["save"]
