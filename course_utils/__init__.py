@@ -16,6 +16,8 @@ Modules (import them as ``from course_utils import grader`` etc.):
 - ``bench``     ``time_fn``, ``attention_flops``, result tables
 - ``plots``     small drawing helpers (tile maps, thread maps)
 - ``recorded``  results measured on a GPU, shipped as JSON for CPU readers
+- ``trace``     memory-access tracer (simulator): sectors per request, bank conflicts
+- ``occupancy`` occupancy calculator (and the driver's, on a GPU); FlashAttention budgets
 
 Command line: ``python -m course_utils doctor | grade | record | assign | strip``.
 """

@@ -1669,14 +1669,32 @@ class CudaKernel:
         converted = self.arguments(*args, device_index=ordinal)
         device = Device(ordinal)
         device.set_current()  # the primary context, the one torch uses
-        kernel = self._loaded.get(ordinal)
-        if kernel is None:
-            kernel = self._loaded[ordinal] = self._object_code.get_kernel(self.expression)
+        kernel = self.core_kernel()
         if shared_mem > max(DEFAULT_MAX_DYNAMIC_SMEM, self._smem_opt_in.get(ordinal, 0)):
             self._opt_in_shared_memory(kernel, ordinal, shared_mem)
         stream = device.create_stream(torch.cuda.current_stream(ordinal))
         config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
         launch(stream, config, kernel, *converted)
+
+    def core_kernel(self):
+        """The cuda.core ``Kernel`` on torch's current GPU, loaded once per device (GPU only).
+
+        For what cuda.core offers beyond a launch: ``.attributes`` (registers, local bytes as the
+        driver sees them) and ``.occupancy`` (the driver's occupancy calculator).
+        """
+        if not runtime.on_gpu():
+            raise RuntimeError(
+                f"{self.expression}: loading a kernel needs a GPU (this is CPU simulator mode)"
+            )
+        import torch
+        from cuda.core import Device
+
+        ordinal = torch.cuda.current_device()
+        Device(ordinal).set_current()  # the primary context, the one torch uses
+        kernel = self._loaded.get(ordinal)
+        if kernel is None:
+            kernel = self._loaded[ordinal] = self._object_code.get_kernel(self.expression)
+        return kernel
 
     def _opt_in_shared_memory(self, kernel, ordinal: int, nbytes: int) -> None:
         import torch

@@ -1,0 +1,74 @@
+"""The occupancy calculator on known cases; on a GPU, against the CUDA driver."""
+
+import pytest
+
+from course_utils import occupancy as occ
+from course_utils.runtime import on_gpu
+
+KNOWN = [  # (registers, shared bytes, threads) -> (blocks, limit), sm_90
+    ((32, 0, 256), (8, "warps")),  # 100 %: 8 blocks x 8 warps
+    ((64, 0, 256), (4, "registers")),  # 64 x 256 = 16K registers per block
+    ((40, 0, 64), (24, "registers")),  # 1280 per warp: 12 warps per register-file quarter
+    ((16, 0, 32), (32, "blocks")),  # tiny blocks: 32 blocks per SM at most
+    ((32, 100 * 1024, 128), (2, "shared memory")),  # 101 KiB allocated per block
+    ((32, 227 * 1024, 128), (1, "shared memory")),  # the largest block: 227 KiB + 1 KiB
+    ((168, 0, 384), (1, "registers")),
+]
+
+
+@pytest.mark.parametrize(("config", "expected"), KNOWN)
+def test_known_cases(config, expected):
+    got = occ.active_blocks(*config)
+    assert (got.blocks, got.limit) == expected
+    assert got.occupancy == got.warps / 64
+
+
+@pytest.mark.parametrize(
+    "config",
+    [(256, 0, 128), (255, 0, 1024), (32, 0, 1025), (32, 227 * 1024 + 1, 128)],
+)
+def test_cannot_launch(config):
+    got = occ.active_blocks(*config)
+    assert got.blocks == 0 and "cannot launch" in got.limit
+
+
+def test_register_rounding_to_multiples_of_8():
+    # 33 registers are allocated as 40: the same occupancy as 40
+    assert occ.active_blocks(33, 0, 64).blocks == occ.active_blocks(40, 0, 64).blocks == 24
+
+
+def test_sm80_has_less_shared_memory():
+    assert occ.active_blocks(32, 100 * 1024, 128, arch=occ.SM80).blocks == 1
+    assert occ.active_blocks(32, 164 * 1024, 128, arch=occ.SM80).blocks == 0
+
+
+def test_flash_budget():
+    assert occ.fa_registers_per_thread(64, 128, 128) == 64 + 2
+    assert occ.fa_registers_per_thread(128, 256, 128) == 256 + 2  # over 255: spills
+    assert occ.fa_registers_per_thread(256, 64, 128) == 128 + 4  # two rows per thread
+    assert occ.fa_shared_bytes(64, 64, 128, 2) == 3 * 64 * 128 * 2
+
+
+DRIVER_SOURCE = r"""
+__global__ void small_kernel(float* out) { out[threadIdx.x] = threadIdx.x; }
+__global__ void shared_kernel(float* out) {
+    __shared__ float tile[4096];  // 16 KiB static
+    tile[threadIdx.x] = threadIdx.x;
+    __syncthreads();
+    out[threadIdx.x] = tile[(threadIdx.x + 1) % blockDim.x];
+}
+"""
+
+
+@pytest.mark.skipif(not on_gpu(), reason="needs a GPU to ask the driver")
+@pytest.mark.parametrize("name", ["small_kernel", "shared_kernel"])
+@pytest.mark.parametrize(("threads", "dynamic"), [(32, 0), (128, 0), (256, 8192), (1024, 0),
+                                                   (128, 30 * 1024)])  # fmt: skip
+def test_calculator_matches_driver(name, threads, dynamic):
+    from course_utils.cuda import compile_kernel
+
+    kernel = compile_kernel(DRIVER_SOURCE, name)
+    used = occ.driver_resources(kernel)
+    regs, static = used["registers"], used["shared_bytes"]
+    ours = occ.active_blocks(regs, static + dynamic, threads).blocks
+    assert ours == occ.driver_active_blocks(kernel, threads, dynamic)
