@@ -72,3 +72,37 @@ def test_calculator_matches_driver(name, threads, dynamic):
     regs, static = used["registers"], used["shared_bytes"]
     ours = occ.active_blocks(regs, static + dynamic, threads).blocks
     assert ours == occ.driver_active_blocks(kernel, threads, dynamic)
+
+
+HEAVY_SOURCE = r"""
+template <int R>
+__global__ void heavy_kernel(const float* x, float* out, int n) {
+    float acc[R];  // R live accumulators: ptxas gives 40, 72, 168, 255 registers for R below
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = x[(threadIdx.x + i) % n];
+    for (int k = 0; k < n; ++k) {
+        float xk = x[k];
+#pragma unroll
+        for (int i = 0; i < R; ++i) acc[i] = fmaf(acc[i], xk, acc[(i + 1) % R]);
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < R; ++i) s += acc[i];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+"""
+
+
+@pytest.mark.skipif(not on_gpu(), reason="needs a GPU to ask the driver")
+@pytest.mark.parametrize("R", [24, 56, 120, 200])
+def test_calculator_matches_driver_when_registers_limit(R):
+    from course_utils.cuda import compile_kernel
+
+    kernel = compile_kernel(HEAVY_SOURCE, f"heavy_kernel<{R}>")
+    used = occ.driver_resources(kernel)
+    assert used["registers"] > 32  # otherwise this test does not test the register limit
+    for threads in (64, 96, 128, 192, 256, 384, 512, 768, 1024):
+        for dynamic in (0, 20 * 1024):
+            ours = occ.active_blocks(used["registers"], used["shared_bytes"] + dynamic, threads)
+            driver = occ.driver_active_blocks(kernel, threads, dynamic)
+            assert ours.blocks == driver, (R, used, threads, dynamic, ours)
