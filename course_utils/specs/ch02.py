@@ -333,11 +333,14 @@ HINT_LSE = (
 )
 
 
-def _row_case(case, N, d, Bc, *, std=1.0, scale=None, hint=HINT_ROW):
+def _row_case(case, N, d, Bc, *, std=1.0, scale=None, peak=None, hint=HINT_ROW):
     def run(fn):
         root = math.sqrt(std)  # scores scale * q.k then have a standard deviation of about std
         q, K, V = _randn(d, std=root), _randn(N, d, std=root), _randn(N, d)
         s = 1.0 / math.sqrt(d) if scale is None else scale
+        if peak is not None:  # one key, at a random place, gets the score `peak` exactly
+            j = int(torch.randint(0, N, ()))
+            K[j] = q * (peak / (s * float(q @ q)))
         result = _call(fn, (q, K, V, Bc, s), ["q", "K", "V"], case)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise CheckFailure(case, "online_attention_row must return the pair (o, lse)",
@@ -355,8 +358,8 @@ def _row_case(case, N, d, Bc, *, std=1.0, scale=None, hint=HINT_ROW):
 _add(online_attention_row, "N = 64, Bc = 16, d = 16", _row_case, 64, 16, 16)
 _add(online_attention_row, "N = 50, Bc = 16 (last block partial), d = 16", _row_case,
      50, 16, 16, hint=HINT_ROW_PARTIAL)
-_add(online_attention_row, "large logits (scores of std 50), N = 48, Bc = 8", _row_case,
-     48, 16, 8, std=50.0, hint=HINT_ROW_LARGE)
+_add(online_attention_row, "large logits (scores of std 50, one of 150), N = 48, Bc = 8",
+     _row_case, 48, 16, 8, std=50.0, peak=150.0, hint=HINT_ROW_LARGE)
 _add(online_attention_row, "N = 1, Bc = 16", _row_case, 1, 8, 16, hint=HINT_ROW_PARTIAL,
      hidden=True)
 _add(online_attention_row, "Bc = 1, N = 20, scores of std 10", _row_case, 20, 8, 1, std=10.0,
@@ -365,8 +368,8 @@ _add(online_attention_row, "Bc > N, N = 30, Bc = 64", _row_case, 30, 32, 64,
      hint=HINT_ROW_PARTIAL, hidden=True)
 _add(online_attention_row, "scale = 0.3 (not 1/sqrt(d)), N = 40, Bc = 16", _row_case,
      40, 16, 16, scale=0.3, hint=HINT_ROW_SCALE, hidden=True)
-_add(online_attention_row, "large logits, N = 129, Bc = 32, d = 64", _row_case, 129, 64, 32,
-     std=50.0, hint=HINT_ROW_LARGE, hidden=True)
+_add(online_attention_row, "large logits (one of 300), N = 129, Bc = 32, d = 64", _row_case,
+     129, 64, 32, std=50.0, peak=300.0, hint=HINT_ROW_LARGE, hidden=True)
 
 # ----------------------------------------------------------------------------- Numba kernel
 
