@@ -23,18 +23,18 @@ def torch_forward(Q, K, V, causal=False, scale=None, Br=16, Bc=16, rescale=True)
     Nk = K.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
     O = torch.empty_like(Q)
-    LSE = torch.empty(B, H, Nq)
+    LSE = torch.empty(B, H, Nq, device=Q.device)
     for r0 in range(0, Nq, Br):
         r1 = min(r0 + Br, Nq)
-        rows = torch.arange(r0, r1)[:, None]
-        m = torch.full((B, H, r1 - r0, 1), -math.inf)
-        l = torch.zeros(B, H, r1 - r0, 1)
-        acc = torch.zeros(B, H, r1 - r0, d)
+        rows = torch.arange(r0, r1, device=Q.device)[:, None]
+        m = torch.full((B, H, r1 - r0, 1), -math.inf, device=Q.device)
+        l = torch.zeros(B, H, r1 - r0, 1, device=Q.device)
+        acc = torch.zeros(B, H, r1 - r0, d, device=Q.device)
         for c0 in range(0, min(Nk, r1) if causal else Nk, Bc):
             c1 = min(c0 + Bc, Nk)
             S = scale * Q[:, :, r0:r1] @ K[:, :, c0:c1].transpose(-2, -1)
             if causal:
-                S = S.masked_fill(torch.arange(c0, c1)[None, :] > rows, -math.inf)
+                S = S.masked_fill(torch.arange(c0, c1, device=Q.device)[None, :] > rows, -math.inf)
             m_new = torch.maximum(m, S.amax(-1, keepdim=True))
             alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)
             P = torch.exp(S - m_new)
@@ -64,7 +64,7 @@ def test_torch_forward_materialised_scores_are_named():
 def test_torch_forward_softmax_is_forbidden():
     def with_softmax(Q, K, V, causal=False, scale=None):
         S = Q @ K.transpose(-2, -1) * scale
-        return torch.softmax(S, -1) @ V, torch.zeros(Q.shape[:3])
+        return torch.softmax(S, -1) @ V, torch.zeros(Q.shape[:3], device=Q.device)
 
     r = grader.check("07.torch_forward", with_softmax)
     assert r.status == "forbidden"
