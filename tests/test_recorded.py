@@ -10,6 +10,10 @@ from course_utils import recorded
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# Recordings a chapter saves but that no GPU run has made yet: its notebook cannot load them.
+# Once `python -m course_utils record` has made one, the test below fails until the name leaves
+# this set and the notebook shows the recording without a GPU.
+PENDING = {"08_backward_benchmark"}
 CALL = re.compile(r"recorded\.(save|load)\(\s*\\?[\"']([\w.-]+)\\?[\"']")
 
 
@@ -24,8 +28,13 @@ def _calls(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_recording_a_notebook_saves_is_also_shown_without_a_gpu(path):
     calls = _calls(path)
-    missing = calls["save"] - calls["load"]
+    missing = calls["save"] - calls["load"] - PENDING
     assert not missing, f"{path.name} records {sorted(missing)} but never loads it on a CPU"
+
+
+def test_pending_recordings_are_really_pending():
+    made = sorted(name for name in PENDING if (recorded.FOLDER / f"{name}.json").exists())
+    assert not made, f"{made} exist now: load them in their notebooks and drop them from PENDING"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
