@@ -58,3 +58,26 @@ def require_implemented(candidate) -> None:
     if code is not None and "NotImplementedError" in code.co_names:
         name = getattr(fn, "__name__", "the function")
         raise NotImplementedError(f"{name} still raises NotImplementedError")
+
+
+def compiled_resources(source, kernel=None, *, case, hint="keep the given name", extra_flags=()):
+    """ptxas's report for the student's CUDA ``source`` (nvcc or NVRTC; no GPU needed).
+
+    Returns the KernelResources of ``kernel`` (or the list of all kernels when ``kernel`` is
+    None). A compile error, or no kernel of that name, becomes a CheckFailure for ``case``; the
+    NotImplementedError of a source that still has the exercise's placeholder passes through.
+    """
+    from ..checks import CheckFailure
+    from ..cuda import CudaCompileError, resource_usage
+
+    try:
+        kernels = resource_usage(source, extra_flags=list(extra_flags))
+    except CudaCompileError as exc:
+        raise CheckFailure(case, f"the source does not compile:\n{exc}", None) from None
+    if kernel is None:
+        return kernels
+    found = [k for k in kernels if k.name == kernel]
+    if not found:
+        names = ", ".join(k.name for k in kernels) or "none"
+        raise CheckFailure(case, f"no kernel named {kernel} (kernels: {names})", hint)
+    return found[0]

@@ -37,7 +37,7 @@ from ..checks import (
 )
 from ..grader import Exercise
 from ..runtime import device, kernel_array, on_gpu, pick, synchronize
-from . import require_implemented
+from . import compiled_resources, require_implemented
 
 TILE = 8  # threads per block side of 04.tiled_matmul: kernel[grid, (TILE, TILE)](A, B, C)
 CUDA_TILE = 16  # TILE of the CUDA C++ kernel of 04.cuda_tiled_body (the source defines it)
@@ -265,21 +265,9 @@ def _source_of(candidate) -> str:
 
 
 def _compile_case(candidate) -> None:
-    from ..cuda import CudaCompileError, resource_usage
-
     case = "compiles for sm_90 (nvcc; no GPU needed)"
-    source = _source_of(candidate)
-    try:
-        kernels = resource_usage(source)  # NotImplementedError while // YOUR CODE HERE is there
-    except CudaCompileError as exc:
-        raise CheckFailure(case, f"the source does not compile:\n{exc}", None) from None
-    found = [k for k in kernels if k.name == CUDA_KERNEL]
-    if not found:
-        names = ", ".join(k.name for k in kernels) or "none"
-        raise CheckFailure(
-            case, f"no kernel named {CUDA_KERNEL} (kernels: {names})", "keep the given signature"
-        )
-    k = found[0]
+    k = compiled_resources(_source_of(candidate), CUDA_KERNEL, case=case,
+                           hint="keep the given signature")  # fmt: skip
     if k.spills:
         raise CheckFailure(
             case,

@@ -21,6 +21,7 @@ from ..checks import CheckFailure, compare
 from ..grader import Exercise
 from ..occupancy import active_blocks, fa_registers_per_thread, fa_shared_bytes
 from ..runtime import on_gpu, synchronize
+from . import compiled_resources
 
 # ----------------------------------------------------------------------------- occupancy
 
@@ -211,19 +212,8 @@ def _source_of(candidate) -> str:
 
 @no_spill.case("nvcc sm_90: no stack frame, no spills (no GPU needed)")
 def _no_spill_compile(candidate):
-    from ..cuda import CudaCompileError, resource_usage
-
     case = "nvcc sm_90"
-    source = _source_of(candidate)
-    try:
-        kernels = resource_usage(source)  # NotImplementedError while // YOUR CODE HERE is there
-    except CudaCompileError as exc:
-        raise CheckFailure(case, f"the source does not compile:\n{exc}", None) from None
-    found = [k for k in kernels if k.name == KERNEL]
-    if not found:
-        names = ", ".join(k.name for k in kernels) or "none"
-        raise CheckFailure(case, f"no kernel named {KERNEL} (kernels: {names})", "keep the name")
-    k = found[0]
+    k = compiled_resources(_source_of(candidate), KERNEL, case=case)
     if k.stack_bytes or k.spills:
         raise CheckFailure(
             case,

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..checks import AttentionCase, CheckFailure, attention_cases, check_attention
 from ..grader import Exercise
 from ..runtime import kernel_array, on_gpu, pick, synchronize
-from . import require_implemented
+from . import compiled_resources, require_implemented
 
 FORBIDDEN = ("scaled_dot_product_attention", "softmax", "log_softmax", "logsumexp")
 
@@ -305,16 +305,10 @@ _STRUCTURE = (
 
 
 def _epilogue_compiles(candidate):
-    from ..cuda import CudaCompileError, resource_usage
-
     case = "compiles for sm_90 (nvcc; no GPU needed) and writes O and LSE"
     text = epilogue_source(candidate)
-    source = kernel_source_with(text)
-    try:
-        kernels = resource_usage(source, extra_flags=["-DFA_KERNEL_ONLY"])
-    except CudaCompileError as exc:
-        detail = f"the kernel does not compile with your epilogue:\n{exc}"
-        raise CheckFailure(case, detail) from None
+    kernels = compiled_resources(kernel_source_with(text), case=case,
+                                 extra_flags=["-DFA_KERNEL_ONLY"])  # fmt: skip
     for k in kernels:
         if k.spills:
             hint = "keep the epilogue to scalars: no local arrays indexed at run time"
