@@ -1667,9 +1667,8 @@ class CudaKernel:
 
         ordinal = torch.cuda.current_device()
         converted = self.arguments(*args, device_index=ordinal)
+        kernel = self.core_kernel()  # also makes the primary context (torch's) current
         device = Device(ordinal)
-        device.set_current()  # the primary context, the one torch uses
-        kernel = self.core_kernel()
         if shared_mem > max(DEFAULT_MAX_DYNAMIC_SMEM, self._smem_opt_in.get(ordinal, 0)):
             self._opt_in_shared_memory(kernel, ordinal, shared_mem)
         stream = device.create_stream(torch.cuda.current_stream(ordinal))
