@@ -235,21 +235,23 @@ def _traced_shared_arrays(recorder: _Recorder):
     from numba.cuda.simulator import kernelapi
 
     original = kernelapi.FakeCUDAShared.array
+    allocation_lock = threading.Lock()
 
     def array(self, shape, dtype, alignment=None):
         if shape == 0:  # dynamic shared memory: not traced
             return original(self, shape, dtype, alignment)
         frame = sys._getframe(1)
         where = (frame.f_code.co_filename, frame.f_lineno)
-        traced = self._allocations.get(("traced", where))
-        if traced is None:
-            if isinstance(dtype, types.Type):
-                dtype = numpy_support.as_dtype(dtype)
-            plain = np.zeros(shape, dtype)  # one allocation per source line, as the simulator
-            match = _ASSIGNED.match(linecache.getline(*where))
-            name = match.group(1) if match else f"shared@{where[1]}"
-            traced = _TracedArray(plain, name, "shared", recorder)
-            self._allocations[("traced", where)] = traced
+        with allocation_lock:  # the block's threads arrive at once: exactly one allocates
+            traced = self._allocations.get(("traced", where))
+            if traced is None:
+                if isinstance(dtype, types.Type):
+                    dtype = numpy_support.as_dtype(dtype)
+                plain = np.zeros(shape, dtype)  # one allocation per source line, as the simulator
+                match = _ASSIGNED.match(linecache.getline(*where))
+                name = match.group(1) if match else f"shared@{where[1]}"
+                traced = _TracedArray(plain, name, "shared", recorder)
+                self._allocations[("traced", where)] = traced
         return traced
 
     kernelapi.FakeCUDAShared.array = array
