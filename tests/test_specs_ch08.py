@@ -70,13 +70,13 @@ def torch_backward(Q, K, V, O, LSE, dO, causal=False, scale=None, Br=64, Bc=64, 
         c1 = min(c0 + Bc, Nk)
         K_j, V_j = K[:, :, c0:c1], V[:, :, c0:c1]
         dK_j, dV_j = dK[:, :, c0:c1], dV[:, :, c0:c1]
-        cols = torch.arange(c0, c1)[None, :]
+        cols = torch.arange(c0, c1, device=Q.device)[None, :]
         for r0 in range((c0 // Br) * Br if causal else 0, Nq, Br):
             r1 = min(r0 + Br, Nq)
             Q_i, dO_i = Q[:, :, r0:r1], dO[:, :, r0:r1]
             S = scale * Q_i @ K_j.transpose(-2, -1)
             if causal and bug != "no mask":
-                S = S.masked_fill(cols > torch.arange(r0, r1)[:, None], -math.inf)
+                S = S.masked_fill(cols > torch.arange(r0, r1, device=Q.device)[:, None], -math.inf)
             P = torch.exp(S - LSE_use[:, :, r0:r1])
             dV_j += P.transpose(-2, -1) @ dO_i
             dP = dO_i @ V_j.transpose(-2, -1)
