@@ -45,6 +45,18 @@ def for_chapter(chapter: str) -> list[Exercise]:
     return [ex for ex in all_exercises().values() if ex.id.split(".")[0] == chapter]
 
 
+def source_of(candidate) -> str:
+    """The CUDA source a candidate gives: a str, or a function that returns one."""
+    from ..checks import CheckFailure
+
+    source = candidate() if callable(candidate) else candidate
+    if not isinstance(source, str):
+        raise CheckFailure(
+            "source", f"expected the CUDA source as a str, got {type(source).__name__}", None
+        )
+    return source
+
+
 def require_implemented(candidate) -> None:
     """Raise NotImplementedError if ``candidate`` still has the exercise's placeholder.
 

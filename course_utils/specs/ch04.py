@@ -37,7 +37,7 @@ from ..checks import (
 )
 from ..grader import Exercise
 from ..runtime import device, kernel_array, on_gpu, pick, synchronize
-from . import compiled_resources, require_implemented
+from . import compiled_resources, require_implemented, source_of
 
 TILE = 8  # threads per block side of 04.tiled_matmul: kernel[grid, (TILE, TILE)](A, B, C)
 CUDA_TILE = 16  # TILE of the CUDA C++ kernel of 04.cuda_tiled_body (the source defines it)
@@ -255,18 +255,9 @@ HINT_CUDA_VALUES = (
 )
 
 
-def _source_of(candidate) -> str:
-    source = candidate() if callable(candidate) else candidate
-    if not isinstance(source, str):
-        raise CheckFailure(
-            "source", f"expected the CUDA source as a str, got {type(source).__name__}", None
-        )
-    return source
-
-
 def _compile_case(candidate) -> None:
     case = "compiles for sm_90 (nvcc; no GPU needed)"
-    k = compiled_resources(_source_of(candidate), CUDA_KERNEL, case=case,
+    k = compiled_resources(source_of(candidate), CUDA_KERNEL, case=case,
                            hint="keep the given signature")  # fmt: skip
     if k.spills:
         raise CheckFailure(
@@ -294,7 +285,7 @@ def _cuda_run_case(M: int, N: int, K: int):
         from ..cuda import load_cuda
 
         case = f"M x N x K = {M} x {N} x {K} (CUDA C++, TILE = {CUDA_TILE})"
-        module = load_cuda(_source_of(candidate), [CUDA_FUNCTION])
+        module = load_cuda(source_of(candidate), [CUDA_FUNCTION])
         A, B = _inputs(M, N, K)
         snap = snapshot(A, B, names=("A", "B"))
         C = getattr(module, CUDA_FUNCTION)(A, B)

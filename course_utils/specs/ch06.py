@@ -21,7 +21,7 @@ from ..checks import CheckFailure, compare
 from ..grader import Exercise
 from ..occupancy import active_blocks, fa_registers_per_thread, fa_shared_bytes
 from ..runtime import on_gpu, synchronize
-from . import compiled_resources
+from . import compiled_resources, source_of
 
 # ----------------------------------------------------------------------------- occupancy
 
@@ -201,19 +201,10 @@ KERNEL = "rotate_dot"
 W = 32  # the row length of the kernel (the source defines it too)
 
 
-def _source_of(candidate) -> str:
-    source = candidate() if callable(candidate) else candidate
-    if not isinstance(source, str):
-        raise CheckFailure(
-            "source", f"expected the CUDA source as a str, got {type(source).__name__}", None
-        )
-    return source
-
-
 @no_spill.case("nvcc sm_90: no stack frame, no spills (no GPU needed)")
 def _no_spill_compile(candidate):
     case = "nvcc sm_90"
-    k = compiled_resources(_source_of(candidate), KERNEL, case=case)
+    k = compiled_resources(source_of(candidate), KERNEL, case=case)
     if k.stack_bytes or k.spills:
         raise CheckFailure(
             case,
@@ -229,7 +220,7 @@ def _no_spill_run(n_rows: int):
     def run(candidate):
         from ..cuda import compile_kernel
 
-        kernel = compile_kernel(_source_of(candidate), KERNEL)
+        kernel = compile_kernel(source_of(candidate), KERNEL)
         for s in (0, 5, W - 1):
             case = f"GPU (NVRTC): n_rows = {n_rows}, s = {s}"
             x = torch.randn(n_rows, W, device="cuda")

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..checks import AttentionCase, CheckFailure, attention_cases, check_attention
 from ..grader import Exercise
 from ..runtime import kernel_array, on_gpu, pick, synchronize
-from . import compiled_resources, require_implemented
+from . import compiled_resources, require_implemented, source_of
 
 FORBIDDEN = ("scaled_dot_product_attention", "softmax", "log_softmax", "logsumexp")
 
@@ -271,14 +271,6 @@ causal_skip.case("300 random shapes", hidden=True)(_skip_case(_random_sweep()))
 lse_epilogue = Exercise("07.lse_epilogue", "The epilogue of the CUDA C++ kernel", points=2)
 
 
-def epilogue_source(candidate) -> str:
-    """The epilogue text the candidate gives (a str, or a function that returns one)."""
-    text = candidate() if callable(candidate) else candidate
-    if not isinstance(text, str):
-        raise CheckFailure("source", f"expected CUDA source as a str, got {type(text).__name__}")
-    return text
-
-
 def kernel_source_with(epilogue: str) -> str:
     """The chapter's kernel source with its epilogue replaced by ``epilogue``."""
     lines = KERNEL_PATH.read_text().split("\n")
@@ -306,7 +298,7 @@ _STRUCTURE = (
 
 def _epilogue_compiles(candidate):
     case = "compiles for sm_90 (nvcc; no GPU needed) and writes O and LSE"
-    text = epilogue_source(candidate)
+    text = source_of(candidate)
     kernels = compiled_resources(kernel_source_with(text), case=case,
                                  extra_flags=["-DFA_KERNEL_ONLY"])  # fmt: skip
     for k in kernels:
@@ -326,7 +318,7 @@ def _epilogue_runs(cases):
     def run(candidate):
         from ..cuda import load_cuda
 
-        source = kernel_source_with(epilogue_source(candidate))
+        source = kernel_source_with(source_of(candidate))
         if source not in _modules:
             _modules[source] = load_cuda(source, [CUDA_FUNCTION], name="fa07_epilogue")
         module = _modules[source]
@@ -360,7 +352,6 @@ __all__ = [
     "ONLINE_BR",
     "ONLINE_D",
     "causal_skip",
-    "epilogue_source",
     "expected_kv_tile_count",
     "kernel_source_with",
     "lse_epilogue",
