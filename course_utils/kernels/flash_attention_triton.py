@@ -828,7 +828,6 @@ def flash_attention_triton(q, k, v, causal=False, scale=None):
     bfloat16 on a GPU (float32 too, exact and slow), float32 or float16 in the interpreter.
     Returns O like q. ``O.backward(dO)`` runs the Triton backward (D, dK/dV, dQ kernels).
     """
-    validate_inputs(q, k, v)
     return _FlashAttentionTriton.apply(q, k, v, bool(causal), scale)
 
 
