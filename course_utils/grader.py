@@ -6,23 +6,38 @@ whenever a student calls ``check``; hidden cases run as well when the notebook i
 The cases themselves live in ``course_utils.specs`` (one module per chapter).
 
 A check prints one line on success, and on failure the case, the worst element, the error
-against the tolerance and a hint. It also records a structured result: in-process (``results()``)
-and, while grading, as a JSON line in the file named by ``$COURSE_GRADE_RESULTS``, which the
-grading command reads (it never parses printed text).
+against the tolerance and a hint.
+
+**Who decides the score.** In a notebook a student runs, ``check`` runs the cases in the
+notebook's own process. When an instructor grades (``python -m course_utils grade``), the
+notebook runs in a sandboxed worker process (:mod:`course_utils.sandbox`) and ``check`` only
+hands its candidate over: the cases, their expected values and the score live in the grading
+process, which sends the candidate its inputs and compares the outputs it sends back.
+
+**What a case's ``run(candidate)`` receives** is a :class:`Candidate`: call it
+(``candidate(q, k, v)``), launch it (``candidate[grid, block](x, out)``), or run a student-side
+helper on the object itself with :func:`invoke` (a Triton function passed into a kernel, CUDA
+source compiled and launched, a traced simulator launch). Inputs and outputs cross as data:
+tensors (strides, aliasing and in-place writes kept), arrays, numbers, strings, tuples, lists
+and dicts of them. The candidate's side never sees an expected value.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import importlib
 import os
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-GRADING_ENV = "COURSE_GRADING"  # "1": also run hidden cases
-RESULTS_ENV = "COURSE_GRADE_RESULTS"  # path of a JSON-lines file the grade command reads
+from .watch import ForbiddenCall, forbid
+
+GRADING_ENV = "COURSE_GRADING"  # "1": also run hidden cases (set by the grade command)
 RAISE_ENV = "COURSE_CHECKS_RAISE"  # "1": a failed check raises (used by the test suite)
+
+__all__ = ["Candidate", "Exercise", "ForbiddenCall", "NeedsGPU", "Result", "check", "forbid",
+           "grade_notebook", "grade_notebooks", "invoke", "results", "score_table",
+           "write_reports"]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- exercises
@@ -39,13 +54,19 @@ class Case:
 
 @dataclass
 class Exercise:
-    """A graded exercise. Register cases with the ``@exercise.case("...")`` decorator."""
+    """A graded exercise. Register cases with the ``@exercise.case("...")`` decorator.
+
+    ``forbidden`` names operations the candidate may not reach (see :func:`watch.forbid`:
+    ``"softmax"`` covers every route to ``aten._softmax``); ``torch_only`` also refuses leaving
+    torch for numpy, where nothing can be watched.
+    """
 
     id: str
     title: str
     points: int
-    forbidden: tuple[str, ...] = ()  # torch functions the candidate may not call, by name
+    forbidden: tuple[str, ...] = ()
     cases: list[Case] = field(default_factory=list)
+    torch_only: bool = False
 
     def case(self, name: str, hidden: bool = False):
         def register(run: Callable) -> Callable:
@@ -57,37 +78,94 @@ class Exercise:
         return register
 
 
-class ForbiddenCall(RuntimeError):
-    """Raised inside a graded call when the candidate uses a forbidden library shortcut."""
+class NeedsGPU(Exception):  # noqa: N818 (a verdict, not an error)
+    """Raised by a case whose result can only be decided on a GPU (CUDA C++ run on CPU).
 
-
-@contextlib.contextmanager
-def forbid(names: Iterable[str]):
-    """Make calls to the named torch functions raise ``ForbiddenCall`` inside the block.
-
-    Names are torch function names as torch reports them (``"softmax"`` covers
-    ``torch.softmax``, ``Tensor.softmax`` and ``torch.nn.functional.softmax``;
-    ``"scaled_dot_product_attention"``). It works through ``TorchFunctionMode``, so it catches a
-    function however it was imported.
+    The case scores nothing and is reported as ``needs gpu``: compiling is not grading.
     """
-    names = frozenset(names)
-    if not names:
-        yield
-        return
-    from torch.overrides import TorchFunctionMode
 
-    class _Forbid(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            if name in names or name.removeprefix("special_") in names:
-                raise ForbiddenCall(
-                    f"this exercise forbids `{name}`: the point is to write it yourself "
-                    "from simpler operations."
-                )
-            return func(*args, **(kwargs or {}))
 
-    with _Forbid():
-        yield
+# ----------------------------------------------------------------------------- candidates
+
+
+class Candidate:
+    """What a case's ``run`` receives: the student's function, kernel or source, at arm's length.
+
+    ``LocalCandidate`` holds the object itself (a notebook checking its own work);
+    ``sandbox.RemoteCandidate`` stands for an object in the sandboxed worker. Both watch the
+    exercise's forbidden operations around every call into the student's code.
+    """
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def __getitem__(self, launch_config):
+        """``candidate[grid, block]``: a launcher for a Numba kernel."""
+        return lambda *args: self._launch(launch_config, args)
+
+    def invoke(self, target: str, *args, **kwargs):
+        """``target(obj, *args, **kwargs)`` on the student's side; ``target`` is
+        ``"course_utils.harness.chNN:function"``."""
+        raise NotImplementedError
+
+    def _launch(self, launch_config, args):
+        raise NotImplementedError
+
+
+def resolve(target: str):
+    """The student-side helper named ``"course_utils.harness...:function"``."""
+    module, _, name = target.partition(":")
+    if not module.startswith("course_utils.harness") or not name:
+        raise ValueError(f"invoke targets live in course_utils.harness: got {target!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+class LocalCandidate(Candidate):
+    """The candidate object in this process, every call watched for forbidden operations."""
+
+    def __init__(self, obj, forbidden=(), torch_only=False):
+        self.obj, self.forbidden, self.torch_only = obj, tuple(forbidden), torch_only
+
+    def __call__(self, *args, **kwargs):
+        with forbid(self.forbidden, torch_only=self.torch_only):
+            return self.obj(*args, **kwargs)
+
+    def _launch(self, launch_config, args):
+        with forbid(self.forbidden, torch_only=self.torch_only):
+            return self.obj[launch_config](*args)
+
+    def invoke(self, target, *args, **kwargs):
+        fn = resolve(target)
+        with forbid(self.forbidden, torch_only=self.torch_only):
+            return fn(self.obj, *args, **kwargs)
+
+    def __repr__(self):
+        return f"LocalCandidate({self.obj!r})"
+
+
+def as_candidate(obj, exercise: Exercise | None = None):
+    """Wrap a student object (a tuple or list of them: each item) as a :class:`Candidate`."""
+    if isinstance(obj, Candidate):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(as_candidate(x, exercise) for x in obj)
+    forbidden = exercise.forbidden if exercise else ()
+    return LocalCandidate(obj, forbidden, exercise.torch_only if exercise else False)
+
+
+def invoke(candidate, target: str, *args, **kwargs):
+    """Run the student-side helper ``target`` on the candidate object: ``fn(obj, *args)``.
+
+    Use it where a case needs the object itself rather than a call: a Triton function passed
+    into a kernel as a constexpr, CUDA source to compile and launch, a simulator launch traced
+    by ``course_utils.trace``. ``target`` is ``"course_utils.harness.chNN:function"``; the
+    function runs in the candidate's process (the sandboxed worker when grading), so it must
+    not compute or receive an expected value. Returns what it returns (data only: tensors,
+    arrays, numbers, strings, and tuples/lists/dicts of them).
+    """
+    if isinstance(candidate, Candidate):
+        return candidate.invoke(target, *args, **kwargs)
+    return resolve(target)(candidate, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- results
@@ -95,7 +173,7 @@ def forbid(names: Iterable[str]):
 
 @dataclass
 class Result:
-    """The outcome of one ``check`` call, as recorded for grading."""
+    """The outcome of one exercise's check."""
 
     id: str
     title: str
@@ -103,7 +181,7 @@ class Result:
     score: float
     passed: int
     total: int
-    status: str  # "passed", "failed", "not implemented", "forbidden", "error"
+    status: str  # passed, failed, not implemented, forbidden, error, needs gpu, timed out, ...
     message: str
     hidden_run: bool
 
@@ -119,16 +197,8 @@ _results: list[Result] = []
 
 
 def results() -> list[Result]:
-    """Every result recorded in this process, oldest first."""
+    """Every result of ``check`` in this process, oldest first."""
     return list(_results)
-
-
-def _record(result: Result) -> None:
-    _results.append(result)
-    path = os.environ.get(RESULTS_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(asdict(result)) + "\n")
 
 
 # ----------------------------------------------------------------------------- checking
@@ -136,23 +206,23 @@ def _record(result: Result) -> None:
 
 def _student_error(exc: BaseException) -> str:
     """One readable line for an exception the candidate raised, with where it happened."""
-    library = ("course_utils", "site-packages", "dist-packages")
-    frames = traceback.extract_tb(exc.__traceback__)
-    own = [f for f in frames if not any(p in f.filename.replace("\\", "/") for p in library)]
-    where = ""
-    if own:
-        f = own[-1]
-        where = f" (at line {f.lineno}: `{(f.line or '').strip()}`)"
+    where = getattr(exc, "where", "")  # set on exceptions that crossed from the worker
+    if not where:
+        library = ("course_utils", "site-packages", "dist-packages")
+        frames = traceback.extract_tb(exc.__traceback__)
+        own = [f for f in frames if not any(p in f.filename.replace("\\", "/") for p in library)]
+        if own:
+            f = own[-1]
+            where = f" (at line {f.lineno}: `{(f.line or '').strip()}`)"
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def _run_case(case: Case, candidate, forbidden) -> tuple[str, str]:
+def _run_case(case: Case, candidate) -> tuple[str, str]:
     """(status, message) of one case."""
     from .checks import CheckFailure
 
     try:
-        with forbid(forbidden):
-            case.run(candidate)
+        case.run(candidate)
     except NotImplementedError as exc:
         msg = str(exc) or "NotImplementedError"
         return "not implemented", (
@@ -161,6 +231,8 @@ def _run_case(case: Case, candidate, forbidden) -> tuple[str, str]:
         )
     except ForbiddenCall as exc:
         return "forbidden", f"case {case.name!r}: {exc}"
+    except NeedsGPU as exc:
+        return "needs gpu", f"case {case.name!r}: {exc}"
     except CheckFailure as exc:
         return "failed", str(exc)
     except Exception as exc:  # the candidate crashed: say how, briefly
@@ -169,58 +241,73 @@ def _run_case(case: Case, candidate, forbidden) -> tuple[str, str]:
 
 
 def grading() -> bool:
-    """True while a notebook is being graded (hidden cases run too)."""
+    """True while hidden cases run too (the grade command, or a test that asks for it)."""
     return os.environ.get(GRADING_ENV) == "1"
 
 
-def check(exercise_id: str, candidate) -> Result:
-    """Run an exercise's cases on ``candidate`` (a function or kernel) and print the verdict.
+def evaluate(ex: Exercise, candidate, hidden_run: bool) -> Result:
+    """Run ``ex``'s cases (hidden ones too if ``hidden_run``) on a :class:`Candidate`.
 
-    Prints ✅ and one line when every case passes; otherwise ❌, the first failing case with its
-    worst element and a hint, and the names of the other failing cases. The score is the
-    exercise's points times the fraction of cases passed. Returns the recorded ``Result``.
+    The score is the points times the fraction of cases passed, never more than the points.
     """
-    from .specs import get
-
-    ex = get(exercise_id)
-    hidden_run = grading()
     cases = [c for c in ex.cases if hidden_run or not c.hidden]
-    n_hidden = sum(c.hidden for c in ex.cases)
     outcomes = []
     for case in cases:
-        status, message = _run_case(case, candidate, ex.forbidden)
+        status, message = _run_case(case, candidate)
         outcomes.append((case, status, message))
-        if status == "not implemented":  # every case would say the same
+        if status in ("not implemented", "forbidden"):  # every case would say the same
             break
     passed = sum(s == "passed" for _, s, _ in outcomes)
     failures = [(c, s, m) for c, s, m in outcomes if s != "passed"]
-    total = len(cases)
-    if not failures:
-        status, message = "passed", ""
-        extra = "" if hidden_run or not n_hidden else f"; {n_hidden} hidden case(s) run when graded"
-        print(f"✅ {ex.id} {ex.title}: {passed}/{total} cases passed ({ex.points} points{extra})")
-    else:
+    status, message = "passed", ""
+    if failures:
         case, status, message = failures[0]
-        print(f"❌ {ex.id} {ex.title}: {passed}/{total} cases passed")
-        label = "(hidden case) " if case.hidden else ""
-        print("   " + label + message.replace("\n", "\n   "))
+        if case.hidden:
+            message = "(hidden case) " + message
         others = [c.name for c, s, _ in failures[1:]]
         if others:
-            print(f"   also failing: {', '.join(others)}")
-    result = Result(
-        id=ex.id,
-        title=ex.title,
-        points=ex.points,
-        score=round(ex.points * passed / total, 4) if total else 0.0,
-        passed=passed,
-        total=total,
-        status=status,
-        message=message,
-        hidden_run=hidden_run,
-    )
-    _record(result)
-    if failures and os.environ.get(RAISE_ENV) == "1":
-        raise AssertionError(f"{ex.id} failed ({status}): {message}")
+            message += f"\nalso failing: {', '.join(others)}"
+    total = len(cases)
+    score = min(float(ex.points), round(ex.points * passed / total, 4)) if total else 0.0
+    return Result(ex.id, ex.title, ex.points, score, passed, total, status, message, hidden_run)
+
+
+def verdict(result: Result, hidden_waiting: int = 0) -> str:
+    """The lines ``check`` prints for a result."""
+    if result.ok:
+        extra = f"; {hidden_waiting} hidden case(s) run when graded" if hidden_waiting else ""
+        return (f"✅ {result.id} {result.title}: {result.passed}/{result.total} cases passed "
+                f"({result.points} points{extra})")  # fmt: skip
+    mark = "⏸" if result.status == "needs gpu" else "❌"
+    lines = [f"{mark} {result.id} {result.title}: {result.passed}/{result.total} cases passed"]
+    if result.message:
+        lines.append("   " + result.message.replace("\n", "\n   "))
+    return "\n".join(lines)
+
+
+def check(exercise_id: str, candidate) -> Result:
+    """Run an exercise's cases on ``candidate`` (a function, kernel or source) and print the verdict.
+
+    Prints ✅ and one line when every case passes; otherwise ❌, the first failing case with its
+    worst element and a hint, and the names of the other failing cases. Returns the ``Result``.
+    While a notebook is being graded this hands the candidate to the grading process instead,
+    which runs the cases (hidden ones too) and decides the score.
+    """
+    from . import sandbox
+
+    if sandbox.in_worker():
+        result = sandbox.hand_over(exercise_id, candidate)
+    else:
+        from .specs import get
+
+        ex = get(exercise_id)
+        hidden_run = grading()
+        result = evaluate(ex, as_candidate(candidate, ex), hidden_run)
+        waiting = 0 if hidden_run else sum(c.hidden for c in ex.cases)
+        print(verdict(result, waiting))
+    _results.append(result)
+    if not result.ok and os.environ.get(RAISE_ENV) == "1":
+        raise AssertionError(f"{result.id} failed ({result.status}): {result.message}")
     return result
 
 

@@ -10,4 +10,3 @@ def grading_env(monkeypatch):
     """Check the way `python -m course_utils grade` does: hidden cases run, failures don't raise."""
     monkeypatch.setenv(grader.GRADING_ENV, "1")
     monkeypatch.delenv(grader.RAISE_ENV, raising=False)
-    monkeypatch.delenv(grader.RESULTS_ENV, raising=False)

@@ -36,7 +36,6 @@ def registry(monkeypatch):
     monkeypatch.setattr(specs, "all_exercises", lambda: exercises)
     monkeypatch.delenv(grader.RAISE_ENV, raising=False)
     monkeypatch.delenv(grader.GRADING_ENV, raising=False)
-    monkeypatch.delenv(grader.RESULTS_ENV, raising=False)
 
 
 def last():
@@ -84,7 +83,6 @@ def test_candidate_crash_names_the_exception():
 def test_hidden_cases_run_when_grading_and_results_are_written(tmp_path, monkeypatch):
     results = tmp_path / "r.jsonl"
     monkeypatch.setenv(grader.GRADING_ENV, "1")
-    monkeypatch.setenv(grader.RESULTS_ENV, str(results))
     grader.check("99.double", lambda x: 2 * x if x.numel() else torch.ones(1))
     r = json.loads(results.read_text().splitlines()[-1])
     assert r["hidden_run"] and (r["passed"], r["total"]) == (1, 2) and r["score"] == 2.0

@@ -18,9 +18,8 @@ pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/c
 def failure(exercise, case_name, candidate):
     """Run one case (not the whole exercise: simulator launches are slow); return its failure."""
     case = next(c for c in exercise.cases if c.name == case_name)
-    with grader.forbid(exercise.forbidden):
-        with pytest.raises(CheckFailure) as info:
-            case.run(candidate)
+    with pytest.raises(CheckFailure) as info:
+        case.run(grader.as_candidate(candidate, exercise))
     return info.value
 
 

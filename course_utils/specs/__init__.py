@@ -48,8 +48,9 @@ def for_chapter(chapter: str) -> list[Exercise]:
 def source_of(candidate) -> str:
     """The CUDA source a candidate gives: a str, or a function that returns one."""
     from ..checks import CheckFailure
+    from ..grader import invoke
 
-    source = candidate() if callable(candidate) else candidate
+    source = invoke(candidate, "course_utils.harness:source_text")
     if not isinstance(source, str):
         raise CheckFailure(
             "source", f"expected the CUDA source as a str, got {type(source).__name__}", None
@@ -65,11 +66,11 @@ def require_implemented(candidate) -> None:
     the Python function behind the kernel (Numba's ``py_func``, Triton's ``fn``) makes the stub
     fail the same clear way on a GPU as in the simulator.
     """
-    fn = getattr(candidate, "py_func", None) or getattr(candidate, "fn", None) or candidate
-    code = getattr(fn, "__code__", None)
-    if code is not None and "NotImplementedError" in code.co_names:
-        name = getattr(fn, "__name__", "the function")
-        raise NotImplementedError(f"{name} still raises NotImplementedError")
+    from ..grader import invoke
+
+    reason = invoke(candidate, "course_utils.harness:stub_reason")
+    if reason:
+        raise NotImplementedError(reason)
 
 
 def compiled_resources(source, kernel=None, *, case, hint="keep the given name", extra_flags=()):

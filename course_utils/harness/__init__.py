@@ -1,0 +1,34 @@
+"""The student's side of grading: helpers that run next to the candidate object.
+
+When a notebook is graded, its code runs in a sandboxed worker process and the checks run in
+the grading process (see :mod:`course_utils.grader` and :mod:`course_utils.sandbox`). A case that
+needs the candidate object itself, not just a call, names a function here:
+``grader.invoke(candidate, "course_utils.harness.ch09:run_forward", q, k, v)`` runs
+``run_forward(obj, q, k, v)`` where the object lives. Those functions take and return data
+(tensors, arrays, numbers, strings), never an expected value: whatever runs here, a student's
+notebook could read or change.
+
+One module per chapter (``ch04``, ``ch07``, ...) holds that chapter's helpers and the constants
+its exercise notebooks import (tile sizes, threads per block). ``course_utils.specs``, the
+grader's side, is not importable in the worker.
+"""
+
+from __future__ import annotations
+
+
+def stub_reason(obj) -> str:
+    """Why ``obj`` is still the exercise's placeholder ("" if it is not).
+
+    Looks at the Python function behind a kernel (Numba's ``py_func``, Triton's ``fn``), since
+    a stub kernel compiled for a GPU would silently write nothing instead of raising.
+    """
+    fn = getattr(obj, "py_func", None) or getattr(obj, "fn", None) or obj
+    code = getattr(fn, "__code__", None)
+    if code is not None and "NotImplementedError" in code.co_names:
+        return f"{getattr(fn, '__name__', 'the function')} still raises NotImplementedError"
+    return ""
+
+
+def source_text(obj):
+    """The CUDA source a candidate gives: the str itself, or what a function returns."""
+    return obj() if callable(obj) else obj
