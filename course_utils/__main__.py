@@ -18,7 +18,11 @@ def _doctor(args) -> int:
 def _grade(args) -> int:
     from . import grader
 
-    reports = grader.grade_notebooks(args.notebooks, timeout=args.timeout)
+    from .sandbox import Limits
+
+    limits = Limits(cell_seconds=args.timeout, exercise_seconds=args.timeout,
+                    notebook_seconds=args.notebook_timeout, memory_mb=args.memory_mb)
+    reports = grader.grade_notebooks(args.notebooks, limits=limits)
     print(grader.score_table(reports))
     json_path, csv_path = grader.write_reports(reports, args.out)
     print(f"\nwrote {json_path} and {csv_path}")
@@ -77,9 +81,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check what this machine can run").set_defaults(func=_doctor)
-    g = sub.add_parser("grade", help="grade notebooks, each in a fresh kernel")
+    g = sub.add_parser("grade", help="grade notebooks, each in its own sandboxed process")
     g.add_argument("notebooks", nargs="+", type=Path)
-    g.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    g.add_argument("--timeout", type=int, default=600,
+                   help="seconds per cell and per exercise's check (default 600)")
+    g.add_argument("--notebook-timeout", type=int, default=3600,
+                   help="seconds per notebook, restarts included (default 3600)")
+    g.add_argument("--memory-mb", type=int, default=8192,
+                   help="memory of one notebook's processes together (default 8192 MiB)")
     g.add_argument("--out", type=Path, default=Path("grades"), help="folder for JSON and CSV")
     g.set_defaults(func=_grade)
     r = sub.add_parser("record", help="run notebooks on a GPU, saving their recorded results")

@@ -25,6 +25,7 @@ and dicts of them. The candidate's side never sees an expected value.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import traceback
 from collections.abc import Callable
@@ -325,6 +326,7 @@ class NotebookReport:
     results: list[Result]
     cell_errors: list[str]  # "cell 12: NameError: ..." for every cell that raised
     failure: str  # why the notebook stopped early ("" if it ran to the end)
+    isolation: str = ""  # how its worker was locked in ("landlock abi 7", "none: ...")
 
     @property
     def score(self) -> float:
@@ -333,16 +335,6 @@ class NotebookReport:
     @property
     def points(self) -> int:
         return sum(r.points for r in self.results)
-
-
-def _chapter_of(path) -> str:
-    from pathlib import Path
-
-    name = Path(path).name
-    chapter = name.split("_", 1)[0]
-    if not chapter.isdigit():
-        raise ValueError(f"{name}: notebook names start with their chapter number, e.g. 00_...")
-    return chapter
 
 
 def execute_notebook(path, env: dict, timeout: int) -> tuple[list[str], str]:
@@ -391,37 +383,200 @@ def execute_notebook(path, env: dict, timeout: int) -> tuple[list[str], str]:
     return errors, failure
 
 
-def grade_notebook(path, timeout: int = DEFAULT_CELL_TIMEOUT) -> NotebookReport:
-    """Grade one notebook in a fresh kernel, from the results its checks record."""
-    import tempfile
+def _chapter_of(path) -> str:
+    from pathlib import Path
 
+    name = Path(path).name
+    chapter = name.split("_", 1)[0]
+    if not (chapter.isdigit() and name.endswith(".ipynb")):
+        raise ValueError(f"{name}: notebook names start with their chapter number and end in "
+                         ".ipynb, e.g. 07_flash_attention_forward.ipynb")  # fmt: skip
+    return chapter
+
+
+def _code_cells(text: str) -> list[str]:
+    """The code cells' sources of a notebook's JSON text (ValueError if it is not one)."""
+    nb = json.loads(text)
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    if not isinstance(cells, list):
+        raise ValueError("no list of cells")
+    sources = []
+    for cell in cells:
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
+            sources.append("")  # keep cell numbers as the notebook shows them
+            continue
+        src = cell.get("source", "")
+        if isinstance(src, list) and all(isinstance(x, str) for x in src):
+            src = "".join(src)
+        if not isinstance(src, str):
+            raise ValueError("a code cell's source is not text")
+        sources.append(src)
+    return sources
+
+
+def _not_run(ex: Exercise, status: str, why: str) -> Result:
+    return Result(ex.id, ex.title, ex.points, 0.0, 0, len(ex.cases), status, why, True)
+
+
+def _grade_in_worker(text, chapter, exercises, limits, scratch, keep, protected, isolation):
+    """Run one notebook's cells in sandboxed workers; return (results, cell errors, failure)."""
+    import time
+
+    from . import sandbox
+
+    cells = _code_cells(text)
+    by_id = {ex.id: ex for ex in exercises}
+    results: dict[str, Result] = {}
+    cell_errors: dict[int, str] = {}
+    skip_cells: set[int] = set()
+    failure = ""
+    notebook_deadline = time.monotonic() + limits.notebook_seconds
+    for attempt in range(limits.restarts + 1):
+        job = {"cells": cells, "skip_cells": sorted(skip_cells), "skip_ids": sorted(results)}
+        worker = None
+        where = ("cell", -1)
+        try:
+            worker = sandbox.start_worker(scratch, job, limits, keep, protected)
+            isolation[0] = worker.landlock or "process only (no Landlock on this kernel)"
+            while True:
+                worker.deadline = min(notebook_deadline, time.monotonic() + limits.cell_seconds)
+                header, _ = worker.recv()
+                if "cell" in header and isinstance(header["cell"], int):
+                    where = ("cell", header["cell"])
+                elif "cell_error" in header:
+                    index = header.get("cell_error")
+                    cell_errors[index if isinstance(index, int) else -1] = str(
+                        header.get("error", ""))[:300]
+                elif "check" in header:
+                    ex = by_id.get(header["check"])
+                    if ex is None:
+                        known = ", ".join(by_id)
+                        worker.send({"op": "verdict", "text": f"❌ no exercise "
+                                     f"{str(header['check'])[:60]!r} in this chapter ({known})"})
+                        continue
+                    where = ("check", ex.id)
+                    worker.deadline = min(notebook_deadline,
+                                          time.monotonic() + limits.exercise_seconds)
+                    candidate = sandbox.remote_candidate(worker, header.get("shape"), ex)
+                    result = evaluate(ex, candidate, hidden_run=True)
+                    results[ex.id] = result
+                    worker.send({"op": "verdict", "result": asdict(result),
+                                 "text": verdict(result)})  # fmt: skip
+                    where = ("cell", where[1])
+                elif header.get("done"):
+                    return results, cell_errors, ""
+                elif "fatal" in header:
+                    return results, cell_errors, str(header["fatal"])[:300]
+        except sandbox.WorkerLost as lost:
+            if time.monotonic() >= notebook_deadline:
+                lost = sandbox.WorkerLost("timed out", f"the notebook ran longer than its limit "
+                                          f"of {limits.notebook_seconds:g} s")  # fmt: skip
+                failure = lost.reason
+            if where[0] == "check":
+                ex = by_id[where[1]]
+                limit = f" (limit {limits.exercise_seconds:g} s)" if lost.status == "timed out" else ""
+                results[ex.id] = _not_run(ex, lost.status, f"while checking: {lost.reason}{limit}")
+            else:
+                index = where[1]
+                limit = f" (limit {limits.cell_seconds:g} s)" if lost.status == "timed out" else ""
+                cell_errors[index] = f"{lost.status}: {lost.reason}{limit}"
+                if index < 0:
+                    return results, cell_errors, f"the notebook could not start: {lost.reason}"
+                skip_cells.add(index)
+            if failure:
+                return results, cell_errors, failure
+        finally:
+            if worker is not None:
+                worker.stop()
+    return results, cell_errors, f"stopped after {limits.restarts + 1} restarts"
+
+
+def grade_notebook(path, timeout: int = DEFAULT_CELL_TIMEOUT, *, text=None, limits=None,
+                   keep=None, protected=None) -> NotebookReport:
+    """Grade one notebook in a sandboxed worker (see :mod:`course_utils.sandbox`).
+
+    Every exercise of the notebook's chapter is reported: a missing, crashed or timed-out one
+    scores 0 with the reason. ``text`` is the notebook's JSON if already read; ``protected``
+    lists paths the worker may not read (default: the course's folder and the notebook's).
+    """
+    import shutil
+    from pathlib import Path
+
+    from . import runtime, sandbox
+
+    runtime.setup(verbose=False)  # the grader's own kernels (references, probes) need the mode
     from .specs import for_chapter
 
-    chapter = _chapter_of(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        results_file = os.path.join(tmp, "results.jsonl")
-        open(results_file, "w").close()
-        env = {GRADING_ENV: "1", RESULTS_ENV: results_file}
-        errors, failure = execute_notebook(path, env, timeout)
-        with open(results_file, encoding="utf-8") as f:
-            recorded = [Result(**json.loads(line)) for line in f if line.strip()]
-    latest = {r.id: r for r in recorded}  # a re-run check counts once, the last time
+    limits = limits or sandbox.Limits(cell_seconds=timeout, exercise_seconds=timeout)
+    try:
+        chapter = _chapter_of(path)
+    except ValueError as exc:
+        return NotebookReport(str(path), "", [], [], str(exc))
+    exercises = for_chapter(chapter)
+    if text is None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            text = None
+            why = f"could not read the notebook: {exc}"
+    if text is not None:
+        try:
+            _code_cells(text)
+            why = ""
+        except ValueError as exc:
+            why = f"not a valid notebook ({str(exc)[:120]})"
+    if why:
+        return NotebookReport(str(path), chapter, [_not_run(ex, "not run", why)
+                                                   for ex in exercises], [], why)
+    if protected is None:
+        protected = [str(sandbox.PACKAGE.parent), str(Path(path).resolve().parent)]
+    if keep is None:
+        keep = frozenset(sandbox.descendants(os.getpid()))
+    scratch = sandbox.scratch_root()
+    try:
+        sandbox.copy_package(scratch)
+        isolation = [""]
+        results, cell_errors, failure = _grade_in_worker(
+            text, chapter, exercises, limits, scratch, keep, protected, isolation)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     graded = []
-    for ex in for_chapter(chapter):
-        if ex.id in latest:
-            graded.append(latest[ex.id])
+    for ex in exercises:
+        if ex.id in results:
+            graded.append(results[ex.id])
             continue
-        why = failure or (errors[0] if errors else "the notebook never calls its check")
-        graded.append(
-            Result(ex.id, ex.title, ex.points, 0.0, 0, len(ex.cases), "not run",
-                   f"not graded: {why}", True)
-        )
-    return NotebookReport(str(path), chapter, graded, errors, failure)
+        why = failure or next(iter(cell_errors.values()), "") or "the notebook never calls its check"
+        graded.append(_not_run(ex, "not run", f"not graded: {why}"))
+    errors = [f"cell {i}: {e}" for i, e in sorted(cell_errors.items())]
+    return NotebookReport(str(path), chapter, graded, errors, failure, isolation[0])
 
 
-def grade_notebooks(paths, timeout: int = DEFAULT_CELL_TIMEOUT) -> list[NotebookReport]:
-    """Grade several notebooks, each alone: one that crashes or hangs does not stop the rest."""
-    return [grade_notebook(p, timeout) for p in paths]
+def grade_notebooks(paths, timeout: int = DEFAULT_CELL_TIMEOUT, *, limits=None
+                    ) -> list[NotebookReport]:
+    """Grade several notebooks, each alone in its own sandboxed worker.
+
+    Every notebook is read before any runs (a notebook cannot change another's text), the
+    grading process adopts and kills every process a notebook leaves behind, and one that is
+    broken, crashes or hangs costs only its own marks.
+    """
+    from pathlib import Path
+
+    from . import sandbox
+
+    texts = {}
+    for p in paths:
+        try:
+            texts[str(p)] = Path(p).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            texts[str(p)] = f"unreadable: {exc}"  # reported as an invalid notebook
+    protected = [str(sandbox.PACKAGE.parent), *{str(Path(p).resolve().parent) for p in paths}]
+    sandbox.set_subreaper()
+    keep = frozenset(sandbox.descendants(os.getpid()))
+    reports = []
+    for p in paths:
+        reports.append(grade_notebook(p, timeout, text=texts[str(p)], limits=limits, keep=keep,
+                                      protected=protected))  # fmt: skip
+    return reports
 
 
 def score_table(reports: list[NotebookReport]) -> str:
@@ -458,16 +613,27 @@ def write_reports(reports: list[NotebookReport], out_dir) -> tuple[str, str]:
             "score": rep.score,
             "points": rep.points,
             "failure": rep.failure,
+            "isolation": rep.isolation,
             "cell_errors": rep.cell_errors,
             "exercises": [asdict(r) for r in rep.results],
         }
         for rep in reports
     ]
-    json_path.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
-    with open(csv_path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["notebook", "exercise", "title", "score", "points", "status", "message"])
-        for rep in reports:
-            for r in rep.results:
-                w.writerow([rep.path, r.id, r.title, r.score, r.points, r.status, r.message])
+    import io
+    import tempfile
+
+    rows = io.StringIO()
+    w = csv.writer(rows)
+    w.writerow(["notebook", "exercise", "title", "score", "points", "status", "message"])
+    for rep in reports:
+        for r in rep.results:
+            w.writerow([rep.path, r.id, r.title, r.score, r.points, r.status, r.message])
+    for path, content in ((json_path, json.dumps(data, indent=2, ensure_ascii=False)),
+                          (csv_path, rows.getvalue())):
+        # Written beside the target and renamed over it: a reader sees the old file or the
+        # new one, never half of one, and a FIFO or link planted at the name is replaced.
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(content)
+        os.replace(tmp, path)
     return str(json_path), str(csv_path)

@@ -1,0 +1,418 @@
+"""Grading that cannot be fooled: attack notebooks, each graded beside honest ones.
+
+Every notebook below is graded in ONE run of ``python -m course_utils grade`` (a subprocess, so
+an attack that escaped could only hurt that run, never pytest). Each attack asserts the score an
+honest grader gives it, and every run also holds two honest notebooks that must keep full
+marks whatever the attacks around them did.
+
+Capability attacks (read the solutions, reach the network, read the grader's memory, signal
+it) use the score as their only way out: the notebook hands in the right answer if the forbidden
+capability worked and a wrong one if it did not, so a score of 0 proves the sandbox held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from course_utils import sandbox
+
+ROOT = Path(__file__).resolve().parent.parent
+LANDLOCK = sandbox.landlock_abi()
+needs_landlock = pytest.mark.skipif(LANDLOCK < 1, reason="Landlock is not available here")
+
+SETUP = "import course_utils as cu\ncu.setup()\nfrom course_utils import grader"
+
+# Honest answers to chapter 01's exercises (the attacks target these).
+MEMORY = "def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):\n" \
+         "    return 2 * B * H * Nq * Nk * bytes_per_element"
+MEMORY_WRONG = "def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):\n" \
+               "    return 0"
+CHECK_MEMORY = 'grader.check("01.memory_formula", attention_matrix_bytes)'
+NAIVE = textwrap.dedent("""
+    import math
+    import torch
+
+    def naive_attention(Q, K, V, causal=False, scale=None):
+        scale = 1 / math.sqrt(Q.shape[-1]) if scale is None else scale
+        S = scale * Q @ K.transpose(-2, -1)
+        if causal:
+            keep = torch.ones(S.shape[-2], S.shape[-1], dtype=torch.bool, device=S.device).tril()
+            S = S.masked_fill(~keep, -math.inf)
+        m = S.amax(dim=-1, keepdim=True)
+        P = torch.exp(S - m)
+        l = P.sum(dim=-1, keepdim=True)
+        return (P / l) @ V, (m + torch.log(l)).squeeze(-1)
+""")
+CHECK_NAIVE = 'grader.check("01.naive_attention", naive_attention)'
+
+
+def _softmax_attention(expr: str) -> str:
+    """A naive attention whose P comes from ``expr`` (a library route to the softmax)."""
+    return textwrap.dedent(f"""
+        import math
+        import torch
+        import torch.nn.functional as F
+
+        def naive_attention(Q, K, V, causal=False, scale=None):
+            scale = 1 / math.sqrt(Q.shape[-1]) if scale is None else scale
+            S = scale * Q @ K.transpose(-2, -1)
+            if causal:
+                keep = torch.ones(S.shape[-2], S.shape[-1], dtype=torch.bool).tril()
+                S = S.masked_fill(~keep, -math.inf)
+            m = S.amax(dim=-1, keepdim=True)
+            l = torch.exp(S - m).sum(dim=-1, keepdim=True)
+            P = {expr}
+            return P @ V, (m + torch.log(l)).squeeze(-1)
+    """)
+
+
+def oracle(condition_code: str) -> list[str]:
+    """Cells that hand in the right memory formula only if ``condition_code`` sets ok = True."""
+    return [f"ok = False\ntry:\n{textwrap.indent(condition_code, '    ')}\nexcept Exception:\n"
+            "    ok = False",
+            f"{MEMORY}\nif not ok:\n{textwrap.indent(MEMORY_WRONG, '    ')}",
+            CHECK_MEMORY]
+
+
+# name -> (cells after the setup cell, {exercise: expected score})
+ATTACKS: dict[str, tuple[list[str], dict[str, float]]] = {}
+
+
+def attack(name, cells, expected):
+    ATTACKS[name] = (cells, expected)
+
+
+# --- the notebook reports its own results --------------------------------------------------------
+attack("forged_results_env", [
+    "import os, json\nfor k in ('COURSE_GRADE_RESULTS', 'COURSE_GRADING'):\n"
+    "    os.environ.pop(k, None)\n"
+    "open('results.jsonl', 'a').write(json.dumps({'id': '01.memory_formula', 'score': 8000}))",
+    MEMORY_WRONG, CHECK_MEMORY], {"01.memory_formula": 0})
+attack("visible_answers_table_env_popped", [
+    "import os\nos.environ.pop('COURSE_GRADING', None)",
+    "TABLE = {(1, 16, 1024, 1024, 4): 2 * 16 * 1024 * 1024 * 4,\n"
+    "         (1, 16, 131072, 131072, 2): 2 * 16 * 131072 ** 2 * 2,\n"
+    "         (3, 8, 4096, 1024, 4): 2 * 3 * 8 * 4096 * 1024 * 4}\n"
+    "def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):\n"
+    "    return TABLE.get((B, H, Nq, Nk, bytes_per_element), 0)",
+    CHECK_MEMORY], {"01.memory_formula": "partial"})
+attack("check_called_many_times", [MEMORY, "for _ in range(50):\n    " + CHECK_MEMORY],
+       {"01.memory_formula": 2})
+attack("forged_protocol_message", [
+    "import os, json, struct\n"
+    "msg = json.dumps({'op': 'verdict', 'result': {'id': '01.memory_formula', 'score': 8000},"
+    " 'nbuf': 0}).encode()\n"
+    "for fd in range(3, 40):\n"
+    "    try:\n        os.write(fd, struct.pack('<Q', len(msg)) + msg)\n"
+    "    except OSError:\n        pass",
+    MEMORY_WRONG, CHECK_MEMORY], {"01.memory_formula": 0})
+attack("check_of_unknown_exercise", [MEMORY, 'grader.check("07.torch_forward", print)',
+                                     'grader.check("01.nope", print)', CHECK_MEMORY],
+       {"01.memory_formula": 2})
+
+# --- stealing the expected values inside the student's process ----------------------------------
+attack("stack_frame_theft", [textwrap.dedent("""
+    import inspect, torch
+    def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):
+        for frame in inspect.stack():
+            for name, value in frame.frame.f_locals.items():
+                if name in ('expected', 'want', 'ref', 'answer') and isinstance(value, int):
+                    return value
+        return -1
+    """), CHECK_MEMORY], {"01.memory_formula": 0})
+attack("gc_theft", [textwrap.dedent("""
+    import gc, torch
+    def naive_attention(Q, K, V, causal=False, scale=None):
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.dtype == torch.float64 \\
+                    and obj.shape == Q.shape and obj is not Q:
+                return obj.float(), torch.zeros(Q.shape[:-1])
+        return torch.zeros_like(Q), torch.zeros(Q.shape[:-1])
+    """), CHECK_NAIVE], {"01.naive_attention": 0})
+attack("lying_tensor_subclass", [textwrap.dedent("""
+    import torch
+    class Liar(torch.Tensor):
+        def __eq__(self, other): return torch.ones_like(other, dtype=torch.bool)
+        def __sub__(self, other): return torch.zeros_like(other)
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return torch.tensor(True) if 'close' in func.__name__ else \\
+                super().__torch_function__(func, types, args, kwargs or {})
+    def naive_attention(Q, K, V, causal=False, scale=None):
+        return torch.zeros_like(Q).as_subclass(Liar), torch.zeros(Q.shape[:-1]).as_subclass(Liar)
+    """), CHECK_NAIVE], {"01.naive_attention": 0})
+attack("monkeypatched_torch_and_checks", [textwrap.dedent("""
+    import torch
+    from course_utils import checks
+    torch.Tensor.any = lambda self, *a, **k: False
+    torch.allclose = lambda *a, **k: True
+    torch.isclose = lambda a, b, *x, **k: torch.ones_like(a, dtype=torch.bool)
+    checks.compare = lambda *a, **k: None
+    grader._run_case = lambda case, candidate: ("passed", "")
+    grader.evaluate = lambda ex, cand, hidden_run: None
+    def naive_attention(Q, K, V, causal=False, scale=None):
+        return torch.zeros_like(Q), torch.zeros(Q.shape[:-1])
+    """), CHECK_NAIVE], {"01.naive_attention": 0})
+attack("check_replaced_by_print", [
+    MEMORY_WRONG, "grader.check = lambda *a: print('✅ 01.memory_formula: 3/3 cases passed')",
+    CHECK_MEMORY], {"01.memory_formula": 0})
+
+# --- library routes to the forbidden operation ------------------------------------------------
+for _name, _expr in {
+    "aliased_softmax_private": "torch._softmax(S, -1, False)",
+    "aliased_softmax_ops": "torch.ops.aten._softmax(S, -1, False)",
+    "aliased_softmin": "F.softmin(-S, dim=-1)",
+    "aliased_tensor_softmax_method": "S.softmax(-1)",
+}.items():
+    attack(_name, [_softmax_attention(_expr), CHECK_NAIVE], {"01.naive_attention": 0})
+attack("aliased_sdpa_math", [
+    NAIVE + "\n_honest = naive_attention\n"
+    "def naive_attention(Q, K, V, causal=False, scale=None):\n"
+    "    O = torch.ops.aten._scaled_dot_product_attention_math(Q, K, V, is_causal=causal,"
+    " scale=scale)[0]\n"
+    "    return O, _honest(Q, K, V, causal, scale)[1]",
+    CHECK_NAIVE], {"01.naive_attention": 0})
+attack("course_reference", [
+    "from course_utils import reference as r\nfrom functools import partial\n"
+    "naive_attention = partial(r.attention)",
+    CHECK_NAIVE], {"01.naive_attention": 0})
+attack("import_grader_specs", [
+    "from course_utils.specs import ch01\nattention_matrix_bytes = ch01.memory_formula",
+    MEMORY_WRONG, CHECK_MEMORY], {"01.memory_formula": 0})
+
+# --- reaching outside the sandbox (Landlock) ---------------------------------------------------
+SOLUTION_01 = ROOT / "solutions" / "01_attention_as_classification.ipynb"
+attack("execute_the_solutions", [
+    "import json\n"
+    f"nb = json.load(open({str(SOLUTION_01)!r}))\n"
+    "for c in nb['cells']:\n"
+    "    if c['cell_type'] == 'code' and 'def attention_matrix_bytes' in ''.join(c['source']):\n"
+    "        exec(''.join(c['source']))",
+    CHECK_MEMORY], {"01.memory_formula": 0})
+attack("read_grader_memory", oracle(
+    "import os\nf = open(f'/proc/{os.getppid()}/mem', 'rb')\nok = f is not None"),
+    {"01.memory_formula": 0})
+attack("network", oracle(
+    "import socket\ns = socket.create_connection(('127.0.0.1', NET_PORT), timeout=5)\nok = True"),
+    {"01.memory_formula": 0})
+attack("signal_the_grader", oracle("import os\nos.kill(os.getppid(), 0)\nok = True"),
+       {"01.memory_formula": 0})
+attack("rewrite_the_grader_package", [
+    f"open({str(ROOT / 'course_utils' / 'grader.py')!r}, 'a').write('\\n# pwned\\n')",
+    MEMORY_WRONG, CHECK_MEMORY], {"01.memory_formula": 0})
+
+# --- crashes, hangs and resource abuse: one exercise lost, the others kept ----------------------
+attack("infinite_loop_in_check", [
+    MEMORY, CHECK_MEMORY, NAIVE.replace("scale = 1", "while True: pass\n    scale = 1"),
+    CHECK_NAIVE], {"01.memory_formula": 2, "01.naive_attention": 0})
+attack("infinite_loop_in_cell", [
+    "while True:\n    pass", MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
+attack("segfault_in_check", [
+    NAIVE.replace("scale = 1", "import ctypes; ctypes.string_at(0)\n    scale = 1"),
+    CHECK_NAIVE, MEMORY, CHECK_MEMORY], {"01.memory_formula": 2, "01.naive_attention": 0})
+attack("os_exit_in_check", [
+    MEMORY, CHECK_MEMORY, NAIVE.replace("scale = 1", "import os; os._exit(0)\n    scale = 1"),
+    CHECK_NAIVE], {"01.memory_formula": 2, "01.naive_attention": 0})
+attack("os_exit_in_cell", ["import os\nos._exit(3)", MEMORY, CHECK_MEMORY],
+       {"01.memory_formula": 2})
+attack("sys_exit_in_cell", ["raise SystemExit(1)", MEMORY, CHECK_MEMORY],
+       {"01.memory_formula": 2})
+attack("out_of_memory_in_check", [
+    MEMORY, CHECK_MEMORY,
+    NAIVE.replace("scale = 1", "hog = [bytearray(1 << 30) for _ in range(40)]\n    scale = 1"),
+    CHECK_NAIVE], {"01.memory_formula": 2, "01.naive_attention": 0})
+attack("huge_output", [
+    "import torch\ndef naive_attention(Q, K, V, causal=False, scale=None):\n"
+    "    return torch.zeros(1 << 31, dtype=torch.uint8), torch.zeros(1)",
+    CHECK_NAIVE, MEMORY, CHECK_MEMORY], {"01.memory_formula": 2, "01.naive_attention": 0})
+attack("fork_bomb_lite", [
+    "import os\nfor _ in range(20):\n    if os.fork() == 0:\n        import time\n"
+    "        time.sleep(600)\n        os._exit(0)",
+    MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
+
+# Attacks that only the kernel's Landlock (of at least this ABI) can stop.
+NEEDS_ABI = {"execute_the_solutions": 1, "read_grader_memory": 1, "rewrite_the_grader_package": 1,
+             "overwrite_other_notebooks": 1, "network": 4, "signal_the_grader": 6}
+
+ORPHAN_MARK = "course-grade-orphan-test"
+# (the path is filled in by the fixture: a file the orphan would write after the run ends)
+attack("orphan_daemon", [
+    "import subprocess, sys\n"
+    "subprocess.Popen([sys.executable, '-c', 'import time, sys; time.sleep(4); "
+    "open(sys.argv[1], \"w\").write(\"escaped\")', ORPHAN_TARGET, " + repr(ORPHAN_MARK) + "],"
+    " start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,"
+    " stderr=subprocess.DEVNULL)\n"
+    "import os\nif os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(6)\n"
+    "    os._exit(0)",
+    MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
+attack("overwrite_other_notebooks", [
+    "import glob, os, json\n"
+    "for p in glob.glob(os.path.join(OTHERS_DIR, '01_*.ipynb')):\n"
+    "    try:\n        open(p, 'w').write('{}')\n    except OSError:\n        pass",
+    MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
+
+# --- honest notebooks: full marks, and partial credit for an honest bug -------------------------
+HONEST = {"01.memory_formula": 2, "01.naive_attention": 4}
+attack("honest_a", [MEMORY, CHECK_MEMORY, NAIVE, CHECK_NAIVE], HONEST)
+attack("honest_b", [NAIVE, CHECK_NAIVE, MEMORY, CHECK_MEMORY], HONEST)
+attack("honest_bug_no_causal_mask", [NAIVE.replace("if causal:", "if False:"), CHECK_NAIVE],
+       {"01.naive_attention": "partial"})
+
+BROKEN_FILES = {
+    "01_broken_json.ipynb": "{ this is not json",
+    "01_not_a_notebook.ipynb": json.dumps({"cells": "nope"}),
+    "no_chapter_number.ipynb": None,  # filled with an honest notebook: the name alone is wrong
+}
+
+
+def notebook(cells: list[str]) -> str:
+    return json.dumps({
+        "cells": [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+                   "source": src} for src in [SETUP, *cells]],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5,
+    })
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    import socket
+
+    listener = socket.socket()  # a port the "network" attack could reach without the sandbox
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    folder = tmp_path_factory.mktemp("attacks")
+    out = tmp_path_factory.mktemp("grades")
+    orphan_target = folder.parent / "orphan_wrote_this"
+    paths = []
+    for name, (cells, _) in ATTACKS.items():
+        prelude = (f"ORPHAN_TARGET = {str(orphan_target)!r}\n"
+                   f"OTHERS_DIR = {str(folder)!r}\nNET_PORT = {listener.getsockname()[1]}")
+        path = folder / f"01_{name}.ipynb"
+        path.write_text(notebook([prelude, *cells]))
+        paths.append(path)
+    for name, text in BROKEN_FILES.items():
+        path = folder / name
+        path.write_text(text if text is not None else notebook([MEMORY, CHECK_MEMORY]))
+        paths.append(path)
+    before = {p: p.read_bytes() for p in paths}
+    package_before = {p: p.read_bytes() for p in (ROOT / "course_utils").rglob("*.py")}
+    (out / "grades.json").unlink(missing_ok=True)
+    os.mkfifo(out / "grades.csv")  # a FIFO planted at the output name must not hang the run
+    env = dict(os.environ)
+    env.pop("COURSE_CHECKS_RAISE", None)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "course_utils", "grade", *map(str, paths), "--out", str(out),
+         "--timeout", "25", "--notebook-timeout", "300", "--memory-mb", "3072"],
+        capture_output=True, text=True, timeout=1800, env=env, cwd=folder,
+    )
+    elapsed = time.monotonic() - start
+    listener.close()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    time.sleep(7)  # longer than the orphans sleep: an escaped one would have written by now
+    data = json.loads((out / "grades.json").read_text())
+    by_name = {Path(rep["notebook"]).name: rep for rep in data}
+    return {"reports": by_name, "paths": paths, "before": before, "orphan": orphan_target,
+            "package_before": package_before, "stdout": proc.stdout, "elapsed": elapsed,
+            "out": out}
+
+
+def _score(report, exercise):
+    return next(e for e in report["exercises"] if e["id"] == exercise)
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_attack_scores_what_an_honest_grader_gives(graded, name):
+    if LANDLOCK < NEEDS_ABI.get(name, 0):
+        pytest.skip(f"only Landlock ABI >= {NEEDS_ABI[name]} stops this (this kernel: {LANDLOCK})")
+    report = graded["reports"][f"01_{name}.ipynb"]
+    for exercise, expected in ATTACKS[name][1].items():
+        got = _score(report, exercise)
+        where = f"{name}: {exercise}: {got['status']}: {got['message'][:300]}"
+        if expected == "partial":
+            assert 0 < got["score"] < got["points"], where
+        else:
+            assert got["score"] == expected, where
+        assert got["score"] <= got["points"], where
+    if LANDLOCK >= 1:
+        assert report["isolation"].startswith("landlock"), report["isolation"]
+
+
+def test_every_exercise_of_the_chapter_is_always_reported(graded):
+    for name, report in graded["reports"].items():
+        if name.startswith("01_"):
+            ids = [e["id"] for e in report["exercises"]]
+            assert {"01.memory_formula", "01.naive_attention"} <= set(ids), (name, ids)
+
+
+def test_broken_files_cost_only_themselves(graded):
+    reports = graded["reports"]
+    assert "not a valid notebook" in reports["01_broken_json.ipynb"]["failure"]
+    assert "not a valid notebook" in reports["01_not_a_notebook.ipynb"]["failure"]
+    assert "chapter number" in reports["no_chapter_number.ipynb"]["failure"]
+    for rep in reports.values():
+        assert rep["score"] <= rep["points"]
+    for honest in ("01_honest_a.ipynb", "01_honest_b.ipynb", "no_chapter_number.ipynb"):
+        if honest.startswith("01_"):
+            assert reports[honest]["score"] == sum(HONEST.values())
+
+
+def test_a_timed_out_or_crashed_exercise_says_why(graded):
+    reports = graded["reports"]
+    naive = _score(reports["01_infinite_loop_in_check.ipynb"], "01.naive_attention")
+    assert naive["status"] == "timed out" and "limit" in naive["message"]
+    assert _score(reports["01_segfault_in_check.ipynb"], "01.naive_attention")["status"] == "crashed"
+    assert _score(reports["01_os_exit_in_check.ipynb"], "01.naive_attention")["status"] == "crashed"
+    for name in ("honest_a", "infinite_loop_in_check", "segfault_in_check", "os_exit_in_check",
+                 "out_of_memory_in_check"):  # the attacks' own code must at least run
+        assert not reports[f"01_{name}.ipynb"]["cell_errors"], name
+    oom = _score(reports["01_out_of_memory_in_check.ipynb"], "01.naive_attention")
+    assert oom["status"] in ("out of memory", "crashed"), oom
+    looped = reports["01_infinite_loop_in_cell.ipynb"]["cell_errors"]
+    assert any("timed out" in e for e in looped), looped
+
+
+def test_forbidden_routes_name_what_was_found(graded):
+    reports = graded["reports"]
+    msg = _score(reports["01_aliased_softmax_ops.ipynb"], "01.naive_attention")["message"]
+    assert "forbids" in msg and "_softmax" in msg
+    msg = _score(reports["01_course_reference.ipynb"], "01.naive_attention")["message"]
+    assert "course_utils.reference.attention" in msg
+
+
+@needs_landlock
+def test_no_file_outside_the_scratch_folder_changed(graded):
+    for path, content in graded["before"].items():
+        assert path.read_bytes() == content, f"{path.name} was changed by a notebook"
+    for path, content in graded["package_before"].items():
+        assert path.read_bytes() == content, f"{path} was changed by a notebook"
+
+
+def test_no_process_outlives_the_run(graded):
+    assert not graded["orphan"].exists(), "a process started by a notebook outlived grading"
+    leftovers = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if ORPHAN_MARK.encode() in cmdline:
+            leftovers.append(entry)
+    assert not leftovers, f"processes still running: {leftovers}"
+
+
+def test_outputs_replace_planted_files(graded):
+    csv_path = graded["out"] / "grades.csv"
+    assert csv_path.is_file() and "01.memory_formula" in csv_path.read_text()
+
+
+def test_the_attack_suite_is_big_enough():
+    assert len(ATTACKS) + len(BROKEN_FILES) >= 30
