@@ -1,0 +1,104 @@
+"""The sandbox's codec: what crosses between the grader and a notebook, and what cannot."""
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import checks, sandbox
+
+
+def round_trip(value):
+    """Encode as the grader does, decode as the worker does; return the decoded value."""
+    enc = sandbox._Encoder()
+    header, buffers = enc.message({"v": enc.enc(value)})
+    return sandbox._Decoder(header["regions"], buffers).dec(header["v"]), enc
+
+
+def test_plain_values_cross_unchanged():
+    value = (None, True, 3, -2**70, 1.5, float("inf"), "s", b"\x00\xff", [1, (2,)],
+             {"a": 1, 2: "b"}, torch.float16, torch.device("cpu"), np.float32(0.1))
+    got, _ = round_trip(value)
+    assert got[:12] == value[:12]
+    assert got[12] == np.float32(0.1) and got[12].dtype == np.float32
+
+
+def test_nan_crosses_as_nan():
+    got, _ = round_trip(float("nan"))
+    assert got != got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
+def test_tensor_views_keep_strides_offsets_and_sharing(dtype):
+    base = torch.arange(60).to(dtype).reshape(6, 10)
+    a, b = base[1:, ::2], base.t()
+    (ga, gb), _ = round_trip((a, b))
+    assert ga.stride() == a.stride() and ga.storage_offset() == a.storage_offset()
+    assert torch.equal(ga, a) and torch.equal(gb, b)
+    assert ga.untyped_storage().data_ptr() == gb.untyped_storage().data_ptr()  # still aliased
+
+
+def test_a_write_past_a_guarded_view_comes_back():
+    out, buffer = checks.guarded((4,))
+    enc = sandbox._Encoder()
+    header, buffers = enc.message({"v": enc.enc((out,))})
+    dec = sandbox._Decoder(header["regions"], buffers)
+    (remote_out,) = dec.dec(header["v"])
+    remote_full = dec.views[0]
+    remote_out.fill_(1.0)
+    remote_full.view(torch.float32)[5] = 7.0  # one element past the end of out
+    back = [v.numpy() for v in dec.views]
+    for owner, raw in zip(enc.owners, back, strict=True):
+        owner.copy_(torch.from_numpy(raw.copy()))
+    assert torch.equal(out, torch.ones(4)) and buffer[5] == 7.0
+
+
+def test_numpy_views_of_tensors_share_the_tensor_storage():
+    t = torch.zeros(8)
+    arr = t[2:6].numpy()
+    (got_t, got_a), enc = round_trip((t, arr))
+    assert len(enc.regions) == 1
+    got_a[0] = 5.0
+    assert got_t[2] == 5.0
+
+
+@pytest.mark.parametrize("bad", [object(), lambda: 1, np.array([object()]), torch.randn(2).to_sparse()])
+def test_objects_that_are_not_data_are_refused_with_a_reason(bad):
+    with pytest.raises(TypeError, match="cannot"):
+        round_trip(bad)
+
+
+def test_subclass_behaviour_does_not_cross():
+    class Liar(torch.Tensor):
+        pass
+
+    got, _ = round_trip(torch.zeros(3).as_subclass(Liar))
+    assert type(got) is torch.Tensor
+
+
+@pytest.mark.parametrize("header", [
+    {"t": "tensor", "r": 0, "dtype": "float32", "shape": [100], "stride": [1], "offset": 0},
+    {"t": "tensor", "r": 0, "dtype": "object", "shape": [1], "stride": [1], "offset": 0},
+    {"t": "tensor", "r": 5, "dtype": "float32", "shape": [1], "stride": [1], "offset": 0},
+    {"t": "ndarray", "r": 0, "dtype": "|O", "shape": [1], "strides": [8], "offset": 0},
+    {"t": "ndarray", "r": 0, "dtype": "<f4", "shape": [100], "strides": [4], "offset": 0},
+    {"t": "pickle", "v": "..."},
+    [1, 2],
+])
+def test_malformed_or_hostile_messages_are_rejected(header):
+    regions = [{"kind": "torch", "device": "cpu", "nbytes": 16, "sent": True}]
+    with pytest.raises((sandbox.ProtocolError, RuntimeError)):
+        sandbox._Decoder(regions, [bytes(16)]).dec(header)
+
+
+def test_framing_round_trip_and_size_limit():
+    import os
+
+    r, w = os.pipe()
+    sandbox.send(w, {"x": 1}, [b"abc", np.arange(3, dtype=np.uint8)])
+    header, buffers = sandbox._Reader(r, 1 << 20).recv()
+    assert header["x"] == 1 and buffers == [b"abc", bytes([0, 1, 2])]
+    sandbox.send(w, {"x": 2}, [bytes(2048)])
+    with pytest.raises(sandbox.ProtocolError, match="MiB"):
+        sandbox._Reader(r, 1024).recv()
+    os.close(r)
+    os.close(w)
