@@ -287,7 +287,7 @@ def verdict(result: Result, hidden_waiting: int = 0) -> str:
 
 
 def check(exercise_id: str, candidate) -> Result:
-    """Run an exercise's cases on ``candidate`` (a function, kernel or source) and print the verdict.
+    """Run an exercise's cases on ``candidate`` (function, kernel or source); print the verdict.
 
     Prints ✅ and one line when every case passes; otherwise ❌, the first failing case with its
     worst element and a hint, and the names of the other failing cases. Returns the ``Result``.
@@ -431,7 +431,7 @@ def _grade_in_worker(text, chapter, exercises, limits, scratch, keep, protected,
     skip_cells: set[int] = set()
     failure = ""
     notebook_deadline = time.monotonic() + limits.notebook_seconds
-    for attempt in range(limits.restarts + 1):
+    for _ in range(limits.restarts + 1):
         job = {"cells": cells, "skip_cells": sorted(skip_cells), "skip_ids": sorted(results)}
         worker = None
         where = ("cell", -1)
@@ -467,18 +467,19 @@ def _grade_in_worker(text, chapter, exercises, limits, scratch, keep, protected,
                     return results, cell_errors, ""
                 elif "fatal" in header:
                     return results, cell_errors, str(header["fatal"])[:300]
-        except sandbox.WorkerLost as lost:
+        except sandbox.WorkerLost:
             if time.monotonic() >= notebook_deadline:
                 lost = sandbox.WorkerLost("timed out", f"the notebook ran longer than its limit "
                                           f"of {limits.notebook_seconds:g} s")  # fmt: skip
                 failure = lost.reason
+            timed_out = lost.status == "timed out"
             if where[0] == "check":
                 ex = by_id[where[1]]
-                limit = f" (limit {limits.exercise_seconds:g} s)" if lost.status == "timed out" else ""
+                limit = f" (limit {limits.exercise_seconds:g} s)" if timed_out else ""
                 results[ex.id] = _not_run(ex, lost.status, f"while checking: {lost.reason}{limit}")
             else:
                 index = where[1]
-                limit = f" (limit {limits.cell_seconds:g} s)" if lost.status == "timed out" else ""
+                limit = f" (limit {limits.cell_seconds:g} s)" if timed_out else ""
                 cell_errors[index] = f"{lost.status}: {lost.reason}{limit}"
                 if index < 0:
                     return results, cell_errors, f"the notebook could not start: {lost.reason}"
@@ -545,7 +546,8 @@ def grade_notebook(path, timeout: int = DEFAULT_CELL_TIMEOUT, *, text=None, limi
         if ex.id in results:
             graded.append(results[ex.id])
             continue
-        why = failure or next(iter(cell_errors.values()), "") or "the notebook never calls its check"
+        why = (failure or next(iter(cell_errors.values()), "")
+               or "the notebook never calls its check")
         graded.append(_not_run(ex, "not run", f"not graded: {why}"))
     errors = [f"cell {i}: {e}" for i, e in sorted(cell_errors.items())]
     return NotebookReport(str(path), chapter, graded, errors, failure, isolation[0])

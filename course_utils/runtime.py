@@ -171,7 +171,9 @@ def kernel_array(t):
             )
         from numba import cuda
 
-        return cuda.as_cuda_array(t.detach())
+        array = cuda.as_cuda_array(t.detach())
+        array._course_tensor = t  # lets the grader send the tensor itself to a notebook
+        return array
     if t.is_cuda:
         raise ValueError(
             "kernel_array got a CUDA tensor, but this notebook runs in CPU simulator mode "

@@ -402,7 +402,8 @@ class _Channel:
 
 def _describe_candidate(obj, depth=0):
     if isinstance(obj, (tuple, list)) and depth < 2:
-        return {"seq": type(obj).__name__, "items": [_describe_candidate(x, depth + 1) for x in obj]}
+        items = [_describe_candidate(x, depth + 1) for x in obj]
+        return {"seq": type(obj).__name__, "items": items}
     return {"object": type(obj).__name__}
 
 
@@ -560,7 +561,8 @@ def _apply_rlimits(limits: dict) -> None:
 
 _LL_FS = [1 << i for i in range(16)]  # EXECUTE ... IOCTL_DEV, by ABI below
 _LL_FS_BY_ABI = {1: 13, 2: 14, 3: 15, 4: 15, 5: 16, 6: 16, 7: 16}
-_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15)  # exec, write, read, trunc, ioctl
+# Rights that apply to a file (not a directory): execute, write, read, truncate, ioctl.
+_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15)
 _READ_RIGHTS = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
 
 
@@ -769,9 +771,10 @@ class Worker:
                                                 f"({_exit_reason(self.proc.returncode)})")
                 pids = [self.proc.pid, *descendants(self.proc.pid)]
                 rss = _rss_bytes(pids)
-                if rss > self.limits.memory_mb << 20:
+                limit = self.limits.memory_mb
+                if rss > limit << 20:
                     raise WorkerLost("out of memory", f"used {rss >> 20} MiB of memory, more "
-                                                      f"than the limit of {self.limits.memory_mb} MiB")
+                                                      f"than the limit of {limit} MiB")
 
     def recv(self):
         try:

@@ -180,7 +180,8 @@ def _public_name(func) -> str:
     if module.startswith("torch._ops"):
         return f"torch.ops.aten.{name}"
     owner = getattr(func, "__objclass__", None)
-    if owner is not None and owner.__name__ in ("TensorBase", "Tensor") or module == "torch._tensor":
+    on_tensor = owner is not None and owner.__name__ in ("TensorBase", "Tensor")
+    if on_tensor or module == "torch._tensor":
         return f"Tensor.{name}"
     if module.startswith("torch._C") or module in ("", "torch"):
         return f"torch.{name}"

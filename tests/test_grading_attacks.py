@@ -369,8 +369,8 @@ def test_a_timed_out_or_crashed_exercise_says_why(graded):
     reports = graded["reports"]
     naive = _score(reports["01_infinite_loop_in_check.ipynb"], "01.naive_attention")
     assert naive["status"] == "timed out" and "limit" in naive["message"]
-    assert _score(reports["01_segfault_in_check.ipynb"], "01.naive_attention")["status"] == "crashed"
-    assert _score(reports["01_os_exit_in_check.ipynb"], "01.naive_attention")["status"] == "crashed"
+    for name in ("segfault_in_check", "os_exit_in_check"):
+        assert _score(reports[f"01_{name}.ipynb"], "01.naive_attention")["status"] == "crashed"
     for name in ("honest_a", "infinite_loop_in_check", "segfault_in_check", "os_exit_in_check",
                  "out_of_memory_in_check"):  # the attacks' own code must at least run
         assert not reports[f"01_{name}.ipynb"]["cell_errors"], name

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from course_utils import grader
+from course_utils import grader, runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (ROOT / d).glob("*.ipynb"))
@@ -45,9 +45,10 @@ def test_solution_scores_full_marks(path):
     assert report.results, f"{path.name}: no graded exercise in its chapter"
     assert not report.failure and not report.cell_errors, (report.failure, report.cell_errors)
     for r in report.results:
+        if r.status == "needs gpu" and not runtime.on_gpu():
+            continue  # CUDA C++ compiled but not run: 0 points until a GPU runs it
         assert r.status == "passed" and r.hidden_run, f"{r.id}: {r.status}: {r.message}"
         assert r.score == r.points
-    assert report.score == report.points
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)

@@ -61,7 +61,9 @@ def test_numpy_views_of_tensors_share_the_tensor_storage():
     assert got_t[2] == 5.0
 
 
-@pytest.mark.parametrize("bad", [object(), lambda: 1, np.array([object()]), torch.randn(2).to_sparse()])
+@pytest.mark.parametrize(
+    "bad", [object(), lambda: 1, np.array([object()]), torch.randn(2).to_sparse()]
+)
 def test_objects_that_are_not_data_are_refused_with_a_reason(bad):
     with pytest.raises(TypeError, match="cannot"):
         round_trip(bad)
@@ -102,3 +104,20 @@ def test_framing_round_trip_and_size_limit():
         sandbox._Reader(r, 1024).recv()
     os.close(r)
     os.close(w)
+
+
+gpu_only = pytest.mark.skipif("not __import__('course_utils').on_gpu()", reason="needs a GPU")
+
+
+@gpu_only
+def test_cuda_tensors_and_kernel_arrays_cross_on_the_gpu():
+    from course_utils import runtime
+
+    base = torch.arange(32, dtype=torch.float32, device="cuda").reshape(4, 8)
+    view = base[1:, 2:]
+    arr = runtime.kernel_array(base)
+    (got_view, got_arr), enc = round_trip((view, arr))
+    assert got_view.is_cuda and got_view.stride() == view.stride()
+    assert torch.equal(got_view, view)
+    assert len(enc.regions) == 1  # the kernel array is the same storage as the view
+    assert hasattr(got_arr, "__cuda_array_interface__") and not isinstance(got_arr, torch.Tensor)
