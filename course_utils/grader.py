@@ -467,7 +467,8 @@ def _grade_in_worker(text, chapter, exercises, limits, scratch, keep, protected,
                     return results, cell_errors, ""
                 elif "fatal" in header:
                     return results, cell_errors, str(header["fatal"])[:300]
-        except sandbox.WorkerLost:
+        except sandbox.WorkerLost as exc:
+            lost = exc
             if time.monotonic() >= notebook_deadline:
                 lost = sandbox.WorkerLost("timed out", f"the notebook ran longer than its limit "
                                           f"of {limits.notebook_seconds:g} s")  # fmt: skip
