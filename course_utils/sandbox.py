@@ -645,7 +645,8 @@ def landlock_restrict(read_protected: list[str], read_extra: list[str], writable
 
     for path in _read_allow_list(read_protected, read_extra):
         allow(path, _READ_RIGHTS)
-    for path in writable:
+    # Its own /proc entry too: the CUDA driver writes there when it starts (error 304 without).
+    for path in [*writable, f"/proc/{os.getpid()}"]:
         allow(path, handled)
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         return "unavailable (no_new_privs)"
