@@ -836,7 +836,8 @@ def start_worker(scratch: Path, job: dict, limits: Limits, keep, protected) -> W
                TRITON_HOME=str(scratch / "cache"), NUMBA_CACHE_DIR=str(scratch / "cache"),
                TORCH_EXTENSIONS_DIR=str(scratch / "cache" / "torch_extensions"),
                PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(scratch))  # fmt: skip
+               PYTHONPATH=os.pathsep.join([str(scratch), *filter(None, [
+                   os.environ.get("PYTHONPATH")])]))  # fmt: skip
     from . import runtime
 
     env["COURSE_DEVICE"] = "gpu" if runtime.on_gpu() else "cpu"
