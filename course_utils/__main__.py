@@ -17,7 +17,6 @@ def _doctor(args) -> int:
 
 def _grade(args) -> int:
     from . import grader
-
     from .sandbox import Limits
 
     limits = Limits(cell_seconds=args.timeout, exercise_seconds=args.timeout,

@@ -533,6 +533,7 @@ def grade_notebook(path, timeout: int = DEFAULT_CELL_TIMEOUT, *, text=None, limi
     if protected is None:
         protected = [str(sandbox.PACKAGE.parent), str(Path(path).resolve().parent)]
     if keep is None:
+        sandbox.set_subreaper()
         keep = frozenset(sandbox.descendants(os.getpid()))
     scratch = sandbox.scratch_root()
     try:
