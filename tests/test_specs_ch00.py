@@ -10,37 +10,58 @@ pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/c
 
 
 @cuda.jit
-def add_guarded(x, y, out, n):
+def saxpy_guarded(a, x, y, out, n):
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < n:
-        out[i] = x[i] + y[i]
+        out[i] = a * x[i] + y[i]
 
 
 @cuda.jit
-def add_unguarded(x, y, out, n):
+def saxpy_unguarded(a, x, y, out, n):
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    out[i] = x[i] + y[i]
+    out[i] = a * x[i] + y[i]
 
 
 @cuda.jit
-def add_assumes_128_threads(x, y, out, n):
+def saxpy_assumes_128_threads(a, x, y, out, n):
     i = cuda.blockIdx.x * 128 + cuda.threadIdx.x
     if i < n:
+        out[i] = a * x[i] + y[i]
+
+
+@cuda.jit
+def plain_vector_add(a, x, y, out, n):  # the lecture's kernel, a ignored
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < n:
         out[i] = x[i] + y[i]
+
+
+@cuda.jit
+def saxpy_scales_y(a, x, y, out, n):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < n:
+        out[i] = x[i] + a * y[i]
 
 
 def test_vector_add_passes_when_right():
-    assert grader.check("00.vector_add", add_guarded).status == "passed"
+    assert grader.check("00.vector_add", saxpy_guarded).status == "passed"
 
 
 def test_vector_add_missing_guard_is_named():
-    r = grader.check("00.vector_add", add_unguarded)
+    r = grader.check("00.vector_add", saxpy_unguarded)
     assert r.status == "failed" and "if i < n" in r.message
 
 
 def test_vector_add_hard_coded_block_size_fails_a_hidden_case():
-    r = grader.check("00.vector_add", add_assumes_128_threads)
+    r = grader.check("00.vector_add", saxpy_assumes_128_threads)
     assert r.status == "failed" and r.passed < r.total and "32 threads" in r.message
+
+
+def test_the_lectures_vector_add_is_not_the_answer():
+    r = grader.check("00.vector_add", plain_vector_add)
+    assert r.status == "failed" and r.passed == 0 and "multiply x by the scalar a" in r.message
+    r = grader.check("00.vector_add", saxpy_scales_y)
+    assert r.status == "failed" and "a multiplies x, not y" in r.message
 
 
 @cuda.jit
@@ -77,7 +98,7 @@ def test_elements_touched():
 
 def test_stub_kernel_is_not_implemented_even_on_a_gpu():
     @cuda.jit
-    def stub(x, y, out, n):
+    def stub(a, x, y, out, n):
         raise NotImplementedError("replace this line with your code")
 
     assert grader.check("00.vector_add", stub).status == "not implemented"

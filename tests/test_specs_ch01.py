@@ -229,6 +229,16 @@ def test_memory_formula_stub_is_not_implemented():
 
 def test_reference_index_formulas_agree_with_torch():
     X = torch.randn(2, 5, 12)
-    assert torch.equal(ch01.split_by_index(X, 3), split_right(X, 3))
+    assert torch.equal(ch01._expected_split(X, 3), split_right(X, 3).double())
     O = torch.randn(2, 3, 5, 4)
-    assert torch.equal(ch01.merge_by_index(O), merge_right(O))
+    assert torch.equal(ch01._expected_merge(O), merge_right(O).double())
+    assert torch.equal(ch01._expected_merge(split_right(X, 3)), X.double())  # a strided input
+
+
+def test_split_merge_heads_refuses_a_numpy_detour():
+    def split_numpy(X, H):
+        B, N, D = X.shape
+        return torch.from_numpy(X.numpy().reshape(B, N, H, D // H).transpose(0, 2, 1, 3).copy())
+
+    r = grader.check("01.split_merge_heads", (split_numpy, merge_right))
+    assert r.status == "forbidden"

@@ -9,8 +9,8 @@ from numba import cuda, float32
 
 from course_utils import grader, runtime
 from course_utils.checks import CheckFailure
+from course_utils.harness.ch02 import THREADS
 from course_utils.specs import ch02
-from course_utils.specs.ch02 import THREADS
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
@@ -180,57 +180,96 @@ def test_merge_in_place_or_wrong_return():
 # ----------------------------------------------------------------------------- one attention row
 
 
-def attention_row(q, K, V, Bc, scale, subtract_max=True, log=torch.log):
-    m = torch.tensor(-math.inf if subtract_max else 0.0, device=q.device)
-    l, acc = torch.zeros((), device=q.device), torch.zeros(V.shape[1], device=q.device)
-    for j in range(0, K.shape[0], Bc):
-        S_j = scale * (K[j:j + Bc] @ q)
+def attention_row(q, K, V, Bc, scale, i, window, subtract_max=True, log=torch.log, skip=True,
+                  mask_old=True, mask_future=True):  # fmt: skip
+    """A windowed online row; each keyword turns one part of the right answer off."""
+    lo = max(0, i - window + 1)
+    m = torch.tensor(-math.inf if subtract_max else 0.0)
+    l, acc = torch.zeros(()), torch.zeros(V.shape[1])
+    first, last = (lo - lo % Bc, i + 1) if skip else (0, K.shape[0])
+    for j in range(first, last, Bc):
+        stop = min(j + Bc, K.shape[0])
+        keys = torch.arange(j, stop)
+        keep = torch.ones(stop - j, dtype=torch.bool)
+        if mask_old:
+            keep &= keys >= lo
+        if mask_future:
+            keep &= keys <= i
+        S_j = torch.where(keep, scale * (K[j:stop] @ q), -math.inf)
         m_new = torch.maximum(m, S_j.max()) if subtract_max else m
-        P_j = torch.exp(S_j - m_new)
-        alpha = torch.exp(m - m_new)
-        l, acc, m = alpha * l + P_j.sum(), alpha * acc + P_j @ V[j:j + Bc], m_new
+        m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
+        P_j = torch.exp(S_j - m_safe)
+        alpha = torch.exp(m - m_safe)
+        l, acc, m = alpha * l + P_j.sum(), alpha * acc + P_j @ V[j:stop], m_new
     return acc / l, m + log(l)
+
+
+def attention_row_all_scores(q, K, V, Bc, scale, i, window):
+    """Right on every value, but it forms the window's scores all at once (not online)."""
+    lo = max(0, i - window + 1)
+    S = scale * (K[lo:i + 1] @ q)
+    m = S.max()
+    P = torch.exp(S - m)
+    return P @ V[lo:i + 1] / P.sum(), m + torch.log(P.sum())
 
 
 def test_attention_row_passes_when_right():
     assert grader.check("02.online_attention_row", attention_row).status == "passed"
 
 
+def test_attention_row_that_reads_every_block_meets_the_nan():
+    f = failure(ch02.online_attention_row,
+                "window inside the row: blocks before and after it skipped",
+                lambda *a: attention_row(*a, skip=False))  # fmt: skip
+    assert "NaN" in f.detail and "never read them" in f.hint
+
+
+@pytest.mark.parametrize("edge", ["mask_old", "mask_future"])
+def test_attention_row_with_an_unmasked_edge_fails(edge):
+    case = ("large logits (std 50, one of 150), huge scores just outside the window")
+    f = failure(ch02.online_attention_row, case, lambda *a: attention_row(*a, **{edge: False}))
+    assert "S = -inf" in f.hint
+
+
 def test_attention_row_without_the_running_max_overflows():
-    case = "large logits (scores of std 50, one of 150), N = 48, Bc = 8"
-    f = failure(ch02.online_attention_row, case, lambda *a: attention_row(*a, subtract_max=False))
-    assert "88.7" in f.hint
+    case = ("large logits (std 50, one of 150), huge scores just outside the window")
+    f = failure(ch02.online_attention_row, case,
+                lambda *a: attention_row(*a, subtract_max=False))  # fmt: skip
+    assert f.detail
 
 
 def test_attention_row_hard_coded_scale_and_log2():
-    hard_coded = lambda q, K, V, Bc, scale: attention_row(q, K, V, Bc, 1 / math.sqrt(q.shape[0]))
-    f = failure(ch02.online_attention_row, "scale = 0.3 (not 1/sqrt(d)), N = 40, Bc = 16",
-                hard_coded)  # fmt: skip
+    hard_coded = lambda q, K, V, Bc, scale, i, w: attention_row(q, K, V, Bc,
+                                                                1 / math.sqrt(q.shape[0]), i, w)
+    f = failure(ch02.online_attention_row, "scale = 0.3 (not 1/sqrt(d))", hard_coded)
     assert "scale argument" in f.hint
-    f = failure(ch02.online_attention_row, "N = 64, Bc = 16, d = 16",
+    f = failure(ch02.online_attention_row,
+                "last query, window longer than the row (plain causal), N = 50",
                 lambda *a: attention_row(*a, log=torch.log2))  # fmt: skip
     assert "lse" in f.detail and "natural log" in f.hint
 
 
-def test_attention_row_forgets_the_partial_block():
-    full = lambda q, K, V, Bc, s: attention_row(q, K[: len(K) // Bc * Bc], V[: len(K) // Bc * Bc],
-                                                Bc, s)  # fmt: skip
-    f = failure(ch02.online_attention_row, "N = 50, Bc = 16 (last block partial), d = 16", full)
-    assert "short last block" in f.hint
+def test_attention_row_that_forms_all_scores_is_caught_by_the_measure():
+    case = "streams: no tensor bigger than one block of K"
+    f = failure(ch02.online_attention_row, case, attention_row_all_scores)
+    assert "200 keys" in f.detail and "one block at a time" in f.hint
+    r = grader.check("02.online_attention_row", attention_row_all_scores)
+    assert r.status == "failed" and r.passed == r.total - 1  # right values, measured property
 
 
 # ----------------------------------------------------------------------------- Numba kernel
 
 
 @cuda.jit
-def softmax_online(x, out):
+def log_softmax_online(x, out, lse):
     row, t, N = cuda.blockIdx.x, cuda.threadIdx.x, x.shape[1]
     sm_m = cuda.shared.array(THREADS, float32)
     sm_l = cuda.shared.array(THREADS, float32)
     m, l = float32(-math.inf), float32(0.0)
     for j in range(t, N, THREADS):
-        m_new = max(m, x[row, j])
-        l = l * math.exp(m - m_new) + math.exp(x[row, j] - m_new)
+        v = x[row, j]
+        m_new = max(m, v)
+        l = l * math.exp(m - m_new) + math.exp(v - m_new)
         m = m_new
     sm_m[t], sm_l[t] = m, l
     cuda.syncthreads()
@@ -244,20 +283,23 @@ def softmax_online(x, out):
                 sm_m[t] = m_new
         cuda.syncthreads()
         s //= 2
-    m, l = sm_m[0], sm_l[0]
+    row_lse = sm_m[0] + math.log(sm_l[0])
+    if t == 0:
+        lse[row] = row_lse
     for j in range(t, N, THREADS):
-        out[row, j] = math.exp(x[row, j] - m) / l
+        out[row, j] = x[row, j] - row_lse
 
 
 @cuda.jit
-def softmax_online_unsafe(x, out):  # merges two empty states into NaN
+def log_softmax_unsafe(x, out, lse):  # merges two empty states into NaN
     row, t, N = cuda.blockIdx.x, cuda.threadIdx.x, x.shape[1]
     sm_m = cuda.shared.array(THREADS, float32)
     sm_l = cuda.shared.array(THREADS, float32)
     m, l = float32(-math.inf), float32(0.0)
     for j in range(t, N, THREADS):
-        m_new = max(m, x[row, j])
-        l = l * math.exp(m - m_new) + math.exp(x[row, j] - m_new)
+        v = x[row, j]
+        m_new = max(m, v)
+        l = l * math.exp(m - m_new) + math.exp(v - m_new)
         m = m_new
     sm_m[t], sm_l[t] = m, l
     cuda.syncthreads()
@@ -270,13 +312,50 @@ def softmax_online_unsafe(x, out):  # merges two empty states into NaN
             sm_m[t] = m_new
         cuda.syncthreads()
         s //= 2
-    m, l = sm_m[0], sm_l[0]
+    row_lse = sm_m[0] + math.log(sm_l[0])
+    if t == 0:
+        lse[row] = row_lse
     for j in range(t, N, THREADS):
-        out[row, j] = math.exp(x[row, j] - m) / l
+        out[row, j] = x[row, j] - row_lse
 
 
 @cuda.jit
-def softmax_one_element_per_thread(x, out):  # no loop over the row: only j = threadIdx.x
+def log_softmax_three_passes(x, out, lse):  # the lecture's max pass, sum pass, output pass
+    row, t, N = cuda.blockIdx.x, cuda.threadIdx.x, x.shape[1]
+    red = cuda.shared.array(THREADS, float32)
+    m = float32(-math.inf)
+    for j in range(t, N, THREADS):
+        m = max(m, x[row, j])
+    red[t] = m
+    cuda.syncthreads()
+    s = THREADS // 2
+    while s > 0:
+        if t < s:
+            red[t] = max(red[t], red[t + s])
+        cuda.syncthreads()
+        s //= 2
+    m = red[0]
+    cuda.syncthreads()
+    l = float32(0.0)
+    for j in range(t, N, THREADS):
+        l += math.exp(x[row, j] - m)
+    red[t] = l
+    cuda.syncthreads()
+    s = THREADS // 2
+    while s > 0:
+        if t < s:
+            red[t] += red[t + s]
+        cuda.syncthreads()
+        s //= 2
+    row_lse = m + math.log(red[0])
+    if t == 0:
+        lse[row] = row_lse
+    for j in range(t, N, THREADS):
+        out[row, j] = x[row, j] - row_lse
+
+
+@cuda.jit
+def log_softmax_one_element_per_thread(x, out, lse):  # no loop over the row
     row, t, N = cuda.blockIdx.x, cuda.threadIdx.x, x.shape[1]
     red = cuda.shared.array(THREADS, float32)
     v = x[row, t] if t < N else float32(-math.inf)
@@ -299,11 +378,13 @@ def softmax_one_element_per_thread(x, out):  # no loop over the row: only j = th
         cuda.syncthreads()
         s //= 2
     if t < N:
-        out[row, t] = math.exp(v - m) / red[0]
+        out[row, t] = v - m - math.log(red[0])
+    if t == 0:
+        lse[row] = m + math.log(red[0])
 
 
 @cuda.jit
-def softmax_reads_past_the_row(x, out):  # reads x[row, t] before checking t < N
+def log_softmax_reads_past_the_row(x, out, lse):  # reads x[row, t] before checking t < N
     row, t, N = cuda.blockIdx.x, cuda.threadIdx.x, x.shape[1]
     v = x[row, t]
     if t < N:
@@ -311,31 +392,39 @@ def softmax_reads_past_the_row(x, out):  # reads x[row, t] before checking t < N
 
 
 def test_kernel_passes_when_right():
-    assert grader.check("02.softmax_kernel", softmax_online).status == "passed"
+    assert grader.check("02.softmax_kernel", log_softmax_online).status == "passed"
+
+
+def test_kernel_of_three_passes_fails_the_read_count_only():
+    case = "each x[row, j] read at most twice (counted), 2 rows x 70"
+    f = failure(ch02.softmax_kernel, case, log_softmax_three_passes)
+    assert "read 3 times" in f.detail and "merge (m, l) states" in f.hint
+    r = grader.check("02.softmax_kernel", log_softmax_three_passes)
+    assert r.status == "failed" and r.passed == r.total - 2  # the two counted cases
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator warns about the NaN
 def test_kernel_merging_empty_states_gives_nan():
-    f = failure(ch02.softmax_kernel, "3 rows x 7 (shorter than the block)", softmax_online_unsafe)
+    f = failure(ch02.softmax_kernel, "3 rows x 7 (shorter than the block)", log_softmax_unsafe)
     assert "NaN" in f.detail and "neutral state" in f.hint
 
 
 def test_kernel_without_the_stride_loop_leaves_elements_unwritten():
     f = failure(ch02.softmax_kernel, "4 rows x 50 (longer than the block, not a power of two)",
-                softmax_one_element_per_thread)  # fmt: skip
+                log_softmax_one_element_per_thread)  # fmt: skip
     assert "never written" in f.detail and "j = threadIdx.x, threadIdx.x + THREADS" in f.hint
 
 
 @pytest.mark.skipif(runtime.on_gpu(), reason="only the simulator checks indices")
 def test_kernel_reading_past_the_row_is_named():
     f = failure(ch02.softmax_kernel, "3 rows x 7 (shorter than the block)",
-                softmax_reads_past_the_row)  # fmt: skip
+                log_softmax_reads_past_the_row)  # fmt: skip
     assert "out of bounds" in f.detail and "j >= N" in f.hint
 
 
 def test_stub_kernel_is_not_implemented():
     @cuda.jit
-    def stub(x, out):
+    def stub(x, out, lse):
         raise NotImplementedError("replace this line with your code")
 
     assert grader.check("02.softmax_kernel", stub).status == "not implemented"

@@ -134,8 +134,26 @@ def test_waves():
 def fused_right(x, y, n):
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < n:
+        xi = x[i]
+        s = math.sin(xi)
+        y[i] = s * s + 2 * math.cos(xi) * xi
+
+
+@cuda.jit
+def fused_reads_x_three_times(x, y, n):  # right values, three loads of x[i] per element
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < n:
         s = math.sin(x[i])
         y[i] = s * s + 2 * math.cos(x[i]) * x[i]
+
+
+@cuda.jit
+def fused_in_two_stores(x, y, n):  # right values, y stored, re-read and stored again
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < n:
+        xi = x[i]
+        y[i] = math.sin(xi) ** 2
+        y[i] += 2 * math.cos(xi) * xi
 
 
 @cuda.jit
@@ -176,6 +194,14 @@ def test_fused_kernel_wrong_answers_are_named():
     assert r.status == "failed" and "always 1" in r.message
     r = grader.check("03.fused_kernel", fused_in_place)
     assert r.status == "failed" and "x" in r.message
+
+
+def test_fused_kernel_traffic_is_counted():
+    for kernel, said in ((fused_reads_x_three_times, "was read 3 times"),
+                         (fused_in_two_stores, "y was read")):  # fmt: skip
+        r = grader.check("03.fused_kernel", kernel)
+        assert r.status == "failed" and r.passed == r.total - 1
+        assert said in r.message
 
 
 def test_fused_stub_is_not_implemented():

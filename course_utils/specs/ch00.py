@@ -1,6 +1,7 @@
 """Chapter 00, the GPU execution model: graded exercises.
 
-- ``00.vector_add``: a guarded 1D Numba kernel ``vector_add_kernel(x, y, out, n)``.
+- ``00.vector_add``: a guarded 1D Numba kernel ``saxpy_kernel(a, x, y, out, n)``,
+  ``out = a * x + y`` (the lecture shows the vector add; the exercise adds a scalar argument).
 - ``00.matrix_add``: a 2D-grid Numba kernel ``matrix_add_kernel(A, B, C)`` (x -> columns).
 - ``00.elements_touched``: which elements a (block, thread) pair touches in a grid-stride loop.
 
@@ -16,7 +17,7 @@ import math
 import torch
 from numba import cuda  # specs are imported after course_utils.setup() has chosen the mode
 
-from ..checks import CheckFailure, check_guard, compare, guarded
+from ..checks import CheckFailure, check_guard, compare, guarded, tolerance
 from ..grader import Exercise
 from ..runtime import device, kernel_array, pick, synchronize
 from . import require_implemented
@@ -37,29 +38,50 @@ def _launch(kernel, grid, block, *args, case: str, hint: str) -> None:
         raise CheckFailure(case, f"a thread indexed out of bounds: {exc}", hint) from None
 
 
-# ----------------------------------------------------------------------------- vector add
+# ----------------------------------------------------------------------------- saxpy
 
-vector_add = Exercise("00.vector_add", "Guarded vector add (Numba)", points=3)
+vector_add = Exercise("00.vector_add", "Guarded SAXPY, out = a * x + y (Numba)", points=3)
+
+SAXPY_HINT = (
+    "out[i] must be a * x[i] + y[i] for every i < n, with "
+    "i = blockIdx.x * blockDim.x + threadIdx.x"
+)
 
 
-def _vector_add_case(n: int, threads: int):
+def _saxpy_hint(out, a, x, y):
+    """The likely mistake behind a wrong SAXPY result."""
+    written = ~torch.isnan(out)
+    if written.any():
+        for wrong, why in (
+            (x + y, "that is x + y (the lecture's vector add): multiply x by the scalar a"),
+            (a * y + x, "a multiplies x, not y: out[i] = a * x[i] + y[i]"),
+            (a * (x + y), "only x is scaled: out[i] = a * x[i] + y[i], not a * (x[i] + y[i])"),
+        ):
+            if torch.allclose(out[written].double(), wrong[written].double(), rtol=1e-5,
+                              atol=1e-5):  # fmt: skip
+                return why
+    return SAXPY_HINT
+
+
+def _vector_add_case(n: int, threads: int, a: float | None = None):
     def run(kernel):
-        case = f"n = {n}, {threads} threads per block"
+        alpha = float(torch.empty(()).uniform_(0.5, 3.0)) if a is None else a
+        alpha = float(torch.tensor(alpha, dtype=torch.float32))  # exactly a float32
+        case = f"n = {n}, {threads} threads per block, a = {alpha:.6g}"
         x = torch.randn(n, device=device())
         y = torch.randn(n, device=device())
         out, buffer = guarded((n,))
         blocks = math.ceil(n / threads)
         _launch(
             kernel, blocks, threads,
-            kernel_array(x), kernel_array(y), kernel_array(out), n,
+            alpha, kernel_array(x), kernel_array(y), kernel_array(out), n,
             case=case, hint=MISSING_GUARD_HINT,
         )
         check_guard(buffer, n, name="out", case=case, hint=MISSING_GUARD_HINT)
-        compare(
-            "out", out, x + y, case=case, atol=0, rtol=0, poisoned=True,
-            hint="out[i] must be x[i] + y[i] for every i < n, with "
-            "i = blockIdx.x * blockDim.x + threadIdx.x",
-        )
+        expected = alpha * x.double() + y.double()
+        atol, rtol = tolerance(torch.float32)
+        compare("out", out, expected, case=case, atol=atol, rtol=rtol, poisoned=True,
+                hint=_saxpy_hint(out, alpha, x, y))  # fmt: skip
 
     return run
 
@@ -68,6 +90,7 @@ vector_add.case("n = 1000 (not a multiple of 128)")(_vector_add_case(1000, 128))
 vector_add.case("n = 256 (exactly two blocks)")(_vector_add_case(256, 128))
 vector_add.case("n = 1", hidden=True)(_vector_add_case(1, 128))
 vector_add.case("n = 129, 32 threads per block", hidden=True)(_vector_add_case(129, 32))
+vector_add.case("a = -1 (out = y - x)", hidden=True)(_vector_add_case(77, 64, a=-1.0))
 vector_add.case("large n, 256 threads per block", hidden=True)(
     _vector_add_case(pick(gpu=10_000_019, cpu=2_011), 256)
 )

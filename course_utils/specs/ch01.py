@@ -5,7 +5,9 @@
   top-left causal mask; ``torch.softmax``, ``log_softmax``, ``logsumexp`` and SDPA are forbidden.
 - ``01.split_merge_heads``: the pair ``(split_heads, merge_heads)``:
   ``split_heads(X, H)`` maps ``(B, N, H*d)`` to ``(B, H, N, d)`` and ``merge_heads(O)`` maps
-  ``(B, H, N, d)`` back to a contiguous ``(B, N, H*d)``; graded as one candidate.
+  ``(B, H, N, d)`` back to a contiguous ``(B, N, H*d)``; graded as one candidate, torch only.
+  The expected tensors are gathered one element at a time from the index formula
+  (``gather_by_offset``), never by a view, transpose or reshape that could be handed in.
 - ``01.memory_formula``: ``attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element)``: the bytes
   of S and P together.
 
@@ -16,6 +18,7 @@ Every case draws fresh random inputs; the attention cases are the course's stand
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 import random
@@ -198,7 +201,7 @@ def _default_arguments(fn):
 # ----------------------------------------------------------------------------- split / merge heads
 
 split_merge_heads = Exercise(
-    "01.split_merge_heads", "Split and merge attention heads", points=2
+    "01.split_merge_heads", "Split and merge attention heads", points=2, torch_only=True
 )
 
 HINT_SPLIT_VIEW = (
@@ -245,30 +248,27 @@ def _pair(candidate, case):
     return candidate
 
 
-def _index_grids(B, H, N, d, dev):
-    """Index tensors b, h, n, j of shapes (B,1,1,1), (1,H,1,1), (1,1,N,1), (1,1,1,d)."""
-    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
-    h = torch.arange(H, device=dev).view(1, H, 1, 1)
-    n = torch.arange(N, device=dev).view(1, 1, N, 1)
-    j = torch.arange(d, device=dev).view(1, 1, 1, d)
-    return b, h, n, j
+def gather_by_offset(values, shape, source_offset):
+    """The float64 tensor of ``shape`` whose element ``t`` is element ``source_offset(*t)`` of
+    ``values`` read in row-major order: the index formula of a layout change, one element at a
+    time (slow on purpose: it states the definition, not a way to compute it)."""
+    flat = values.detach().double().cpu().flatten().tolist()
+    picked = [flat[source_offset(*t)] for t in itertools.product(*(range(n) for n in shape))]
+    return torch.tensor(picked, dtype=torch.float64, device=values.device).view(shape)
 
 
-def split_by_index(X, H):
-    """Xh[b, h, n, j] = X[b, n, h*d + j], written as the index formula itself."""
+def _expected_split(X, H):
     B, N, D = X.shape
     d = D // H
-    b, h, n, j = _index_grids(B, H, N, d, X.device)
-    return X[b, n, h * d + j]
+    # Xh[b, h, n, j] = X[b, n, h*d + j]
+    return gather_by_offset(X, (B, H, N, d), lambda b, h, n, j: (b * N + n) * D + h * d + j)
 
 
-def merge_by_index(Oh):
-    """O[b, n, h*d + j] = Oh[b, h, n, j], written as the index formula itself."""
+def _expected_merge(Oh):
     B, H, N, d = Oh.shape
-    b, h, n, j = _index_grids(B, H, N, d, Oh.device)
-    O = torch.full((B, N, H * d), math.nan, dtype=Oh.dtype, device=Oh.device)
-    O[b, n, h * d + j] = Oh
-    return O
+    # O[b, n, c] = Oh[b, c // d, n, c % d]
+    return gather_by_offset(Oh, (B, N, H * d),
+                            lambda b, n, c: ((b * H + c // d) * N + n) * d + c % d)  # fmt: skip
 
 
 def _call_shaping(fn, arg, *extra, case):
@@ -299,7 +299,7 @@ def _check_split(split_heads, B, N, H, d, case):
         hint = HINT_SPLIT_VIEW
     elif torch.equal(Xh, X.reshape(B, N, d, H).permute(0, 3, 1, 2)):
         hint = HINT_SPLIT_INTERLEAVED
-    compare("split_heads(X)", Xh, split_by_index(X, H), case=case, atol=0, rtol=0, hint=hint)
+    compare("split_heads(X)", Xh, _expected_split(X, H), case=case, atol=0, rtol=0, hint=hint)
     return X, Xh
 
 
@@ -316,7 +316,7 @@ def _check_merge(merge_heads, Oh, case):
                   f"expected {(B, N, H * d)}")
         raise CheckFailure(case, detail, HINT_MERGE_SHAPE)
     hint = HINT_MERGE_VIEW if torch.equal(O, Oh.reshape(B, N, H * d)) else HINT_MERGE
-    compare("merge_heads(Oh)", O, merge_by_index(Oh), case=case, atol=0, rtol=0, hint=hint)
+    compare("merge_heads(Oh)", O, _expected_merge(Oh), case=case, atol=0, rtol=0, hint=hint)
     if not O.is_contiguous():
         raise CheckFailure(case, f"merge_heads returned a non-contiguous tensor (strides "
                            f"{O.stride()})", HINT_CONTIGUOUS)  # fmt: skip

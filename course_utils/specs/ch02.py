@@ -5,10 +5,17 @@
   ``block`` columns while keeping a running max ``m`` and running sum ``l`` per row.
 - ``02.merge_states``: ``merge(state_a, state_b)`` of partial softmax states ``(m, l, acc)``,
   property-tested: the states of random key splits are merged along a random binary tree.
-- ``02.online_attention_row``: ``online_attention_row(q, K, V, Bc, scale) -> (o, lse)``, one
-  query row of FlashAttention streaming K and V in blocks of ``Bc`` rows.
-- ``02.softmax_kernel``: a Numba row-softmax kernel, one block of ``THREADS`` threads per row,
-  launched as ``softmax_kernel[R, THREADS](x, out)``.
+- ``02.online_attention_row``: ``online_attention_row(q, K, V, Bc, scale, i, window) ->
+  (o, lse)``, query ``i`` of a causal sliding window (keys ``i - window < j <= i``) streaming K
+  and V in blocks of ``Bc`` rows and skipping the blocks outside the window. Those blocks hold
+  NaN (a skipped block must never be read); a key with a huge score sits just outside each edge
+  of the window; the largest tensor created during the call is measured (no more than one
+  block of K: the scores are never formed all at once).
+- ``02.softmax_kernel``: a Numba row log-softmax kernel ``log_softmax_kernel(x, out, lse)``,
+  one block of ``THREADS`` threads per row, launched as ``kernel[R, THREADS](x, out, lse)``;
+  ``out = x - lse`` and ``lse[row] = logsumexp(x[row])``. Its reads of ``x`` are counted (the
+  memory tracer, running the kernel's Python function in the simulator): at most two per
+  element, so a max pass, a sum pass and an output pass (the lecture's softmax) fail.
 
 Conventions: inputs are float32, and every row has at least one finite logit. A row that is
 entirely ``-inf`` (nothing to attend to) is never graded; the reference gives it zeros.
@@ -24,11 +31,10 @@ import torch
 
 from .. import reference
 from ..checks import CheckFailure, assert_unchanged, compare, poisoned, snapshot, tolerance
-from ..grader import Exercise
+from ..grader import Exercise, invoke
+from ..harness.ch02 import THREADS  # threads per block of 02.softmax_kernel
 from ..runtime import device, kernel_array, pick, synchronize
 from . import require_implemented
-
-THREADS = 32  # threads per block of 02.softmax_kernel: softmax_kernel[R, THREADS](x, out)
 
 SOFTMAX_FORBIDDEN = ("softmax", "log_softmax", "logsumexp")
 
@@ -309,80 +315,169 @@ _add(merge_states, "mostly masked: 4 of 6 parts see no key", _merge_case, 3, 48,
 # ----------------------------------------------------------------------------- one attention row
 
 online_attention_row = Exercise(
-    "02.online_attention_row", "One query row of FlashAttention (online softmax fused with PV)",
+    "02.online_attention_row",
+    "One query row of FlashAttention, causal with a sliding window (online, block-skipping)",
     points=3, forbidden=(*SOFTMAX_FORBIDDEN, "scaled_dot_product_attention"),
 )
 
 HINT_ROW = (
-    "for each block K_j, V_j: S_j = scale * K_j q, m_new = max(m, max(S_j)), "
-    "P_j = exp(S_j - m_new), l = l * exp(m - m_new) + sum(P_j), acc = acc * exp(m - m_new) + "
-    "P_j V_j, m = m_new; after the last block o = acc / l and lse = m + log(l) (natural log)"
+    "query i sees keys j with lo <= j <= i, lo = max(0, i - window + 1). Visit only the blocks "
+    "of Bc keys that hold such a j; in a block, set S_j = -inf for the keys outside [lo, i] "
+    "before its max; then the online update: m_new = max(m, max(S_j)), P_j = exp(S_j - m_new), "
+    "l = l * exp(m - m_new) + sum(P_j), acc = acc * exp(m - m_new) + P_j V_j; o = acc / l, "
+    "lse = m + log(l) (natural log)"
 )
-HINT_ROW_PARTIAL = (
-    "N is not a multiple of Bc: `for j in range(0, N, Bc)` with K[j:j + Bc], V[j:j + Bc] "
-    "covers the short last block"
+HINT_ROW_SKIP = (
+    "the grader fills K and V with NaN in every block (keys b*Bc ... b*Bc + Bc - 1) that lies "
+    "entirely outside the window, as unwritten pages of a KV cache would be: never read them. "
+    "Masking a block after reading it is not enough (exp(-inf) * NaN = NaN in P_j V_j): start at "
+    "the block holding key lo = max(0, i - window + 1) and stop after the block holding key i."
+)
+HINT_ROW_EDGES = (
+    "the blocks at the two ends of the window are partial: keys before lo = max(0, i - window "
+    "+ 1) and keys after i (future tokens) must get S = -inf (weight 0) before the block's max. "
+    "Here one such key has a score far above the others: if it enters m, every weight of the "
+    "window underflows to 0 and l = 0."
 )
 HINT_ROW_LARGE = (
     "scores reach about +-150: exp(S) overflows float32 above 88.7. Subtract the running max m "
     "and rescale both l and acc by exp(m_old - m_new) whenever m grows."
 )
 HINT_ROW_SCALE = "multiply the scores by the scale argument, not by a hard-coded 1/sqrt(d)"
+HINT_ROW_STREAM = (
+    "the scores must exist one block at a time: no tensor of all the window's scores, and no "
+    "copy of K or V (e.g. K.double() or K[lo:i + 1].clone()); slices such as K[j:j + Bc] are "
+    "views and cost nothing"
+)
 HINT_LSE = (
     "lse is a scalar (0-dim) tensor: m + log(l) with the final m and l, natural log, of the "
-    "scaled scores"
+    "scaled scores of the window's keys"
 )
 
 
-def _row_case(case, N, d, Bc, *, std=1.0, scale=None, peak=None, hint=HINT_ROW):
+def window_bounds(i, window):
+    """The keys query ``i`` sees: ``lo <= j <= i``."""
+    return max(0, i - window + 1), i
+
+
+def _row_inputs(N, d, Bc, i, window, *, std, scale, peak, trap):
+    """q, K, V with NaN in the blocks outside the window, and the trap / peak scores set."""
+    root = math.sqrt(std)  # scores scale * q.k then have a standard deviation of about std
+    q, K, V = _randn(d, std=root), _randn(N, d, std=root), _randn(N, d)
+    lo, hi = window_bounds(i, window)
+
+    def set_score(j, score):
+        K[j] = q * (score / (scale * float(q @ q)))
+
+    if peak is not None:  # one key of the window, at a random place, gets the score `peak`
+        set_score(random.randint(lo, hi), peak)
+    if trap is not None:  # keys just outside the window, in the blocks that are read
+        for j in (lo - 1, hi + 1):
+            if 0 <= j < N and (j // Bc in (lo // Bc, hi // Bc)):
+                set_score(j, trap)
+    for start in range(0, N, Bc):  # blocks entirely outside the window hold garbage
+        if start + Bc <= lo or start > hi:
+            K[start:start + Bc] = math.nan
+            V[start:start + Bc] = math.nan
+    return q, K, V
+
+
+def _check_row(result, q, K, V, scale, i, window, case, hint):
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise CheckFailure(case, "online_attention_row must return the pair (o, lse)",
+                           "return o, lse")  # fmt: skip
+    o, lse = result
+    lo, hi = window_bounds(i, window)
+    Kw, Vw = K[lo:hi + 1], V[lo:hi + 1]
+    O_ref, LSE_ref = reference.attention(q[None], Kw, Vw, scale=scale)  # (1, d), (1,)
+    atol, rtol = tolerance(torch.float32, float((Kw.double() @ q.double()).abs().max()) * scale)
+    if isinstance(o, torch.Tensor) and torch.isnan(o).any():
+        if hint is HINT_ROW:
+            hint = HINT_ROW_SKIP
+        elif hint is HINT_ROW_EDGES:
+            hint = f"NaN has two usual causes here. (1) {HINT_ROW_SKIP} (2) {HINT_ROW_EDGES}"
+    compare("o", o, O_ref[0], case=case, atol=atol, rtol=rtol, hint=hint)
+    compare("lse", lse, LSE_ref[0], case=case, atol=atol, rtol=rtol, hint=HINT_LSE)
+
+
+def _row_case(case, N, d, Bc, i, window, *, std=1.0, scale=None, peak=None, trap=None,
+              hint=HINT_ROW):  # fmt: skip
     def run(fn):
-        root = math.sqrt(std)  # scores scale * q.k then have a standard deviation of about std
-        q, K, V = _randn(d, std=root), _randn(N, d, std=root), _randn(N, d)
         s = 1.0 / math.sqrt(d) if scale is None else scale
-        if peak is not None:  # one key, at a random place, gets the score `peak` exactly
-            j = int(torch.randint(0, N, ()))
-            K[j] = q * (peak / (s * float(q @ q)))
-        result = _call(fn, (q, K, V, Bc, s), ["q", "K", "V"], case)
-        if not isinstance(result, (tuple, list)) or len(result) != 2:
-            raise CheckFailure(case, "online_attention_row must return the pair (o, lse)",
-                               "return o, lse")  # fmt: skip
-        o, lse = result
-        O_ref, LSE_ref = reference.attention(q[None], K, V, scale=s)  # (1, d), (1,)
-        max_score = float((K.double() @ q.double()).abs().max()) * s
-        atol, rtol = tolerance(torch.float32, max_score)
-        compare("o", o, O_ref[0], case=case, atol=atol, rtol=rtol, hint=hint)
-        compare("lse", lse, LSE_ref[0], case=case, atol=atol, rtol=rtol, hint=HINT_LSE)
+        q, K, V = _row_inputs(N, d, Bc, i, window, std=std, scale=s, peak=peak, trap=trap)
+        where = f"{case} [query i = {i}, window = {window}, N = {N}, Bc = {Bc}, d = {d}]"
+        result = _call(fn, (q, K, V, Bc, s, i, window), ["q", "K", "V"], where)
+        _check_row(result, q, K, V, s, i, window, where, hint)
 
     return run
 
 
-_add(online_attention_row, "N = 64, Bc = 16, d = 16", _row_case, 64, 16, 16)
-_add(online_attention_row, "N = 50, Bc = 16 (last block partial), d = 16", _row_case,
-     50, 16, 16, hint=HINT_ROW_PARTIAL)
-_add(online_attention_row, "large logits (scores of std 50, one of 150), N = 48, Bc = 8",
-     _row_case, 48, 16, 8, std=50.0, peak=150.0, hint=HINT_ROW_LARGE)
-_add(online_attention_row, "N = 1, Bc = 16", _row_case, 1, 8, 16, hint=HINT_ROW_PARTIAL,
+def _stream_case(case, N, d, Bc, i, window):
+    def run(candidate):
+        s = 1.0 / math.sqrt(d)
+        q, K, V = _row_inputs(N, d, Bc, i, window, std=1.0, scale=s, peak=None, trap=None)
+        where = f"{case} [query i = {i}, window = {window}, N = {N}, Bc = {Bc}, d = {d}]"
+        snap = snapshot(q, K, V, names=["q", "K", "V"])
+        result, largest = invoke(candidate, "course_utils.harness.ch02:largest_fresh_tensor",
+                                 q, K, V, Bc, s, i, window)  # fmt: skip
+        assert_unchanged(snap, case=where)
+        _check_row(result, q, K, V, s, i, window, where, HINT_ROW)
+        limit = Bc * d  # one block of K
+        if not isinstance(largest, int) or largest > limit:
+            raise CheckFailure(where, f"a tensor of {largest} elements was created during the "
+                               f"call; one block of K has {limit} (the window has "
+                               f"{min(window, i + 1)} keys)", HINT_ROW_STREAM)  # fmt: skip
+
+    return run
+
+
+_add(online_attention_row, "window inside the row: blocks before and after it skipped",
+     _row_case, 80, 16, 16, 50, 20)
+_add(online_attention_row, "last query, window longer than the row (plain causal), N = 50",
+     _row_case, 50, 16, 16, 49, 64)
+_add(online_attention_row, "large logits (std 50, one of 150), huge scores just outside the "
+     "window", _row_case, 64, 16, 8, 37, 21, std=50.0, peak=150.0, trap=300.0,
+     hint=HINT_ROW_EDGES)
+_add(online_attention_row, "streams: no tensor bigger than one block of K", _stream_case,
+     256, 8, 8, 230, 200)
+_add(online_attention_row, "window = 1 (only key i)", _row_case, 40, 8, 8, 21, 1,
      hidden=True)
-_add(online_attention_row, "Bc = 1, N = 20, scores of std 10", _row_case, 20, 8, 1, std=10.0,
+_add(online_attention_row, "first query, i = 0", _row_case, 30, 8, 8, 0, 5, hidden=True)
+_add(online_attention_row, "Bc = 1, scores of std 10", _row_case, 20, 8, 1, 15, 9, std=10.0,
      hidden=True)
-_add(online_attention_row, "Bc > N, N = 30, Bc = 64", _row_case, 30, 32, 64,
-     hint=HINT_ROW_PARTIAL, hidden=True)
-_add(online_attention_row, "scale = 0.3 (not 1/sqrt(d)), N = 40, Bc = 16", _row_case,
-     40, 16, 16, scale=0.3, hint=HINT_ROW_SCALE, hidden=True)
-_add(online_attention_row, "large logits (one of 300), N = 129, Bc = 32, d = 64", _row_case,
-     129, 64, 32, std=50.0, peak=300.0, hint=HINT_ROW_LARGE, hidden=True)
+_add(online_attention_row, "Bc > N", _row_case, 30, 32, 64, 29, 12, hidden=True)
+_add(online_attention_row, "scale = 0.3 (not 1/sqrt(d))", _row_case, 40, 16, 16, 33, 17,
+     scale=0.3, hint=HINT_ROW_SCALE, hidden=True)
+_add(online_attention_row, "window starts exactly on a block edge", _row_case, 64, 16, 16,
+     47, 16, hidden=True)
+_add(online_attention_row, "large logits (one of 300), huge scores at both edges", _row_case,
+     129, 64, 32, 100, 70, std=50.0, peak=300.0, trap=600.0, hint=HINT_ROW_EDGES,
+     hidden=True)
+
+
+@online_attention_row.case("fresh random rows", hidden=True)
+def _random_rows(fn):
+    for _ in range(3):
+        N, Bc = random.randint(1, 90), random.choice((1, 4, 8, 16, 32))
+        i, window = random.randrange(N), random.randint(1, 100)
+        _row_case("random", N, random.choice((8, 16)), Bc, i, window, std=4.0, trap=80.0,
+                  hint=HINT_ROW_EDGES)(fn)
+
 
 # ----------------------------------------------------------------------------- Numba kernel
 
 softmax_kernel = Exercise(
-    "02.softmax_kernel", "Row softmax in Numba: one block per row, tree reduction", points=4
+    "02.softmax_kernel",
+    "Row log-softmax and LSE in Numba: two reads of x, one tree merge of (m, l)", points=4,
 )
 
 HINT_KERNEL = (
-    "one block per row (row = blockIdx.x): each thread reduces its elements "
-    "j = threadIdx.x, threadIdx.x + THREADS, ... < N; the block combines the THREADS partial "
-    "results by a tree reduction in shared memory, with a barrier after each level (merging "
-    "two states (m, l) rescales each l by exp(m_side - m_new)); then every thread writes "
-    "out[row, j] = exp(x[row, j] - m) / l for its own j"
+    "one block per row (row = blockIdx.x): each thread folds its elements "
+    "j = threadIdx.x, threadIdx.x + THREADS, ... < N into an online state (m, l); the block "
+    "merges the THREADS states by a tree reduction in shared memory, with a barrier after each "
+    "level (merging two states (m, l) rescales each l by exp(m_side - m_new)); then "
+    "lse = m + log(l), thread 0 writes lse[row], and every thread writes "
+    "out[row, j] = x[row, j] - lse for its own j"
 )
 HINT_KERNEL_LONG = (
     "the row is longer than the block: each thread must loop over j = threadIdx.x, "
@@ -397,24 +492,84 @@ HINT_KERNEL_ONE = (
     "N = 1: only thread 0 has an element; the other threads hold m = -inf, l = 0, and merging "
     "two such states must not compute exp(-inf - (-inf)) = NaN (test m == -inf first)"
 )
-HINT_KERNEL_LARGE = "subtract the row max m before exp: exp overflows float32 above 88.7"
+HINT_KERNEL_LARGE = (
+    "subtract the running max before exp (exp overflows float32 above 88.7), and form "
+    "x - lse with lse = m + log(l), never log(exp(x - m) / l): exp(x - m) underflows to 0 for "
+    "logits far below the max, and log(0) = -inf"
+)
+HINT_KERNEL_LSE = (
+    "lse[row] = m + log(l) with the row's merged m and l (natural log), written once per row "
+    "(by thread 0, say)"
+)
+HINT_KERNEL_READS = (
+    "read each x[row, j] at most twice: once in the online pass that folds it into the "
+    "thread's (m, l), once in the output pass. A separate pass for the max and another for the "
+    "sum (the lecture's kernel) is three reads; merge (m, l) states instead."
+)
+
+
+def log_softmax_reference(x):
+    """``x - logsumexp(x)`` row by row, in float64."""
+    return x.double() - reference.logsumexp(x)[:, None]
+
+
+def _kernel_outputs(x):
+    return poisoned(x.shape, device=x.device), poisoned(x.shape[:1], device=x.device)
+
+
+def _compare_kernel(x, out, lse, where, hint):
+    atol, rtol = tolerance(torch.float32, float(x.abs().max()))
+    compare("out", out, log_softmax_reference(x), case=where, atol=atol, rtol=rtol, hint=hint,
+            poisoned=True)  # fmt: skip
+    compare("lse", lse, reference.logsumexp(x), case=where, atol=atol, rtol=rtol,
+            hint=hint if hint is not HINT_KERNEL else HINT_KERNEL_LSE, poisoned=True)
 
 
 def _kernel_case(case, R, N, *, std=3.0, hint=HINT_KERNEL):
     def run(kernel):
         where = f"{case} [{R} blocks of {THREADS} threads]"
         x = _randn(R, N, std=std)
-        out = poisoned((R, N))  # NaN: an element the kernel never writes cannot pass
+        out, lse = _kernel_outputs(x)  # NaN: an element the kernel never writes cannot pass
         snap = snapshot(x, names=["x"])
         require_implemented(kernel)
         try:
-            kernel[R, THREADS](kernel_array(x), kernel_array(out))
+            kernel[R, THREADS](kernel_array(x), kernel_array(out), kernel_array(lse))
             synchronize()
         except IndexError as exc:  # the simulator checks every index; a GPU would not
             raise CheckFailure(where, f"a thread indexed out of bounds: {exc}",
                                HINT_KERNEL_SHORT) from None  # fmt: skip
         assert_unchanged(snap, case=where)
-        compare("out", out, reference.softmax(x), case=where, hint=hint, poisoned=True)
+        _compare_kernel(x, out, lse, where, hint)
+
+    return run
+
+
+def _reads_case(case, R, N):
+    def run(kernel):
+        where = f"{case} [{R} blocks of {THREADS} threads, traced in the simulator]"
+        x = torch.randn(R, N) * 3.0  # on the CPU: the tracer runs the simulator
+        out, lse = _kernel_outputs(x)
+        require_implemented(kernel)
+        try:
+            counts = invoke(kernel, "course_utils.harness.ch02:count_accesses", R, THREADS,
+                            [x.clone(), out, lse], ["x", "out", "lse"])  # fmt: skip
+        except IndexError as exc:
+            raise CheckFailure(where, f"a thread indexed out of bounds: {exc}",
+                               HINT_KERNEL_SHORT) from None  # fmt: skip
+        reads, writes = counts["x"]["reads"], counts["x"]["writes"]
+        if int(writes.sum()) > 0:
+            raise CheckFailure(where, f"the kernel wrote into x {int(writes.sum())} times",
+                               "x is the input: write only out and lse")  # fmt: skip
+        most = int(reads.max())
+        if most > 2:
+            r, j = divmod(int(reads.argmax()), N)
+            raise CheckFailure(where, f"x[{r}, {j}] was read {most} times from global memory "
+                               f"(at most 2 allowed); {int((reads > 2).sum())} of {R * N} "
+                               "elements were read more than twice", HINT_KERNEL_READS)
+        if int(reads.min()) < 1:
+            raise CheckFailure(where, f"{int((reads == 0).sum())} elements of x were never read",
+                               HINT_KERNEL_LONG)  # fmt: skip
+        _compare_kernel(x, counts["out"]["value"], counts["lse"]["value"], where, HINT_KERNEL)
 
     return run
 
@@ -423,6 +578,8 @@ _add(softmax_kernel, "4 rows x 50 (longer than the block, not a power of two)", 
      4, 50)
 _add(softmax_kernel, "3 rows x 7 (shorter than the block)", _kernel_case, 3, 7,
      hint=HINT_KERNEL_SHORT)
+_add(softmax_kernel, "each x[row, j] read at most twice (counted), 2 rows x 70", _reads_case,
+     2, 70)
 _add(softmax_kernel, "3 rows x 1 (length 1)", _kernel_case, 3, 1, hint=HINT_KERNEL_ONE,
      hidden=True)
 _add(softmax_kernel, "2 rows x 100, logits of std 1000", _kernel_case, 2, 100, std=1000.0,
@@ -430,9 +587,12 @@ _add(softmax_kernel, "2 rows x 100, logits of std 1000", _kernel_case, 2, 100, s
 _add(softmax_kernel, "2 rows x 32 (exactly one block)", _kernel_case, 2, 32, hidden=True)
 _add(softmax_kernel, "rows much longer than the block", _kernel_case,
      *pick(gpu=(300, 5003), cpu=(2, 131)), hint=HINT_KERNEL_LONG, hidden=True)
+_add(softmax_kernel, "read at most twice, rows shorter than the block (counted)", _reads_case,
+     3, 9, hidden=True)
 
 __all__ = [
     "THREADS",
+    "log_softmax_reference",
     "merge_randomly",
     "merge_states",
     "online_attention_row",
@@ -440,4 +600,5 @@ __all__ = [
     "softmax_kernel",
     "stable_softmax",
     "state_of",
+    "window_bounds",
 ]

@@ -7,7 +7,9 @@
 - ``03.waves``: ``wave_quantization(M, N, tile_m, tile_n, sms)`` -> ``(tiles, waves,
   efficiency)``, tile and wave quantization of a tiled matmul.
 - ``03.fused_kernel``: a guarded Numba kernel ``fused_kernel(x, y, n)`` computing
-  ``y = sin(x)**2 + 2 * cos(x) * x`` in one pass.
+  ``y = sin(x)**2 + 2 * cos(x) * x`` in one pass; one case counts its global accesses (the
+  memory tracer, running the kernel's Python function in the simulator): each ``x[i]`` read
+  once, each ``y[i]`` written once.
 
 The first three are pure Python and run on fresh random shapes every call; the kernel runs on a
 few hundred elements (simulator) with a NaN-poisoned output and a guard region behind it.
@@ -20,8 +22,8 @@ import random
 
 import torch
 
-from ..checks import CheckFailure, check_guard, compare, guarded, unchanged
-from ..grader import Exercise
+from ..checks import CheckFailure, check_guard, compare, guarded, poisoned, unchanged
+from ..grader import Exercise, invoke
 from ..runtime import device, kernel_array, synchronize
 from . import require_implemented
 
@@ -310,7 +312,49 @@ def _fused_case(n: int, threads: int):
     return run
 
 
+READS_HINT = (
+    "load x[i] into a local variable once (xi = x[i]) and compute from it: every x[i] written in "
+    "the expression is a load from global memory, and the point of fusing is one read of x and "
+    "one write of y per element"
+)
+
+
+def _fused_traffic_case(n: int, threads: int):
+    def run(kernel):
+        require_implemented(kernel)
+        case = f"n = {n}, {threads} threads per block, traced in the simulator"
+        x = (torch.rand(n) * 8 - 4).float()  # on the CPU: the tracer runs the simulator
+        y = poisoned((n,), device="cpu")
+        try:
+            counts = invoke(kernel, "course_utils.harness.ch03:count_accesses",
+                            math.ceil(n / threads), threads, [x.clone(), y, n], ["x", "y"])
+        except IndexError as exc:
+            raise CheckFailure(case, f"a thread indexed out of bounds: {exc}",
+                               GUARD_HINT) from None
+        x_reads, x_writes = counts["x"]["reads"], counts["x"]["writes"]
+        y_reads, y_writes = counts["y"]["reads"], counts["y"]["writes"]
+        if int(x_writes.sum()):
+            raise CheckFailure(case, f"x was written {int(x_writes.sum())} times",
+                               "x is the input: write only y")  # fmt: skip
+        if int(y_reads.sum()):
+            raise CheckFailure(case, f"y was read {int(y_reads.sum())} times (y[i] += ... reads "
+                               "it)", "compute y[i] in registers and store it once")  # fmt: skip
+        for name, count, what in (("x", x_reads, "read"), ("y", y_writes, "written")):
+            if int(count.max()) > 1:
+                i = int(count.argmax())
+                raise CheckFailure(case, f"{name}[{i}] was {what} {int(count[i])} times from "
+                                   f"global memory (once allowed); {int((count > 1).sum())} of "
+                                   f"{n} elements were {what} more than once", READS_HINT)
+        compare("y", counts["y"]["value"], fused_reference(x), case=case, atol=1e-5, rtol=1e-5,
+                poisoned=True, hint=FUSED_HINT)  # fmt: skip
+
+    return run
+
+
 fused_kernel.case("n = 300, 128 threads per block")(_fused_case(300, 128))
+fused_kernel.case("one read of x and one write of y per element (counted)")(
+    _fused_traffic_case(100, 32)
+)
 fused_kernel.case("n = 256 (exactly two blocks)")(_fused_case(256, 128))
 fused_kernel.case("n = 1", hidden=True)(_fused_case(1, 64))
 fused_kernel.case("n = 257, 32 threads per block", hidden=True)(_fused_case(257, 32))
