@@ -15,8 +15,8 @@ import torch
 
 import course_utils as cu
 from course_utils import checks, reference
+from course_utils.harness.ch09 import grad_tolerance, reference_gradients
 from course_utils.kernels import flash_attention_triton as fat
-from course_utils.specs.ch09 import grad_tolerance, reference_gradients
 
 GPU = cu.on_gpu()
 DEV = cu.device()

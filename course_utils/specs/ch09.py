@@ -1,33 +1,27 @@
 """Chapter 09, FlashAttention-2 in Triton: graded exercises.
 
-Each candidate is a ``@triton.jit`` function that the course's kernels in
-``course_utils/kernels/flash_attention_triton.py`` call in place of their own (a JITFunction
-passed as a ``tl.constexpr`` argument), so the graded code runs inside the real kernels:
+The lecture's kernels (``course_utils/kernels/flash_attention_triton.py``) ship the forward loop,
+the causal split and the dK/dV loop; the exercises are variants that the package does not ship,
+run inside small kernels of ``course_utils/harness/ch09.py`` (on the student's side, through
+``grader.invoke``), and compared here, in the grading process, against float64 definitions:
 
-- ``09.forward_inner``: ``forward_inner(acc, l_i, m_i, q, K, V, qk_scale, offs_m, offs_n, offs_d,
-  lo, hi, Nk, HEAD_DIM, BLOCK_N, DIAGONAL, EVEN_N) -> (acc, l_i, m_i)``, the online-softmax loop
-  of the forward kernel over the key tiles ``range(lo, hi, BLOCK_N)``, in base 2.
-- ``09.causal_split``: ``causal_split(start_m, Nk, BLOCK_M, BLOCK_N, CAUSAL) -> (lo, hi,
-  diag_lo, diag_hi)``, the key ranges of the unmasked and the diagonal stage of a query tile
-  (used by the forward and dQ kernels). Graded through a probe kernel that calls it for many
-  (start_m, Nk) at once, and inside the forward kernel.
-- ``09.dkdv_inner``: ``dkdv_inner(dk, dv, k, v, Q, dO, LSE, Dv, qk_scale, offs_n, offs_m,
-  offs_d, lo, hi, Nq, HEAD_DIM, BLOCK_M, DIAGONAL, EVEN_M) -> (dk, dv)``, the loop of the dK/dV
-  kernel over the query tiles ``range(lo, hi, BLOCK_M)``.
+- ``09.window_split``: ``window_split(start_m, Nk, WINDOW, BLOCK_M, BLOCK_N) -> (lo, mid_lo,
+  mid_hi, hi)``, the key tiles a query tile visits under a causal sliding window (query i sees
+  keys i - WINDOW < j <= i): ``range(lo, mid_lo)`` masked (the window's left edge),
+  ``range(mid_lo, mid_hi)`` unmasked, ``range(mid_hi, hi)`` masked (the diagonal). Judged tile
+  by tile against a brute-force classification (every (row, key) pair of every tile).
+- ``09.window_inner``: ``window_inner(acc, l_i, m_i, q, K, V, qk_scale, offs_m, offs_n, offs_d,
+  lo, hi, Nk, WINDOW, HEAD_DIM, BLOCK_N, MASKED, EVEN_N) -> (acc, l_i, m_i)``, the loop of a
+  sliding-window forward; the grader sends each query tile's stage bounds. O and LSE against
+  the float64 softmax with the window's boolean mask (a row that sees no key: O = 0, LSE = -inf).
+- ``09.gqa_dkdv``: a whole dK/dV kernel for grouped-query attention (``GROUP`` query heads share
+  a K/V head), against float64 autograd of the definition (K, V repeated over the group).
 
 On the CPU the kernels run in Triton's interpreter (float32 and float16, d = 16 or 32, small N);
-on a GPU the same cases run compiled, in float16 and bfloat16 (a student's plain ``tl.dot`` on
-float32 tiles would compute in TF32 there), at d = 64 and 128, with fixed tile configurations
-(``FWD_CONFIG``, ``DKDV_CONFIG``, ``DQ_CONFIG``): no autotuning while grading.
-
-Tolerances. O and LSE: ``checks.tolerance(dtype, max|S|)``. Gradients: ``|error| <= atol +
-rtol |expected|`` with ``rtol = GRAD_TOL[dtype]`` and ``atol = GRAD_TOL[dtype] * max(1,
-max|expected|)`` (+ ``1e-5 x max|S|`` in float32, as in chapter 08). Measured with a float32
-emulation of the kernels' roundings (P and dS rounded to the input dtype before their matrix
-products, outputs rounded) against float64, N up to 4097, d up to 128, logits x30: the worst
-error was 4.9e-3 x max|expected| in bfloat16 and 8.6e-4 in float16; the interpreter's float32
-errors stay below 1e-6. The tolerances leave a margin of 5x and stay far below the errors of a
-wrong formula (a missing - D, a missing scale, a mask on the wrong side: 10-100 % of the values).
+on a GPU the same cases run compiled in float16 and bfloat16 (a plain ``tl.dot`` on float32
+tiles would compute in TF32 there), at d = 64 and 128, with the fixed tile configurations of
+the harness. Tolerances: O and LSE ``checks.tolerance(dtype, max|S|)``; gradients
+``harness.ch09.grad_tolerance`` (measured margins in its docstring).
 """
 
 from __future__ import annotations
@@ -35,457 +29,443 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from .. import reference
-from ..checks import (
-    AttentionCase,
-    CheckFailure,
-    assert_unchanged,
-    compare,
-    poisoned,
-    random_qkv,
-    snapshot,
-    tolerance,
-)
-from ..grader import Exercise
-from ..kernels import flash_attention_triton as fat
+from ..checks import AttentionCase, CheckFailure, compare, poisoned, tolerance
+from ..grader import Exercise, invoke
+from ..harness.ch09 import DKDV_CONFIG, FWD_CONFIG, grad_tolerance
 from ..runtime import device, pick
 from . import require_implemented
 
-LOG2E = fat.LOG2E
-GRAD_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
-SCORE_ATOL = 1e-5  # float32 only: the error of S (eps x |S|) enters P through exp
+H = "course_utils.harness.ch09:"
 
-# Fixed tile configurations while grading (BLOCK_M = Br query rows, BLOCK_N = Bc key rows).
-FWD_CONFIG = pick(gpu=triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
-                  cpu=triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1))
-DKDV_CONFIG = pick(gpu=triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-                   cpu=triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1))
-DQ_CONFIG = pick(gpu=triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
-                 cpu=triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1))
-
-# The dtypes of the cases. Most run in float32 in the interpreter (tight tolerances catch small
-# slips); on a GPU they run in float16, because a plain tl.dot on float32 tiles computes in TF32
-# there. One case per exercise runs in float16, and one in bfloat16 on a GPU.
+# The dtypes of the cases: float32 in the interpreter (tight tolerances catch small slips),
+# float16 on a GPU (tl.dot on float32 tiles is TF32 there); one case per exercise in float16,
+# and one in bfloat16 on a GPU.
 F32 = pick(gpu=torch.float16, cpu=torch.float32)
 LOW = torch.float16
 BF16 = pick(gpu=torch.bfloat16, cpu=torch.float16)  # the interpreter cannot run bfloat16
+D16 = pick(gpu=64, cpu=16)
+D32 = pick(gpu=128, cpu=32)
 
 C = AttentionCase
 
 
-def _as_jit(candidate, name):
-    """Refuse what cannot be plugged into a kernel, with the reason."""
+def _jit(candidate, name):
+    """Refuse a placeholder, or what cannot be plugged into a kernel, with the reason."""
     require_implemented(candidate)
-    if getattr(candidate, "fn", None) is None or not callable(candidate.fn):
-        raise CheckFailure(
-            "setup",
-            f"{name} is a {type(candidate).__name__}, not a Triton function",
-            "decorate it with @triton.jit: the kernel calls it as a device function",
-        )
-    own = getattr(fat, name)
-    if candidate is own:
-        raise CheckFailure("setup", f"this is the course's own {name}",
-                           "write your own version in the notebook and check that one")
+    reason = invoke(candidate, H + "jit_problem", name)
+    if reason:
+        raise CheckFailure("setup", reason, "decorate it with @triton.jit: the kernel calls it "
+                           "(or launches it) as Triton code")
 
 
-def _max_score(q, k, scale):
-    return float((q.double() @ k.double().transpose(-2, -1)).abs().amax()) * scale
+def _label(case, dtype, extra=""):
+    return f"{case.name}{extra} [{str(dtype).replace('torch.', '')}]"
 
 
 def _scale_of(case):
     return case.scale if case.scale is not None else 1.0 / math.sqrt(case.d)
 
 
-def _label(case, dtype):
-    return f"{case.name} [{str(dtype).replace('torch.', '')}]"
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
 
 
-# ----------------------------------------------------------------------------- forward inner
-
-forward_inner = Exercise("09.forward_inner", "The online-softmax loop of the Triton forward",
-                         points=3)
-
-_HF = {
-    "two": "two key tiles, and the second raises the row max: before adding the new tile, "
-    "rescale l_i and acc by alpha = exp2(m_i - m_new) (m in log2 units), then P = exp2(S * "
-    "qk_scale - m_new[:, None]), l_i = l_i * alpha + rowsum(P), acc = acc * alpha[:, None] + "
-    "P @ V, m_i = m_new.",
-    "ragged": "the last key tile is partial: the given code loads zeros past Nk and sets S = "
-    "-inf there; exp2(-inf - m_new) = 0 takes those keys out of l and acc.",
-    "causal": "causal: the given code masks S on the diagonal tiles (S = -inf for keys after "
-    "the query); your update must handle -inf scores (exp2(-inf) = 0).",
-    "large": "scores of about +-150: subtract the running max m_new before exp2, and take the "
-    "max of S * qk_scale (not of S) so that m and the exponent are in the same units.",
-    "fp16": "float16 inputs: tl.dot(P, v) needs both operands in one dtype: cast P (fp32) with "
-    "P.to(v.dtype); acc, l_i and m_i stay float32.",
-}
+def _qkv(B, Hq, Hkv, Nq, Nk, d, dtype, logit_scale=1.0):
+    """Fresh float32 normals in ``dtype``: q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d)."""
+    a = math.sqrt(logit_scale)
+    q = torch.randn(B, Hq, Nq, d) * a
+    k = torch.randn(B, Hkv, Nk, d) * a
+    v = torch.randn(B, Hkv, Nk, d)
+    return tuple(t.to(device=device(), dtype=dtype) for t in (q, k, v))
 
 
-def _forward_runner(candidate, config):
-    def fn(q, k, v, O, LSE, causal, scale):
-        fat.attention_forward(q, k, v, causal, scale, out=(O, LSE), config=config,
-                              inner=candidate)
-
-    return fn
+def _max_score(q, k, scale):
+    return float((q.double() @ k.double().transpose(-2, -1)).abs().amax()) * scale
 
 
-def _diagnose_forward(O, q, k, v, case, scale, atol, rtol):
-    """The likely bug when O is wrong, found by matching O against variants of attention."""
-    variants = (
-        (scale * LOG2E, "O is the softmax of S * qk_scale in base e: use exp2 (tl.exp2), not "
-         "exp: qk_scale = scale * log2(e) is already folded in, and m is in log2 units."),
-        (1.0 / LOG2E, "O ignores the scale: multiply the scores by qk_scale (exp2(S * qk_scale "
-         "- m_new)), and compare m with max(S) * qk_scale."),
-    )
-    for alt_scale, hint in variants:
-        O_alt, _ = reference.attention(q, k, v, causal=case.causal, scale=alt_scale)
-        if torch.isfinite(O.double()).all() and (O.double() - O_alt).abs().max() <= \
-                atol + rtol * O_alt.abs().max():
-            return hint
-    return None
+# ----------------------------------------------------------------------------- window split
+
+window_split = Exercise("09.window_split", "The three loop stages of a sliding-window query tile",
+                        points=2)
 
 
-def _forward_case(*cases, config=None):
-    def run(candidate):
-        _as_jit(candidate, "forward_inner")
-        _check_forward(_forward_runner(candidate, config or FWD_CONFIG), cases)
+def window_stages(start_m, Nk, window, block_m, block_n):
+    """The grader's answer, by brute force: ``(masked, unmasked)`` key-tile starts, ascending.
 
-    return run
-
-
-def _check_forward(fn, cases, diagnose=True):
-    for case, dtype in cases:
-        q, k, v = random_qkv(case, dtype, device())
-        scale = _scale_of(case)
-        O_ref, LSE_ref = reference.attention(q, k, v, causal=case.causal, scale=scale)
-        atol, rtol = tolerance(dtype, _max_score(q, k, scale))
-        O = poisoned(q.shape, dtype, q.device)
-        LSE = poisoned(q.shape[:-1], torch.float32, q.device)
-        label = _label(case, dtype)
-        snap = snapshot(q, k, v, names=("Q", "K", "V"))
-        fn(q, k, v, O, LSE, case.causal, scale)
-        if q.is_cuda:
-            torch.cuda.synchronize()
-        assert_unchanged(snap, case=label)
-        try:
-            compare("O", O, O_ref, case=label, atol=atol, rtol=rtol, hint=case.hint, dtype=dtype,
-                    poisoned=True)
-        except CheckFailure as failure:
-            better = diagnose and _diagnose_forward(O, q, k, v, case, scale, atol, rtol)
-            if better:
-                failure.hint = better
-            raise
-        compare("LSE", LSE, LSE_ref, case=label, atol=atol, rtol=rtol, poisoned=True,
-                hint="O is right but LSE is not: LSE comes from the m_i and l_i you return "
-                     "(LSE = (m_i + log2 l_i) / log2 e): return m_i in log2 units (a max of "
-                     "S * qk_scale) and l_i summed with the same m.")
+    Every (row, key) pair of the query tile (rows start_m .. start_m + BLOCK_M - 1) and of each
+    key tile is looked at: a tile is skipped if no row sees any of its keys below Nk, unmasked
+    if every row sees every one of its BLOCK_N keys, masked otherwise.
+    """
+    rows = torch.arange(start_m, start_m + block_m)[:, None]
+    masked, unmasked = [], []
+    for t in range(0, Nk, block_n):
+        keys = torch.arange(t, t + block_n)[None, :]
+        sees = (keys <= rows) & (keys > rows - window)
+        if not bool((sees & (keys < Nk)).any()):
+            continue
+        (unmasked if bool(sees.all()) else masked).append(t)
+    return masked, unmasked
 
 
-BN = FWD_CONFIG.kwargs["BLOCK_N"]
-D16 = pick(gpu=64, cpu=16)
-D32 = pick(gpu=128, cpu=32)
-N2 = 2 * BN  # exactly two key tiles
-forward_inner.case(f"Nq=Nk={N2} (two key tiles), scores rising along the row")(
-    _forward_case((C(f"Nq=Nk={N2}, d={D16}", 1, 1, N2, N2, D16, hint=_HF["two"]), F32))
-)
-forward_inner.case("ragged: Nq=Nk=37, B=2, H=2")(
-    _forward_case((C(f"Nq=Nk=37, B=2, H=2, d={D16}", 2, 2, 37, 37, D16, hint=_HF["ragged"]),
-                   F32))
-)
-forward_inner.case("causal, Nq=Nk=45, and Nq=20 < Nk=50")(
-    _forward_case((C(f"causal, Nq=Nk=45, d={D16}", 1, 1, 45, 45, D16, causal=True,
-                     hint=_HF["causal"]), F32),
-                  (C(f"causal, Nq=20, Nk=50, d={D16}", 1, 1, 20, 50, D16, causal=True,
-                     hint=_HF["causal"]), F32))
-)
-forward_inner.case("large logits (scores of std 50)")(
-    _forward_case((C(f"logits x50, Nq=Nk=40, d={D16}", 1, 1, 40, 40, D16, logit_scale=50.0,
-                     hint=_HF["large"]), F32))
-)
-forward_inner.case("float16 inputs, Nq=Nk=48")(
-    _forward_case((C(f"Nq=Nk=48, d={D32}", 1, 2, 48, 48, D32, hint=_HF["fp16"]), LOW))
-)
-forward_inner.case("Nq=1, Nk=1 and Nq=1, Nk=70 causal", hidden=True)(
-    _forward_case((C(f"Nq=Nk=1, d={D16}", 1, 1, 1, 1, D16), F32),
-                  (C(f"causal, Nq=1, Nk=70, d={D16}", 1, 1, 1, 70, D16, causal=True), F32))
-)
-forward_inner.case("causal, Nq=70 > Nk=13, and scale 0.3", hidden=True)(
-    _forward_case((C(f"causal, Nq=70, Nk=13, d={D16}", 1, 1, 70, 13, D16, causal=True), F32),
-                  (C(f"scale=0.3, Nq=33, Nk=50, d={D16}", 1, 1, 33, 50, D16, scale=0.3), F32))
-)
-forward_inner.case(f"{str(BF16).replace('torch.', '')}, causal, B=2, H=2, Nq=Nk=100, d={D32}",
-                   hidden=True)(
-    _forward_case((C(f"causal, B=2, H=2, Nq=Nk=100, d={D32}", 2, 2, 100, 100, D32, causal=True,
-                     hint=_HF["fp16"]), BF16))
-)
-forward_inner.case("logits x30, causal, ragged Nq=Nk=53", hidden=True)(
-    _forward_case((C(f"logits x30, causal, Nq=Nk=53, d={D16}", 1, 1, 53, 53, D16, causal=True,
-                     logit_scale=30.0, hint=_HF["large"]), F32))
-)
-
-# ----------------------------------------------------------------------------- causal split
-
-causal_split = Exercise("09.causal_split", "The two loop stages of a query tile", points=2)
-
-
-@triton.jit
-def _split_probe(starts, lengths, out, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FN_HASH: tl.constexpr):
-    # Program p calls SPLIT for query tile starts[p] and Nk = lengths[p]; writes 4 numbers.
-    # (FN_HASH: SPLIT's source hash, so that an edited SPLIT compiles a new probe.)
-    p = tl.program_id(0)
-    start_m = tl.load(starts + p)
-    Nk = tl.load(lengths + p)
-    lo, hi, diag_lo, diag_hi = SPLIT(start_m, Nk, BLOCK_M, BLOCK_N, CAUSAL)
-    tl.store(out + 4 * p, lo)
-    tl.store(out + 4 * p + 1, hi)
-    tl.store(out + 4 * p + 2, diag_lo)
-    tl.store(out + 4 * p + 3, diag_hi)
-
-
-def split_bounds(split, starts, lengths, block_m, block_n, causal):
-    """Run the ``@triton.jit`` function ``split`` for each (start_m, Nk): a list of 4-tuples."""
-    starts_t = torch.tensor(starts, dtype=torch.int32, device=device())
-    lengths_t = torch.tensor(lengths, dtype=torch.int32, device=device())
-    out = torch.full((len(starts), 4), -(2**31), dtype=torch.int32, device=device())
-    _split_probe[(len(starts),)](starts_t, lengths_t, out, SPLIT=split, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, CAUSAL=bool(causal),
-                                 FN_HASH=fat.source_hash(split))
-    return [tuple(int(x) for x in row) for row in out.cpu()]
-
-
-def expected_split(start_m, Nk, block_m, causal):
-    """The reference answer: (lo, hi, diag_lo, diag_hi)."""
-    if not causal:
-        return 0, Nk, Nk, Nk
-    return 0, min(start_m, Nk), min(start_m, Nk), min(start_m + block_m, Nk)
+def stage_bounds(start_m, Nk, window, block_m, block_n):
+    """``(lo, mid_lo, mid_hi, hi)`` built from :func:`window_stages` (sent to the forward)."""
+    masked, unmasked = window_stages(start_m, Nk, window, block_m, block_n)
+    left = [t for t in masked if t < start_m]
+    diag = [t for t in masked if t >= start_m]
+    visited = left + unmasked + diag
+    if not visited:
+        return 0, 0, 0, 0
+    lo = visited[0]
+    mid_lo = unmasked[0] if unmasked else (left[-1] + block_n if left else diag[0])
+    mid_hi = unmasked[-1] + block_n if unmasked else mid_lo
+    hi = min(diag[-1] + block_n, Nk) if diag else mid_hi
+    return lo, mid_lo, mid_hi, hi
 
 
 def _tiles(lo, hi, block_n):
     return list(range(lo, hi, block_n)) if block_n > 0 else []
 
 
-def _split_hint(got, start_m, Nk, block_m, block_n, causal):
-    lo, hi, dlo, dhi = got
-    first, diag = _tiles(lo, hi, block_n), _tiles(dlo, dhi, block_n)
-    if any(t >= Nk for t in first + diag):
+def _window_split_hint(got_masked, got_unmasked, want_masked, want_unmasked, start_m, Nk, window,
+                       block_m, block_n):
+    got = got_masked + got_unmasked
+    want = want_masked + want_unmasked
+    first_key = max(start_m - window + 1, 0)
+    if any(t >= Nk for t in got):
         return ("a stage visits a key tile that starts at or past Nk (Nq != Nk is possible): "
                 "clip the bounds with tl.minimum(..., Nk)")
-    if not causal:
-        return ("without causal masking every key tile is visited once, unmasked: the first "
-                "stage is [0, Nk) and the diagonal stage is empty (e.g. diag_lo = diag_hi = Nk)")
-    want_first = _tiles(0, min(start_m, Nk), block_n)
-    if want_first and not first:
-        return ("the tiles entirely below the diagonal need no mask: give them to the first "
-                "stage, [0, min(start_m, Nk)); only keys from start_m on need the mask")
-    if first and max(first) + block_n - 1 > start_m:
-        return ("the unmasked stage reaches the diagonal: a key tile with a key after start_m "
-                "has keys after the first rows of the query tile, so it needs the mask; stop "
-                "the first stage at min(start_m, Nk)")
-    if first != want_first:
-        return ("the first stage stops early: every key before start_m is seen by every row of "
-                "the query tile, so [0, min(start_m, Nk)) is unmasked")
-    if diag and max(diag) >= start_m + block_m:
-        return ("the diagonal stage goes past the query tile: keys >= start_m + BLOCK_M come "
-                "after every row of the tile, so their tiles are skipped, not masked")
-    return ("the diagonal stage must start where the first stage ends and reach the last key "
-            "that the tile's last row (start_m + BLOCK_M - 1) sees: [min(start_m, Nk), "
-            "min(start_m + BLOCK_M, Nk))")
+    if len(set(got)) < len(got):
+        return ("a key tile is visited twice: the three stages must not overlap (lo <= mid_lo "
+                "<= mid_hi <= hi, or empty ranges)")
+    if not want and got:
+        return (f"no row of this tile sees any key: its first row's window starts at key "
+                f"{start_m - window + 1} >= Nk. Then every stage must be empty (lo = mid_lo = "
+                "mid_hi = hi)")
+    extra = sorted(set(got) - set(want))
+    if extra and min(extra) < first_key - first_key % block_n:
+        return ("a stage starts before the window: no row of the tile sees a key before "
+                "start_m - WINDOW + 1 (the first row's first key), so the first tile to visit is "
+                "the one that holds key max(start_m - WINDOW + 1, 0)")
+    if extra:
+        return ("a stage goes past the diagonal: keys >= start_m + BLOCK_M come after every row "
+                "of the tile (never visited), and keys >= Nk do not exist")
+    missing = sorted(set(want) - set(got))
+    if missing:
+        return (f"key tile(s) {missing} hold keys that some row sees but no stage visits them: "
+                "the stages together must cover the key tiles from the one that holds key "
+                "max(start_m - WINDOW + 1, 0) up to min(start_m + BLOCK_M, Nk)")
+    wrongly_unmasked = sorted(set(got_unmasked) - set(want_unmasked))
+    if wrongly_unmasked:
+        return (f"key tile(s) {wrongly_unmasked} are in the unmasked stage, but some row of the "
+                "query tile does not see some of their keys: only a tile that lies entirely "
+                "inside the last row's window (keys >= start_m + BLOCK_M - WINDOW) and before "
+                "the diagonal (keys < start_m) may skip the mask")
+    return (f"key tile(s) {sorted(set(want_unmasked) - set(got_unmasked))} are seen entirely by "
+            "every row but go through a masked stage: they belong in the unmasked middle stage, "
+            "[start_m + BLOCK_M - WINDOW rounded up to a tile, min(start_m, Nk)); the masks are "
+            "what the two-stage loop saves")
 
 
-def _split_case(block_m, block_n, causal, pairs):
+def _window_split_case(block_m, block_n, triples):
     def run(candidate):
-        _as_jit(candidate, "causal_split")
-        starts = [s for s, _ in pairs]
-        lengths = [n for _, n in pairs]
-        results = split_bounds(candidate, starts, lengths, block_m, block_n, causal)
-        for (start_m, Nk), got in zip(pairs, results, strict=True):
-            want = expected_split(start_m, Nk, block_m, causal)
-            same = (_tiles(got[0], got[1], block_n) == _tiles(want[0], want[1], block_n)
-                    and _tiles(got[2], got[3], block_n) == _tiles(want[2], want[3], block_n))
-            if not same:
-                case = (f"causal_split(start_m={start_m}, Nk={Nk}, BLOCK_M={block_m}, "
-                        f"BLOCK_N={block_n}, CAUSAL={causal})")
-                detail = (f"got {got}: key tiles {_tiles(got[0], got[1], block_n)} unmasked, "
-                          f"{_tiles(got[2], got[3], block_n)} masked; expected "
-                          f"{_tiles(want[0], want[1], block_n)} unmasked, "
-                          f"{_tiles(want[2], want[3], block_n)} masked")
-                raise CheckFailure(case, detail,
-                                   _split_hint(got, start_m, Nk, block_m, block_n, causal))
+        _jit(candidate, "window_split")
+        starts, lengths, windows = zip(*triples, strict=True)
+        results = invoke(candidate, H + "window_split_bounds", list(starts), list(lengths),
+                         list(windows), block_m, block_n)
+        for (start_m, Nk, window), got in zip(triples, results, strict=True):
+            lo, mid_lo, mid_hi, hi = got
+            got_masked = _tiles(lo, mid_lo, block_n) + _tiles(mid_hi, hi, block_n)
+            got_unmasked = _tiles(mid_lo, mid_hi, block_n)
+            want_masked, want_unmasked = window_stages(start_m, Nk, window, block_m, block_n)
+            if sorted(got_masked) == want_masked and len(set(got_masked)) == len(got_masked) \
+                    and got_unmasked == want_unmasked:
+                continue
+            case = (f"window_split(start_m={start_m}, Nk={Nk}, WINDOW={window}, "
+                    f"BLOCK_M={block_m}, BLOCK_N={block_n})")
+            detail = (f"got {tuple(got)}: key tiles {sorted(got_masked)} masked, {got_unmasked} "
+                      f"unmasked; expected {want_masked} masked, {want_unmasked} unmasked")
+            raise CheckFailure(case, detail, _window_split_hint(
+                got_masked, got_unmasked, want_masked, want_unmasked, start_m, Nk, window,
+                block_m, block_n))
 
     return run
 
 
-def _split_in_forward(*cases):
-    def run(candidate):
-        _as_jit(candidate, "causal_split")
-
-        def fn(q, k, v, O, LSE, causal, scale):
-            fat.attention_forward(q, k, v, causal, scale, out=(O, LSE), config=FWD_CONFIG,
-                                  split=candidate)
-
-        _check_forward(fn, cases, diagnose=False)
-
-    return run
-
-
-_HS = ("the forward kernel with your causal_split: O must match the reference. Check the two "
-       "stages: [0, min(start_m, Nk)) unmasked, [min(start_m, Nk), min(start_m + BLOCK_M, Nk)) "
-       "masked.")
-causal_split.case("not causal: one unmasked stage over all keys")(
-    _split_case(64, 32, False, [(0, 256), (128, 256), (64, 100), (0, 1)])
+BIG = 1 << 20  # a window longer than any sequence here: plain causal attention
+window_split.case("window longer than the sequence: the causal split (no left edge)")(
+    _window_split_case(64, 32, [(0, 256, BIG), (64, 256, BIG), (192, 256, BIG)])
 )
-causal_split.case("causal, Nq = Nk, BLOCK_M = BLOCK_N = 64")(
-    _split_case(64, 64, True, [(0, 256), (64, 256), (192, 256)])
+window_split.case("window of 100 keys, BLOCK_M = 64, BLOCK_N = 32, Nk = 512")(
+    _window_split_case(64, 32, [(0, 512, 100), (64, 512, 100), (128, 512, 100),
+                                (256, 512, 100), (448, 512, 100)])
 )
-causal_split.case("causal, BLOCK_M = 2 x BLOCK_N")(
-    _split_case(128, 64, True, [(0, 1024), (128, 1024), (512, 1024), (896, 1024)])
+window_split.case("window shorter than the query tile (WINDOW = 20 < BLOCK_M = 64)")(
+    _window_split_case(64, 16, [(0, 512, 20), (64, 512, 20), (320, 512, 20)])
 )
-causal_split.case("causal, ragged Nk inside or before the query tile")(
-    _split_case(64, 32, True, [(64, 100), (0, 17), (128, 150), (192, 130)])
+window_split.case("WINDOW = 1: each query sees only its own key")(
+    _window_split_case(32, 16, [(0, 128, 1), (32, 128, 1), (96, 128, 1)])
 )
-causal_split.case("inside the forward kernel: causal, Nq=50, Nk=37 and Nq=20, Nk=60")(
-    _split_in_forward((C(f"causal, Nq=50, Nk=37, d={D16}", 1, 1, 50, 37, D16, causal=True,
-                         hint=_HS), F32),
-                      (C(f"causal, Nq=20, Nk=60, d={D16}", 1, 1, 20, 60, D16, causal=True,
-                         hint=_HS), F32))
+window_split.case("ragged Nk, and more queries than keys (rows that see no key)")(
+    _window_split_case(32, 16, [(64, 70, 40), (64, 90, 40), (96, 50, 40), (128, 37, 20),
+                                (32, 1, 50)])
 )
-causal_split.case("causal, Nk < start_m (more queries than keys)", hidden=True)(
-    _split_case(32, 16, True, [(64, 20), (32, 32), (96, 1), (32, 33)])
+window_split.case("windows of exactly BLOCK_N, BLOCK_M and BLOCK_M + BLOCK_N", hidden=True)(
+    _window_split_case(64, 32, [(s, 400, w) for s in (0, 64, 192, 320) for w in (32, 64, 96)])
 )
 
 
-def _random_pairs(seed, block_m, count=60):
+def _random_triples(seed, block_m, count=60):
     g = torch.Generator().manual_seed(seed)
-    pairs = []
+    triples = []
     for _ in range(count):
         Nq, Nk = (int(x) for x in torch.randint(1, 400, (2,), generator=g))
         i = int(torch.randint(0, math.ceil(Nq / block_m), (1,), generator=g))
-        pairs.append((i * block_m, Nk))
-    return pairs
+        window = int(torch.randint(1, 300, (1,), generator=g))
+        triples.append((i * block_m, Nk, window))
+    return triples
 
 
 for _bm, _bn in ((16, 16), (32, 16), (128, 32)):
-    for _causal in (False, True):
-        causal_split.case(f"60 random (start_m, Nk), BLOCK_M={_bm}, BLOCK_N={_bn}, "
-                          f"causal={_causal}", hidden=True)(
-            _split_case(_bm, _bn, _causal, _random_pairs(_bm + _bn + _causal, _bm))
-        )
-causal_split.case("inside the forward kernel: float16, causal, Nq=33, Nk=70", hidden=True)(
-    _split_in_forward((C(f"causal, Nq=33, Nk=70, d={D32}", 1, 2, 33, 70, D32, causal=True,
-                         hint=_HS), LOW))
-)
+    window_split.case(f"60 random (start_m, Nk, WINDOW), BLOCK_M={_bm}, BLOCK_N={_bn}",
+                      hidden=True)(
+        _window_split_case(_bm, _bn, _random_triples(_bm + _bn, _bm))
+    )
 
-# ----------------------------------------------------------------------------- dK/dV inner
+# ----------------------------------------------------------------------------- window inner
 
-dkdv_inner = Exercise("09.dkdv_inner", "The dK/dV loop of the Triton backward", points=3)
+window_inner = Exercise("09.window_inner", "The loop of a sliding-window Triton forward", points=3)
 
-
-def reference_gradients(q, k, v, dO, causal, scale):
-    """float64 ``(O, LSE, dQ, dK, dV, P, dP, D)`` of attention (the closed form of chapter 08)."""
-    q, k, v, dO = (t.detach().to(torch.float64) for t in (q, k, v, dO))
-    O, LSE = reference.attention(q, k, v, causal=causal, scale=scale)
-    S = scale * q @ k.transpose(-2, -1)
-    if causal:
-        keep = torch.ones(S.shape[-2:], dtype=torch.bool, device=q.device).tril()
-        S = S.masked_fill(~keep, -math.inf)
-    P = torch.exp(S - LSE[..., None])
-    dP = dO @ v.transpose(-2, -1)
-    D = (dO * O).sum(-1, keepdim=True)
-    dS = P * (dP - D)
-    return O, LSE, scale * dS @ k, scale * dS.transpose(-2, -1) @ q, P.transpose(-2, -1) @ dO, \
-        P, dP, D
-
-
-def grad_tolerance(dtype, expected, max_score):
-    """``(atol, rtol)`` for a gradient computed from ``dtype`` inputs (see the module doc)."""
-    tol = GRAD_TOL[dtype]
-    atol = tol * max(1.0, float(expected.abs().max()))
-    if dtype == torch.float32:
-        atol += SCORE_ATOL * max_score
-    return atol, tol
-
-
-def backward_problem(case, dtype):
-    """Fresh ``(q, k, v, O, LSE, dO)`` in ``dtype`` (LSE float32) and the float64 references."""
-    q, k, v = random_qkv(case, dtype, device())
-    dO = torch.randn(q.shape, device=q.device).to(dtype)
-    scale = _scale_of(case)
-    ref = reference_gradients(q, k, v, dO, case.causal, scale)
-    O, LSE = ref[0].to(dtype).contiguous(), ref[1].float().contiguous()
-    return (q, k, v, O, LSE, dO), ref, scale
-
-
-_HK = {
-    "plain": "per query tile: P^T = exp2(S^T * qk_scale - lse2[None, :]) (lse2 = LSE * log2 e, "
-    "given), dV += P^T @ dO, dP^T = V @ dO^T, dS^T = P^T * (dP^T - D[None, :]), dK += dS^T @ "
-    "Q. Cast P^T and dS^T to the input dtype before their tl.dot.",
-    "ragged": "query rows past Nq arrive with q = dO = 0 and lse2 = +inf (given), so their "
-    "P^T = exp2(-inf) = 0: no extra mask is needed.",
-    "causal": "causal, on the diagonal tiles (DIAGONAL): in S^T the keys are the rows and the "
-    "queries the columns; key offs_n[c] is seen by query rows[r] iff offs_n[c] <= rows[r], so "
-    "set S^T to -inf where offs_n[:, None] > rows[None, :] before the exp2.",
-    "large": "scores of about +-150: P^T = exp2(S^T * qk_scale - lse2) is <= 1 because LSE >= "
-    "S; subtract inside the exp2, never divide two exponentials.",
+_HW = {
+    "edge": "WINDOW < BLOCK_M: on the window's left edge a row can see no key of a whole tile, "
+    "so rowmax(S) = -inf and m_new = -inf; then exp2(m_i - m_new) = exp2(-inf + inf) = NaN. "
+    "Subtract a finite stand-in where m_new is still -inf (e.g. tl.where(m_new == float('-inf'), "
+    "0.0, m_new)): P and alpha are then 0 and 1 there, and the row waits for its first key.",
+    "mask": "on the masked stages (MASKED) query offs_m[r] sees key cols[c] iff offs_m[r] - "
+    "WINDOW < cols[c] <= offs_m[r]: set S to -inf elsewhere, before the row max.",
+    "one": "WINDOW = 1: each query sees only its own key (O row i = V row i, LSE = S_ii * "
+    "scale): the mask is offs_m - WINDOW < cols <= offs_m.",
+    "empty": "more queries than keys: rows from Nk + WINDOW - 1 on see no key at all; the kernel "
+    "writes O = 0 and LSE = -inf for them as long as your loop leaves l = 0, acc = 0 (no NaN).",
+    "large": "scores of about +-150: subtract the running max (in log2 units: a max of S * "
+    "qk_scale) inside exp2.",
+    "fp16": "float16 inputs: tl.dot(P, v) needs both operands in one dtype: P.to(v.dtype); "
+    "acc, l_i and m_i stay float32.",
 }
 
 
-def _diagnose_backward(name, got, ref, q, scale):
-    """The likely bug when dK or dV is wrong, found by matching variants of the right answer."""
-    _, _, _, dK, dV, P, dP, _ = ref
-    g = got.double()
-    if not torch.isfinite(g).all():
-        return None
+def window_keep(Nq, Nk, window):
+    """The boolean mask of a causal sliding window: keep[i, j] = i - WINDOW < j <= i."""
+    i = torch.arange(Nq, device=device())[:, None]
+    j = torch.arange(Nk, device=device())[None, :]
+    return (j <= i) & (j > i - window)
 
-    def close(x):
-        return bool((g - x).abs().max() <= 0.05 * x.abs().max() + 1e-3)
 
-    if name == "dV" and not close(dV) and bool(g.abs().max() == 0):
-        return "dV is zero: accumulate dv = tl.dot(P^T, dO, dv) and return the updated dv."
-    if name != "dK":
+def _attention64(q, k, v, keep, scale):
+    """float64 softmax attention with a boolean mask; rows that keep nothing: O = 0, LSE = -inf."""
+    S = scale * (q.double() @ k.double().transpose(-2, -1))
+    S = S.masked_fill(~keep, -math.inf)
+    LSE = torch.logsumexp(S, dim=-1)
+    P = torch.where(keep, torch.exp(S - LSE.clamp_min(-1e300)[..., None]), 0.0)
+    return P @ v.double(), LSE
+
+
+def _diagnose_window(O, q, k, v, window, scale, atol, rtol, bounds, block_m):
+    """The likely bug when O is wrong, found by matching O against variants of the mask.
+
+    Each variant keeps only the keys of the tiles the kernel visited (``bounds``).
+    """
+    if not torch.isfinite(O.double()).all():
         return None
-    if close(scale * (P * dP).transpose(-2, -1) @ q.double()):
-        return ("dK matches dS = P * dP: the softmax gradient is dS = P * (dP - D), with D = "
-                "rowsum(dO * O) of each query row (Di, given): dS^T = P^T * (dP^T - Di[None, :]).")
-    if close(dK * scale):
-        return ("dK comes out scale times too small: the kernel multiplies dK by the scale "
-                "once, at the end (dK = scale * dS^T Q); do not scale dS^T yourself.")
-    if close(dK * scale * LOG2E) or close(dK * LOG2E):
-        return ("dK carries an extra factor log2(e) (or qk_scale): qk_scale belongs only inside "
-                "exp2; dS^T = P^T * (dP^T - D) has no scale, and the kernel multiplies dK by "
-                "scale at the end.")
-    if close(dK / scale):
-        return ("dK is 1/scale times too large: the kernel multiplies dK by scale at the end; "
-                "keep that multiply (you may have divided by it).")
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    i = torch.arange(Nq, device=device())[:, None]
+    j = torch.arange(Nk, device=device())[None, :]
+    lo = bounds[:, 0].repeat_interleave(block_m)[:Nq, None].to(device())
+    hi = bounds[:, 3].repeat_interleave(block_m)[:Nq, None].to(device())
+    visited = (j >= lo) & (j < hi)
+    variants = (
+        ((j <= i) & visited, "the window's left side is not masked: the rows see every key of "
+         "the left-edge tiles, also those before their window. On the masked stages keep key "
+         "cols[c] only if offs_m[r] - WINDOW < cols[c] <= offs_m[r]."),
+        (window_keep(Nq, Nk, window + 1) & visited, "O sees WINDOW + 1 keys per row: off by "
+         "one. A window of WINDOW keys is offs_m - WINDOW < cols <= offs_m (the query's own key "
+         "included)."),
+        (window_keep(Nq, Nk, max(window - 1, 1)), "O sees WINDOW - 1 keys per row: off by one. "
+         "A window of WINDOW keys is offs_m - WINDOW < cols <= offs_m (the query's own key "
+         "included)."),
+    )
+    right = window_keep(Nq, Nk, window)
+    for keep, hint in variants:
+        if bool((keep == right).all()):
+            continue
+        O_alt, _ = _attention64(q, k, v, keep, scale)
+        if bool(((O.double() - O_alt).abs() <= atol + rtol * O_alt.abs()).all()):
+            return hint
     return None
 
 
-def _dkdv_case(*cases):
+def _window_case(*cases):
+    """Cases are ``(AttentionCase, WINDOW, dtype)``."""
+
     def run(candidate):
-        _as_jit(candidate, "dkdv_inner")
-        for case, dtype in cases:
-            inputs, ref, scale = backward_problem(case, dtype)
-            q, k, v, O, LSE, dO = inputs
+        _jit(candidate, "window_inner")
+        block_m, block_n = FWD_CONFIG.kwargs["BLOCK_M"], FWD_CONFIG.kwargs["BLOCK_N"]
+        for case, window, dtype in cases:
+            q, k, v = _qkv(case.B, case.H, case.H, case.Nq, case.Nk, case.d, dtype,
+                           case.logit_scale)
+            scale = _scale_of(case)
+            keep = window_keep(case.Nq, case.Nk, window)
+            O_ref, LSE_ref = _attention64(q, k, v, keep, scale)
+            bounds = torch.tensor([stage_bounds(s, case.Nk, window, block_m, block_n)
+                                   for s in range(0, case.Nq, block_m)], dtype=torch.int32)
+            atol, rtol = tolerance(dtype, _max_score(q, k, scale))
+            O = poisoned(q.shape, dtype, q.device)
+            LSE = poisoned(q.shape[:-1], torch.float32, q.device)
+            O, LSE = invoke(candidate, H + "run_window_forward", q, k, v, window, scale,
+                            bounds, O, LSE)
             label = _label(case, dtype)
-            dQ, dK, dV = (poisoned(t.shape, dtype, t.device) for t in (q, k, v))
-            snap = snapshot(*inputs, names=("Q", "K", "V", "O", "LSE", "dO"))
-            fat.attention_backward(q, k, v, O, LSE, dO, case.causal, scale, out=(dQ, dK, dV),
-                                   dkdv_config=DKDV_CONFIG, dq_config=DQ_CONFIG,
-                                   dkdv_inner=candidate)
-            if q.is_cuda:
-                torch.cuda.synchronize()
-            assert_unchanged(snap, case=label)
-            max_score = _max_score(q, k, scale)
-            for name, got, want in (("dV", dV, ref[4]), ("dK", dK, ref[3])):
+            try:
+                compare("O", O, O_ref, case=label, atol=atol, rtol=rtol, hint=case.hint,
+                        dtype=dtype, poisoned=True)
+            except CheckFailure as failure:
+                better = _diagnose_window(O, q, k, v, window, scale, atol, rtol, bounds, block_m)
+                if better:
+                    failure.hint = better
+                raise
+            compare("LSE", LSE, LSE_ref, case=label, atol=atol, rtol=rtol, poisoned=True,
+                    hint="O is right but LSE is not: the kernel computes LSE = (m_i + log2 l_i) "
+                         "/ log2 e from what you return: return m_i as the max of S * "
+                         "qk_scale (log2 units, -inf while a row has seen no key) and l_i "
+                         "summed under that m.")
+
+    return run
+
+
+W_EDGE = pick(gpu=19, cpu=11)  # < BLOCK_M: rows whose window misses a whole visited tile
+NW = 4 * FWD_CONFIG.kwargs["BLOCK_M"]
+window_inner.case(f"window of {W_EDGE} keys < BLOCK_M, Nq=Nk={NW}")(
+    _window_case((C(f"WINDOW={W_EDGE}, Nq=Nk={NW}, d={D16}", 1, 1, NW, NW, D16,
+                    hint=_HW["edge"]), W_EDGE, F32))
+)
+window_inner.case("window of 40 keys, ragged Nq=Nk=75, B=2, H=2")(
+    _window_case((C(f"WINDOW=40, Nq=Nk=75, B=2, H=2, d={D16}", 2, 2, 75, 75, D16,
+                    hint=_HW["mask"]), 40, F32))
+)
+window_inner.case("WINDOW = 1, Nq=Nk=33")(
+    _window_case((C(f"WINDOW=1, Nq=Nk=33, d={D16}", 1, 1, 33, 33, D16, hint=_HW["one"]), 1, F32))
+)
+window_inner.case("window of 24, Nq=20 < Nk=50, and Nq=70 > Nk=13 (rows that see no key)")(
+    _window_case((C(f"WINDOW=24, Nq=20, Nk=50, d={D16}", 1, 1, 20, 50, D16, hint=_HW["mask"]),
+                  24, F32),
+                 (C(f"WINDOW=24, Nq=70, Nk=13, d={D16}", 1, 1, 70, 13, D16, hint=_HW["empty"]),
+                  24, F32))
+)
+window_inner.case("large logits (scores of std 50), window of 24, Nq=Nk=40")(
+    _window_case((C(f"logits x50, WINDOW=24, Nq=Nk=40, d={D16}", 1, 1, 40, 40, D16,
+                    logit_scale=50.0, hint=_HW["large"]), 24, F32))
+)
+window_inner.case("float16 inputs, window of 20, Nq=Nk=48")(
+    _window_case((C(f"WINDOW=20, Nq=Nk=48, H=2, d={D32}", 1, 2, 48, 48, D32, hint=_HW["fp16"]),
+                  20, LOW))
+)
+window_inner.case("window longer than the sequence (causal), and Nq=Nk=1", hidden=True)(
+    _window_case((C(f"WINDOW=1e6, Nq=Nk=45, d={D16}", 1, 1, 45, 45, D16), BIG, F32),
+                 (C(f"WINDOW=3, Nq=Nk=1, d={D16}", 1, 1, 1, 1, D16), 3, F32))
+)
+window_inner.case("scale 0.3, window of 17, Nq=33, Nk=50", hidden=True)(
+    _window_case((C(f"scale=0.3, WINDOW=17, Nq=33, Nk=50, d={D16}", 1, 1, 33, 50, D16,
+                    scale=0.3), 17, F32))
+)
+window_inner.case(f"{_dtype_name(BF16)}, window of 37, B=2, H=2, Nq=Nk=100, d={D32}",
+                  hidden=True)(
+    _window_case((C(f"WINDOW=37, B=2, H=2, Nq=Nk=100, d={D32}", 2, 2, 100, 100, D32,
+                    hint=_HW["fp16"]), 37, BF16))
+)
+window_inner.case("logits x30, window of 5, ragged Nq=Nk=53", hidden=True)(
+    _window_case((C(f"logits x30, WINDOW=5, Nq=Nk=53, d={D16}", 1, 1, 53, 53, D16,
+                    logit_scale=30.0, hint=_HW["edge"]), 5, F32))
+)
+
+# ----------------------------------------------------------------------------- GQA dK/dV
+
+gqa_dkdv = Exercise("09.gqa_dkdv", "A dK/dV kernel for grouped-query attention", points=3)
+
+_HG = {
+    "plain": "the program owns a K/V tile of K/V head bkv; the query heads that read it are "
+    "bkv * GROUP + g for g in range(GROUP): call dkdv_inner once per query head (and stage) "
+    "with that head's Q, dO, LSE and D, accumulating into the same dk, dv.",
+    "ragged": "query rows past Nq and key rows past Nk: dkdv_inner and the given loads and "
+    "stores already handle them; check the per-head offsets (head * Nq * HEAD_DIM for Q and dO, "
+    "head * Nq for LSE and D).",
+    "causal": "causal: each query head runs the two stages of the lecture's dK/dV kernel, the "
+    "diagonal tiles (diag_lo, diag_hi) with DIAGONAL=True, then (lo, hi) unmasked.",
+}
+
+
+def gqa_problem(case, h_kv, dtype):
+    """Fresh inputs and the float64 answers, by autograd of the definition.
+
+    Returns ``(q, k, v, O, LSE, dO)`` (O in ``dtype``, LSE float32, both from float64) and
+    ``(dK, dV, dK_heads, dV_heads)``: the answers and the per-query-head terms (for hints).
+    """
+    group = case.H // h_kv
+    q, k, v = _qkv(case.B, case.H, h_kv, case.Nq, case.Nk, case.d, dtype, case.logit_scale)
+    dO = torch.randn(q.shape).to(device=device(), dtype=dtype)
+    scale = _scale_of(case)
+    k_heads = k.double().repeat_interleave(group, dim=1).requires_grad_()  # head h -> h // G
+    v_heads = v.double().repeat_interleave(group, dim=1).requires_grad_()
+    S = scale * q.double() @ k_heads.transpose(-2, -1)
+    if case.causal:
+        S = S.masked_fill(~window_keep(case.Nq, case.Nk, BIG), -math.inf)
+    O = torch.softmax(S, dim=-1) @ v_heads
+    O.backward(dO.double())
+    LSE = torch.logsumexp(S.detach(), dim=-1)
+    shape = (case.B, h_kv, group, case.Nk, case.d)
+    dK_heads, dV_heads = k_heads.grad.view(shape), v_heads.grad.view(shape)
+    inputs = (q, k, v, O.detach().to(dtype).contiguous(), LSE.float().contiguous(), dO)
+    return inputs, (dK_heads.sum(2), dV_heads.sum(2), dK_heads, dV_heads), scale
+
+
+def _diagnose_gqa(name, got, answers):
+    """The likely bug when dK or dV is wrong: one query head of the group instead of the sum."""
+    heads = answers[2] if name == "dK" else answers[3]
+    g = got.double()
+    if not torch.isfinite(g).all() or heads.shape[2] == 1:
+        return None
+
+    def close(x):
+        return bool((g - x).abs().max() <= 0.02 * x.abs().max() + 1e-3)
+
+    if close(heads[:, :, 0]):
+        return (f"{name} holds the first query head of each group only: loop over the GROUP "
+                "query heads bkv * GROUP + g that share this K/V head, adding each one's terms.")
+    if close(heads[:, :, -1]):
+        return (f"{name} holds the last query head of each group only: the accumulators are "
+                "reset (or overwritten) per head; keep one dk, dv for the whole group.")
+    return None
+
+
+def _gqa_case(*cases):
+    """Cases are ``(AttentionCase with H = query heads, H_KV, dtype)``."""
+
+    def run(candidate):
+        _jit(candidate, "the dK/dV kernel")
+        for case, h_kv, dtype in cases:
+            inputs, answers, scale = gqa_problem(case, h_kv, dtype)
+            q, k, v, O, LSE, dO = inputs
+            dK = poisoned(k.shape, dtype, k.device)
+            dV = poisoned(v.shape, dtype, v.device)
+            dK, dV = invoke(candidate, H + "run_gqa_dkdv", q, k, v, O, LSE, dO, case.causal,
+                            scale, dK, dV)
+            label = _label(case, dtype)
+            max_score = _max_score(q, k.repeat_interleave(case.H // h_kv, dim=1), scale)
+            for name, got, want in (("dV", dV, answers[1]), ("dK", dK, answers[0])):
                 atol, rtol = grad_tolerance(dtype, want, max_score)
                 try:
                     compare(name, got, want, case=label, atol=atol, rtol=rtol, dtype=dtype,
-                            hint=case.hint or _HK["plain"], poisoned=True)
+                            hint=case.hint or _HG["plain"], poisoned=True)
                 except CheckFailure as failure:
-                    better = _diagnose_backward(name, got, ref, q, scale)
+                    better = _diagnose_gqa(name, got, answers)
                     if better:
                         failure.hint = better
                     raise
@@ -493,53 +473,47 @@ def _dkdv_case(*cases):
     return run
 
 
-DK16 = pick(gpu=64, cpu=16)
-DK32 = pick(gpu=128, cpu=32)
-NB = DKDV_CONFIG.kwargs["BLOCK_M"]
-dkdv_inner.case(f"Nq=Nk={2 * NB} (two query tiles), d={DK16}")(
-    _dkdv_case((C(f"Nq=Nk={2 * NB}, d={DK16}", 1, 1, 2 * NB, 2 * NB, DK16, hint=_HK["plain"]),
-                F32))
+NB = 2 * DKDV_CONFIG.kwargs["BLOCK_N"]
+gqa_dkdv.case(f"GROUP=2 (4 query heads, 2 K/V heads), Nq=Nk={NB}")(
+    _gqa_case((C(f"H_Q=4, H_KV=2, Nq=Nk={NB}, d={D16}", 1, 4, NB, NB, D16, hint=_HG["plain"]),
+               2, F32))
 )
-dkdv_inner.case("ragged: Nq=37, Nk=29, B=2")(
-    _dkdv_case((C(f"Nq=37, Nk=29, B=2, d={DK16}", 2, 1, 37, 29, DK16, hint=_HK["ragged"]), F32))
+gqa_dkdv.case("ragged: Nq=37, Nk=29, B=2, GROUP=3 (3 query heads, 1 K/V head)")(
+    _gqa_case((C(f"B=2, H_Q=3, H_KV=1, Nq=37, Nk=29, d={D16}", 2, 3, 37, 29, D16,
+                 hint=_HG["ragged"]), 1, F32))
 )
-dkdv_inner.case("causal, Nq=Nk=45")(
-    _dkdv_case((C(f"causal, Nq=Nk=45, d={DK16}", 1, 1, 45, 45, DK16, causal=True,
-                  hint=_HK["causal"]), F32))
+gqa_dkdv.case("causal, Nq=Nk=45, GROUP=2, 2 K/V heads")(
+    _gqa_case((C(f"causal, H_Q=4, H_KV=2, Nq=Nk=45, d={D16}", 1, 4, 45, 45, D16, causal=True,
+                 hint=_HG["causal"]), 2, F32))
 )
-dkdv_inner.case("float16 inputs, causal, Nq=Nk=40")(
-    _dkdv_case((C(f"causal, Nq=Nk=40, d={DK32}", 1, 2, 40, 40, DK32, causal=True,
-                  hint=_HK["causal"]), LOW))
+gqa_dkdv.case("float16, causal, multi-query (4 query heads, 1 K/V head), Nq=Nk=40")(
+    _gqa_case((C(f"causal, H_Q=4, H_KV=1, Nq=Nk=40, d={D32}", 1, 4, 40, 40, D32, causal=True,
+                 hint=_HG["causal"]), 1, LOW))
 )
-dkdv_inner.case("causal, Nq=50 > Nk=21, and Nq=9 < Nk=60", hidden=True)(
-    _dkdv_case((C(f"causal, Nq=50, Nk=21, d={DK16}", 1, 1, 50, 21, DK16, causal=True,
-                  hint=_HK["causal"]), F32),
-               (C(f"causal, Nq=9, Nk=60, d={DK16}", 1, 1, 9, 60, DK16, causal=True,
-                  hint=_HK["causal"]), F32))
+gqa_dkdv.case("causal, Nq=50 > Nk=21 and Nq=9 < Nk=60, GROUP=2", hidden=True)(
+    _gqa_case((C(f"causal, H_Q=2, H_KV=1, Nq=50, Nk=21, d={D16}", 1, 2, 50, 21, D16,
+                 causal=True, hint=_HG["causal"]), 1, F32),
+              (C(f"causal, H_Q=4, H_KV=2, Nq=9, Nk=60, d={D16}", 1, 4, 9, 60, D16, causal=True,
+                 hint=_HG["causal"]), 2, F32))
 )
-dkdv_inner.case("Nq=1, Nk=1, and scale 0.3, logits x30", hidden=True)(
-    _dkdv_case((C(f"Nq=Nk=1, d={DK16}", 1, 1, 1, 1, DK16), F32),
-               (C(f"scale=0.3, logits x30, Nq=Nk=33, d={DK16}", 1, 2, 33, 33, DK16, scale=0.3,
-                  logit_scale=30.0, hint=_HK["large"]), F32))
+gqa_dkdv.case("GROUP=1 (plain multi-head) Nq=Nk=1, and scale 0.3, logits x30, GROUP=3",
+              hidden=True)(
+    _gqa_case((C(f"H_Q=H_KV=2, Nq=Nk=1, d={D16}", 1, 2, 1, 1, D16), 2, F32),
+              (C(f"scale=0.3, logits x30, H_Q=6, H_KV=2, Nq=Nk=33, d={D16}", 1, 6, 33, 33, D16,
+                 scale=0.3, logit_scale=30.0), 2, F32))
 )
-dkdv_inner.case(f"{str(BF16).replace('torch.', '')}, causal, B=2, H=2, Nq=Nk=70, d={DK32}",
-                hidden=True)(
-    _dkdv_case((C(f"causal, B=2, H=2, Nq=Nk=70, d={DK32}", 2, 2, 70, 70, DK32, causal=True,
-                  hint=_HK["causal"]), BF16))
+gqa_dkdv.case(f"{_dtype_name(BF16)}, causal, B=2, H_Q=4, H_KV=2, Nq=Nk=70, d={D32}",
+              hidden=True)(
+    _gqa_case((C(f"causal, B=2, H_Q=4, H_KV=2, Nq=Nk=70, d={D32}", 2, 4, 70, 70, D32,
+                 causal=True, hint=_HG["causal"]), 2, BF16))
 )
 
 __all__ = [
-    "DKDV_CONFIG",
-    "DQ_CONFIG",
-    "FWD_CONFIG",
-    "GRAD_TOL",
-    "SCORE_ATOL",
-    "backward_problem",
-    "causal_split",
-    "dkdv_inner",
-    "expected_split",
-    "forward_inner",
-    "grad_tolerance",
-    "reference_gradients",
-    "split_bounds",
+    "gqa_dkdv",
+    "gqa_problem",
+    "stage_bounds",
+    "window_inner",
+    "window_keep",
+    "window_split",
+    "window_stages",
 ]
