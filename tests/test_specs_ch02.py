@@ -184,13 +184,14 @@ def attention_row(q, K, V, Bc, scale, i, window, subtract_max=True, log=torch.lo
                   mask_old=True, mask_future=True):  # fmt: skip
     """A windowed online row; each keyword turns one part of the right answer off."""
     lo = max(0, i - window + 1)
-    m = torch.tensor(-math.inf if subtract_max else 0.0)
-    l, acc = torch.zeros(()), torch.zeros(V.shape[1])
+    dev = q.device
+    m = torch.tensor(-math.inf if subtract_max else 0.0, device=dev)
+    l, acc = torch.zeros((), device=dev), torch.zeros(V.shape[1], device=dev)
     first, last = (lo - lo % Bc, i + 1) if skip else (0, K.shape[0])
     for j in range(first, last, Bc):
         stop = min(j + Bc, K.shape[0])
-        keys = torch.arange(j, stop)
-        keep = torch.ones(stop - j, dtype=torch.bool)
+        keys = torch.arange(j, stop, device=dev)
+        keep = torch.ones(stop - j, dtype=torch.bool, device=dev)
         if mask_old:
             keep &= keys >= lo
         if mask_future:

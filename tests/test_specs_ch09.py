@@ -149,7 +149,7 @@ def test_window_inner_without_the_minus_inf_guard_fails_the_first_case(tmp_path)
                   ('m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_sub = m_new"))
     r = check("09.window_inner", bad)
     assert r.status == "failed" and "NaN" in r.message and "stand-in" in r.message, r.message
-    assert "window of 11 keys" in r.message or "WINDOW=11" in r.message, r.message
+    assert not r.message.startswith("(hidden case)"), r.message  # a visible case shows it
 
 
 def test_window_inner_causal_mask_only_is_named(tmp_path):
@@ -173,7 +173,7 @@ def test_window_inner_missing_rescale_fails_the_first_case(tmp_path):
                   ("l_i = l_i * alpha + tl.sum(P, 1)", "l_i = l_i + tl.sum(P, 1)"),
                   ("acc * alpha[:, None])", "acc)"))
     r = check("09.window_inner", bad)
-    assert r.status == "failed" and r.passed < 3, r.message
+    assert r.status == "failed" and not r.message.startswith("(hidden case)"), r.message
 
 
 def test_window_inner_stub_is_not_implemented():
