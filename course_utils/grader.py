@@ -307,7 +307,8 @@ def check(exercise_id: str, candidate) -> Result:
         waiting = 0 if hidden_run else sum(c.hidden for c in ex.cases)
         print(verdict(result, waiting))
     _results.append(result)
-    if not result.ok and os.environ.get(RAISE_ENV) == "1":
+    # "needs gpu" is not a failure of the code: only a GPU can decide it (CUDA C++ on a CPU).
+    if not result.ok and result.status != "needs gpu" and os.environ.get(RAISE_ENV) == "1":
         raise AssertionError(f"{result.id} failed ({result.status}): {result.message}")
     return result
 

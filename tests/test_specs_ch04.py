@@ -6,223 +6,173 @@ import pytest
 from numba import cuda, float32
 
 from course_utils import grader
+from course_utils.harness import ch04 as harness
+from course_utils.runtime import on_gpu
 from course_utils.specs import ch04
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
-TILE = ch04.TILE
+TILE = harness.TILE
 
 
-@cuda.jit
-def tiled_right(A, B, C):
-    M, K = A.shape
-    N = B.shape[1]
-    ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
-    row = cuda.blockIdx.y * TILE + ty
-    col = cuda.blockIdx.x * TILE + tx
-    As = cuda.shared.array((TILE, TILE), float32)
-    Bs = cuda.shared.array((TILE, TILE), float32)
-    acc = float32(0.0)
-    for k0 in range(0, K, TILE):
-        As[ty, tx] = A[row, k0 + tx] if row < M and k0 + tx < K else float32(0.0)
-        Bs[ty, tx] = B[k0 + ty, col] if k0 + ty < K and col < N else float32(0.0)
-        cuda.syncthreads()
-        for kk in range(TILE):
-            acc += As[ty, kk] * Bs[kk, tx]
-        cuda.syncthreads()
-    if row < M and col < N:
-        C[row, col] = acc
+def _qk_kernel(*, guard_loads=True, zero_outside=True, guard_store=True, transposed_read=True,
+               full_steps_only=False, column_load=False):  # fmt: skip
+    """The tiled S = Q K^T kernel of the exercise, with one of the usual bugs switched on."""
+
+    @cuda.jit
+    def kernel(Q, K, S):
+        Nq, d = Q.shape
+        Nk = K.shape[0]
+        ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
+        i = cuda.blockIdx.y * TILE + ty
+        j0 = cuda.blockIdx.x * TILE
+        Qs = cuda.shared.array((TILE, TILE), float32)
+        Ks = cuda.shared.array((TILE, TILE), float32)
+        acc = float32(0.0)
+        steps = d // TILE if full_steps_only else (d + TILE - 1) // TILE
+        for t in range(steps):
+            k0 = t * TILE
+            if not guard_loads:
+                Qs[ty, tx] = Q[i, k0 + tx]
+                Ks[ty, tx] = K[j0 + ty, k0 + tx]
+            elif column_load:  # same tile, but threadIdx.x runs along the keys: strided
+                Qs[ty, tx] = Q[i, k0 + tx] if i < Nq and k0 + tx < d else float32(0.0)
+                Ks[tx, ty] = K[j0 + tx, k0 + ty] if j0 + tx < Nk and k0 + ty < d else float32(0.0)
+            elif zero_outside:
+                Qs[ty, tx] = Q[i, k0 + tx] if i < Nq and k0 + tx < d else float32(0.0)
+                Ks[ty, tx] = K[j0 + ty, k0 + tx] if j0 + ty < Nk and k0 + tx < d else float32(0.0)
+            else:  # outside: the tile keeps the previous step's value
+                if i < Nq and k0 + tx < d:
+                    Qs[ty, tx] = Q[i, k0 + tx]
+                if j0 + ty < Nk and k0 + tx < d:
+                    Ks[ty, tx] = K[j0 + ty, k0 + tx]
+            cuda.syncthreads()
+            for kk in range(TILE):
+                if transposed_read:
+                    acc += Qs[ty, kk] * Ks[tx, kk]
+                else:  # the lecture's C = A B read: Ks used as if it held columns of K^T
+                    acc += Qs[ty, kk] * Ks[kk, tx]
+            cuda.syncthreads()
+        if not guard_store or (i < Nq and j0 + tx < Nk):
+            S[i, j0 + tx] = acc
+
+    return kernel
 
 
-@cuda.jit
-def tiled_drops_partial_k_tile(A, B, C):
-    M, K = A.shape
-    N = B.shape[1]
-    ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
-    row = cuda.blockIdx.y * TILE + ty
-    col = cuda.blockIdx.x * TILE + tx
-    As = cuda.shared.array((TILE, TILE), float32)
-    Bs = cuda.shared.array((TILE, TILE), float32)
-    acc = float32(0.0)
-    for t in range(K // TILE):  # the last, partial k tile is never added
-        k0 = t * TILE
-        As[ty, tx] = A[row, k0 + tx] if row < M else float32(0.0)
-        Bs[ty, tx] = B[k0 + ty, col] if col < N else float32(0.0)
-        cuda.syncthreads()
-        for kk in range(TILE):
-            acc += As[ty, kk] * Bs[kk, tx]
-        cuda.syncthreads()
-    if row < M and col < N:
-        C[row, col] = acc
-
-
-@cuda.jit
-def tiled_skips_instead_of_zero(A, B, C):
-    M, K = A.shape
-    N = B.shape[1]
-    ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
-    row = cuda.blockIdx.y * TILE + ty
-    col = cuda.blockIdx.x * TILE + tx
-    As = cuda.shared.array((TILE, TILE), float32)
-    Bs = cuda.shared.array((TILE, TILE), float32)
-    acc = float32(0.0)
-    for k0 in range(0, K, TILE):
-        if row < M and k0 + tx < K:  # outside: the tile keeps the previous step's value
-            As[ty, tx] = A[row, k0 + tx]
-        if k0 + ty < K and col < N:
-            Bs[ty, tx] = B[k0 + ty, col]
-        cuda.syncthreads()
-        for kk in range(TILE):
-            acc += As[ty, kk] * Bs[kk, tx]
-        cuda.syncthreads()
-    if row < M and col < N:
-        C[row, col] = acc
-
-
-@cuda.jit
-def tiled_unguarded_store(A, B, C):
-    M, K = A.shape
-    N = B.shape[1]
-    ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
-    row = cuda.blockIdx.y * TILE + ty
-    col = cuda.blockIdx.x * TILE + tx
-    As = cuda.shared.array((TILE, TILE), float32)
-    Bs = cuda.shared.array((TILE, TILE), float32)
-    acc = float32(0.0)
-    for k0 in range(0, K, TILE):
-        As[ty, tx] = A[row, k0 + tx] if row < M and k0 + tx < K else float32(0.0)
-        Bs[ty, tx] = B[k0 + ty, col] if k0 + ty < K and col < N else float32(0.0)
-        cuda.syncthreads()
-        for kk in range(TILE):
-            acc += As[ty, kk] * Bs[kk, tx]
-        cuda.syncthreads()
-    C[row, col] = acc
-
-
-@cuda.jit
-def tiled_swapped_axes(A, B, C):
-    M, K = A.shape
-    N = B.shape[1]
-    ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
-    row = cuda.blockIdx.x * TILE + tx  # x along rows: the grid does not cover C
-    col = cuda.blockIdx.y * TILE + ty
-    As = cuda.shared.array((TILE, TILE), float32)
-    Bs = cuda.shared.array((TILE, TILE), float32)
-    acc = float32(0.0)
-    for k0 in range(0, K, TILE):
-        As[tx, ty] = A[row, k0 + ty] if row < M and k0 + ty < K else float32(0.0)
-        Bs[ty, tx] = B[k0 + tx, col] if k0 + tx < K and col < N else float32(0.0)
-        cuda.syncthreads()
-        for kk in range(TILE):
-            acc += As[tx, kk] * Bs[ty, kk]
-        cuda.syncthreads()
-    if row < M and col < N:
-        C[row, col] = acc
-
-
-def test_tiled_matmul_passes_when_right():
-    r = grader.check("04.tiled_matmul", tiled_right)
+def test_tiled_qk_passes_when_right():
+    r = grader.check("04.tiled_qk", _qk_kernel())
     assert r.status == "passed" and r.hidden_run
 
 
-def test_tiled_matmul_partial_k_tile_is_named():
-    r = grader.check("04.tiled_matmul", tiled_drops_partial_k_tile)
+def test_tiled_qk_lecture_read_pattern_fails():
+    r = grader.check("04.tiled_qk", _qk_kernel(transposed_read=False))
+    assert r.status == "failed" and "row j of K" in r.message
+
+
+@pytest.mark.skipif(on_gpu(), reason="the traffic case needs the simulator's tracer")
+def test_tiled_qk_strided_k_load_is_caught():
+    r = grader.check("04.tiled_qk", _qk_kernel(column_load=True))
+    assert r.status == "failed" and "a warp load of K needs 8 sectors" in r.message
+    assert r.passed == r.total - 1  # the values are right: only the traffic case tells
+
+
+def test_tiled_qk_partial_k_tile_is_named():
+    r = grader.check("04.tiled_qk", _qk_kernel(full_steps_only=True))
     assert r.status == "failed" and "partial tile" in r.message
 
 
-def test_tiled_matmul_stale_tile_is_named():
-    r = grader.check("04.tiled_matmul", tiled_skips_instead_of_zero)
+def test_tiled_qk_stale_tile_is_named():
+    r = grader.check("04.tiled_qk", _qk_kernel(zero_outside=False))
     assert r.status == "failed" and "not keep the previous step" in r.message
 
 
-def test_tiled_matmul_unguarded_store_is_named():
-    r = grader.check("04.tiled_matmul", tiled_unguarded_store)
+def test_tiled_qk_unguarded_loads_and_store_are_named():
+    r = grader.check("04.tiled_qk", _qk_kernel(guard_loads=False))
     assert r.status == "failed" and "out of bounds" in r.message
-    assert "only when row < M and col < N" in r.message
+    r = grader.check("04.tiled_qk", _qk_kernel(guard_store=False))
+    assert r.status == "failed" and "out of bounds" in r.message
+    assert "only when i < Nq and j < Nk" in r.message
 
 
-def test_tiled_matmul_swapped_axes_fails():
-    r = grader.check("04.tiled_matmul", tiled_swapped_axes)
-    assert r.status == "failed"
-
-
-def test_tiled_matmul_stub_is_not_implemented():
+def test_tiled_qk_stub_is_not_implemented():
     @cuda.jit
-    def stub(A, B, C):
+    def stub(Q, K, S):
         raise NotImplementedError("replace this line with your code")
 
-    assert grader.check("04.tiled_matmul", stub).status == "not implemented"
+    assert grader.check("04.tiled_qk", stub).status == "not implemented"
 
 
-def test_exact_count_matches_the_instrumented_kernel():
-    for shape in [(5, 7, 6, 4), (9, 6, 11, 4), (3, 4, 5, 1), (6, 5, 2, 4)]:
-        assert ch04.measured_global_reads(*shape) == ch04.exact_global_reads(*shape)
+def _closed_form(Nq, Nk, d, Br, Bc):
+    return Nq * d * math.ceil(Nk / Bc) + Nk * d * math.ceil(Nq / Br)
+
+
+def test_enumeration_matches_the_closed_form():
+    for shape in [
+        (5, 7, 6, 4, 4),
+        (9, 6, 11, 4, 4),
+        (3, 4, 5, 1, 1),
+        (6, 5, 2, 4, 4),
+        (50, 70, 9, 16, 32),
+        (1000, 3000, 777, 16, 48),
+        (1, 300, 64, 64, 64),
+    ]:
+        assert ch04.enumerated_global_reads(*shape) == _closed_form(*shape)
 
 
 def test_global_reads():
-    r = grader.check("04.global_reads", ch04.exact_global_reads)
+    r = grader.check("04.global_reads", _closed_form)
     assert r.status == "passed" and r.hidden_run
-    only_multiples = lambda M, N, K, t: 2 * M * N * K // t
+    only_multiples = lambda Nq, Nk, d, Br, Bc: Nq * Nk * d // Br + Nq * Nk * d // Bc
     r = grader.check("04.global_reads", only_multiples)
-    assert r.status == "failed" and "ceil" in r.message and r.passed >= 2  # tile=1, multiples
-    floor = lambda M, N, K, t: M * K * (N // t) + K * N * (M // t)
-    r = grader.check("04.global_reads", floor)
-    assert r.status == "failed" and "drops the last" in r.message
-    padded = lambda M, N, K, t: (
-        math.ceil(M / t) * math.ceil(N / t) * math.ceil(K / t) * 2 * t * t
-    )
+    assert r.status == "failed" and "partial one included" in r.message
+    assert r.passed >= 2  # 1 x 1 tiles and multiples
+    floor = lambda Nq, Nk, d, Br, Bc: Nq * d * (Nk // Bc) + Nk * d * (Nq // Br)
+    assert grader.check("04.global_reads", floor).status == "failed"
+    swapped = lambda Nq, Nk, d, Br, Bc: _closed_form(Nq, Nk, d, Bc, Br)
+    r = grader.check("04.global_reads", swapped)
+    assert r.status == "failed" and "Br x Bc = 16 x 32" in r.message  # the rectangular case
+    padded = lambda Nq, Nk, d, Br, Bc: math.ceil(Nq / Br) * math.ceil(Nk / Bc) * (Br + Bc) * d
     r = grader.check("04.global_reads", padded)
     assert r.status == "failed" and "padding" in r.message
     assert grader.check("04.global_reads", lambda *a: "many").status == "failed"
 
 
 CUDA_TEMPLATE = r"""
-#include <torch/types.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cmath>
-
 constexpr int TILE = 16;
 
-__global__ void matmul_tiled_kernel(const float* __restrict__ A, const float* __restrict__ B,
-                                    float* __restrict__ C, int M, int N, int K) {
-    __shared__ float As[TILE][TILE];
-    __shared__ float Bs[TILE][TILE];
+__global__ void qk_tiled_kernel(const float* __restrict__ Q, const float* __restrict__ K,
+                                float* __restrict__ S, int Nq, int Nk, int d) {
 BODY
-}
-
-torch::Tensor matmul_tiled(torch::Tensor A, torch::Tensor B) {
-    TORCH_CHECK(A.is_cuda() && B.is_cuda(), "matmul_tiled: A and B must be CUDA tensors");
-    TORCH_CHECK(A.size(1) == B.size(0), "matmul_tiled: inner dimensions differ");
-    const int M = A.size(0), K = A.size(1), N = B.size(1);
-    auto C = torch::full({M, N}, NAN, A.options());
-    dim3 block(TILE, TILE);
-    dim3 grid((N + TILE - 1) / TILE, (M + TILE - 1) / TILE);
-    matmul_tiled_kernel<<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        A.data_ptr<float>(), B.data_ptr<float>(), C.data_ptr<float>(), M, N, K);
-    return C;
 }
 """
 
 RIGHT_BODY = r"""
+    __shared__ float Qs[TILE][TILE];
+    __shared__ float Ks[TILE][TILE];
     const int ty = threadIdx.y, tx = threadIdx.x;
-    const int row = blockIdx.y * TILE + ty, col = blockIdx.x * TILE + tx;
+    const int i = blockIdx.y * TILE + ty, j0 = blockIdx.x * TILE;
     float acc = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += TILE) {
-        As[ty][tx] = (row < M && k0 + tx < K) ? A[(size_t)row * K + k0 + tx] : 0.0f;
-        Bs[ty][tx] = (k0 + ty < K && col < N) ? B[(size_t)(k0 + ty) * N + col] : 0.0f;
+    for (int k0 = 0; k0 < d; k0 += TILE) {
+        Qs[ty][tx] = (i < Nq && k0 + tx < d) ? Q[(size_t)i * d + k0 + tx] : 0.0f;
+        Ks[ty][tx] = (j0 + ty < Nk && k0 + tx < d) ? K[(size_t)(j0 + ty) * d + k0 + tx] : 0.0f;
         __syncthreads();
-        for (int kk = 0; kk < TILE; ++kk) acc += As[ty][kk] * Bs[kk][tx];
+        for (int kk = 0; kk < TILE; ++kk) acc += Qs[ty][kk] * Ks[tx][kk];
         __syncthreads();
     }
-    if (row < M && col < N) C[(size_t)row * N + col] = acc;
+    if (i < Nq && j0 + tx < Nk) S[(size_t)i * Nk + j0 + tx] = acc;
 """
 
+# the issue's example: a wrong index and no store guard, which compiles fine
+WRONG_BODY = RIGHT_BODY.replace("Ks[tx][kk]", "Ks[kk][tx]").replace(
+    "if (i < Nq && j0 + tx < Nk) S", "S"
+)
+
 NAIVE_BODY = r"""
-    const int row = blockIdx.y * TILE + threadIdx.y, col = blockIdx.x * TILE + threadIdx.x;
-    if (row < M && col < N) {
+    const int i = blockIdx.y * TILE + threadIdx.y, j = blockIdx.x * TILE + threadIdx.x;
+    if (i < Nq && j < Nk) {
         float acc = 0.0f;
-        for (int k = 0; k < K; ++k) acc += A[(size_t)row * K + k] * B[(size_t)k * N + col];
-        C[(size_t)row * N + col] = acc;
+        for (int c = 0; c < d; ++c) acc += Q[(size_t)i * d + c] * K[(size_t)j * d + c];
+        S[(size_t)i * Nk + j] = acc;
     }
 """
 
@@ -237,28 +187,38 @@ needs_compiler = pytest.mark.skipif(not _cuda_available(), reason="no nvcc or NV
 
 
 @needs_compiler
-def test_cuda_tiled_body_right_passes():
-    r = grader.check("04.cuda_tiled_body", CUDA_TEMPLATE.replace("BODY", RIGHT_BODY))
-    assert r.status == "passed"
+def test_cuda_right_body():
+    r = grader.check("04.cuda_tiled_qk", CUDA_TEMPLATE.replace("BODY", RIGHT_BODY))
+    if on_gpu():
+        assert r.status == "passed"
+    else:  # compiling is not grading
+        assert r.status == "needs gpu" and r.score == 0
     # a function returning the source is accepted too
-    r = grader.check("04.cuda_tiled_body", lambda: CUDA_TEMPLATE.replace("BODY", RIGHT_BODY))
-    assert r.status == "passed"
+    r2 = grader.check("04.cuda_tiled_qk", lambda: CUDA_TEMPLATE.replace("BODY", RIGHT_BODY))
+    assert r2.status == r.status
 
 
 @needs_compiler
-def test_cuda_tiled_body_compile_error_is_shown():
+def test_cuda_wrong_index_without_store_guard_never_scores():
+    r = grader.check("04.cuda_tiled_qk", CUDA_TEMPLATE.replace("BODY", WRONG_BODY))
+    assert r.score == 0
+    assert r.status == ("failed" if on_gpu() else "needs gpu")
+
+
+@needs_compiler
+def test_cuda_compile_error_is_shown():
     broken = RIGHT_BODY.replace("float acc = 0.0f;", "float acc = 0.0f")
-    r = grader.check("04.cuda_tiled_body", CUDA_TEMPLATE.replace("BODY", broken))
-    assert r.status == "failed" and "does not compile" in r.message
+    r = grader.check("04.cuda_tiled_qk", CUDA_TEMPLATE.replace("BODY", broken))
+    assert r.status == "failed" and "does not compile" in r.message and r.score == 0
 
 
 @needs_compiler
-def test_cuda_tiled_body_without_shared_tiles_fails():
-    r = grader.check("04.cuda_tiled_body", CUDA_TEMPLATE.replace("BODY", NAIVE_BODY))
+def test_cuda_without_shared_tiles_fails():
+    r = grader.check("04.cuda_tiled_qk", CUDA_TEMPLATE.replace("BODY", NAIVE_BODY))
     assert r.status == "failed" and "__shared__" in r.message
 
 
-def test_cuda_tiled_body_placeholder_is_not_implemented():
+def test_cuda_placeholder_is_not_implemented():
     stub = CUDA_TEMPLATE.replace("BODY", "    // YOUR CODE HERE")
-    assert grader.check("04.cuda_tiled_body", stub).status == "not implemented"
-    assert ch04.cuda_tiled_body.points == 3
+    assert grader.check("04.cuda_tiled_qk", stub).status == "not implemented"
+    assert ch04.cuda_tiled_qk.points == 3

@@ -6,29 +6,32 @@ import pytest
 from numba import cuda, float32
 
 from course_utils import grader, runtime
+from course_utils.harness import ch05 as harness
 from course_utils.specs import ch05
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
-TILE, BLOCK_ROWS = ch05.TILE, ch05.BLOCK_ROWS
+TILE, BLOCK_ROWS = harness.TILE, harness.BLOCK_ROWS
 TILE_PAD = TILE + 1  # a shared array shape must be a compile-time constant
+traced = pytest.mark.skipif(runtime.on_gpu(), reason="the traffic case needs the tracer")
 
 
-def sectors_right(index, itemsize, offset):
-    addresses = [offset + e * itemsize for lane in range(32) if (e := index(lane)) is not None]
+def sectors_right(elements, itemsize, offset):
+    assert isinstance(elements, list) and len(elements) == 32  # data, not a function
+    addresses = [offset + e * itemsize for e in elements if e is not None]
     return len({s for a in addresses for s in range(a // 32, (a + itemsize - 1) // 32 + 1)})
 
 
-def sectors_one_per_lane(index, itemsize, offset):
-    return sum(index(lane) is not None for lane in range(32))
+def sectors_one_per_lane(elements, itemsize, offset):
+    return sum(e is not None for e in elements)
 
 
-def sectors_ignores_offset(index, itemsize, offset):
-    return sectors_right(index, itemsize, 0)
+def sectors_ignores_offset(elements, itemsize, offset):
+    return sectors_right(elements, itemsize, 0)
 
 
-def sectors_bytes_over_32(index, itemsize, offset):
-    n = sum(index(lane) is not None for lane in range(32))
+def sectors_bytes_over_32(elements, itemsize, offset):
+    n = sum(e is not None for e in elements)
     return math.ceil(n * itemsize / 32)
 
 
@@ -54,40 +57,45 @@ def test_sectors_bytes_over_32_is_named():
 
 
 def test_sectors_stub_is_not_implemented():
-    def stub(index, itemsize, offset):
+    def stub(elements, itemsize, offset):
         raise NotImplementedError("sectors_per_request")
 
     assert grader.check("05.sectors_per_request", stub).status == "not implemented"
 
 
-@cuda.jit
-def transpose_right(src, dst):
-    M, N = src.shape
-    tile = cuda.shared.array((TILE, TILE_PAD), float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    r0, c0 = cuda.blockIdx.y * TILE, cuda.blockIdx.x * TILE
-    for k in range(0, TILE, BLOCK_ROWS):
-        if r0 + ty + k < M and c0 + tx < N:
-            tile[ty + k, tx] = src[r0 + ty + k, c0 + tx]
-    cuda.syncthreads()
-    for k in range(0, TILE, BLOCK_ROWS):
-        if c0 + ty + k < N and r0 + tx < M:
-            dst[c0 + ty + k, r0 + tx] = tile[tx, ty + k]
+def _transpose(*, layout="swizzled", store_swizzle=True, coalesced_store=True, guard=True,
+               swap_offsets=True):  # fmt: skip
+    """The exercise's transpose, with one of the usual bugs switched on.
 
+    layout: "swizzled" (the answer), "plain" (TILE x TILE, no swizzle) or "padded" (the
+    lecture's TILE x (TILE + 1)). store_swizzle=False forgets the swizzle when reading back.
+    """
+    width = TILE_PAD if layout == "padded" else TILE
+    swz = layout == "swizzled"
 
-@cuda.jit
-def transpose_unpadded(src, dst):
-    M, N = src.shape
-    tile = cuda.shared.array((TILE, TILE), float32)  # every column in one bank
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    r0, c0 = cuda.blockIdx.y * TILE, cuda.blockIdx.x * TILE
-    for k in range(0, TILE, BLOCK_ROWS):
-        if r0 + ty + k < M and c0 + tx < N:
-            tile[ty + k, tx] = src[r0 + ty + k, c0 + tx]
-    cuda.syncthreads()
-    for k in range(0, TILE, BLOCK_ROWS):
-        if c0 + ty + k < N and r0 + tx < M:
-            dst[c0 + ty + k, r0 + tx] = tile[tx, ty + k]
+    @cuda.jit
+    def kernel(src, dst):
+        M, N = src.shape
+        tile = cuda.shared.array((TILE, width), float32)
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        r0, c0 = cuda.blockIdx.y * TILE, cuda.blockIdx.x * TILE
+        for k in range(0, TILE, BLOCK_ROWS):
+            r = ty + k
+            if r0 + r < M and c0 + tx < N:
+                tile[r, (tx ^ r) if swz else tx] = src[r0 + r, c0 + tx]
+        cuda.syncthreads()
+        for k in range(0, TILE, BLOCK_ROWS):
+            c = ty + k
+            if not coalesced_store:  # shared memory, but dst still written down columns
+                if r0 + c < M and c0 + tx < N:
+                    dst[c0 + tx, r0 + c] = tile[c, (tx ^ c) if swz else tx]
+            elif not swap_offsets:  # block offsets not swapped
+                if r0 + c < N and c0 + tx < M:
+                    dst[r0 + c, c0 + tx] = tile[tx, (c ^ tx) if swz else c]
+            elif (c0 + c < N and r0 + tx < M) or (not guard and c0 + c < N):
+                dst[c0 + c, r0 + tx] = tile[tx, (c ^ tx) if swz and store_swizzle else c]
+
+    return kernel
 
 
 @cuda.jit
@@ -100,82 +108,48 @@ def transpose_naive(src, dst):
             dst[c0 + tx, r0 + ty + k] = src[r0 + ty + k, c0 + tx]  # the store is strided
 
 
-@cuda.jit
-def transpose_strided_store(src, dst):  # shared memory, but dst still written down columns
-    M, N = src.shape
-    tile = cuda.shared.array((TILE, TILE_PAD), float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    r0, c0 = cuda.blockIdx.y * TILE, cuda.blockIdx.x * TILE
-    for k in range(0, TILE, BLOCK_ROWS):
-        if r0 + ty + k < M and c0 + tx < N:
-            tile[ty + k, tx] = src[r0 + ty + k, c0 + tx]
-    cuda.syncthreads()
-    for k in range(0, TILE, BLOCK_ROWS):
-        if r0 + ty + k < M and c0 + tx < N:
-            dst[c0 + tx, r0 + ty + k] = tile[ty + k, tx]
-
-
-@cuda.jit
-def transpose_unguarded_store(src, dst):
-    M, N = src.shape
-    tile = cuda.shared.array((TILE, TILE_PAD), float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    r0, c0 = cuda.blockIdx.y * TILE, cuda.blockIdx.x * TILE
-    for k in range(0, TILE, BLOCK_ROWS):
-        if r0 + ty + k < M and c0 + tx < N:
-            tile[ty + k, tx] = src[r0 + ty + k, c0 + tx]
-    cuda.syncthreads()
-    for k in range(0, TILE, BLOCK_ROWS):
-        if c0 + ty + k < N:  # forgets r0 + tx < M
-            dst[c0 + ty + k, r0 + tx] = tile[tx, ty + k]
-
-
-@cuda.jit
-def transpose_swapped_offsets(src, dst):
-    M, N = src.shape
-    tile = cuda.shared.array((TILE, TILE_PAD), float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    r0, c0 = cuda.blockIdx.y * TILE, cuda.blockIdx.x * TILE
-    for k in range(0, TILE, BLOCK_ROWS):
-        if r0 + ty + k < M and c0 + tx < N:
-            tile[ty + k, tx] = src[r0 + ty + k, c0 + tx]
-    cuda.syncthreads()
-    for k in range(0, TILE, BLOCK_ROWS):
-        if r0 + ty + k < N and c0 + tx < M:  # block offsets not swapped
-            dst[r0 + ty + k, c0 + tx] = tile[tx, ty + k]
-
-
 def test_transpose_right_passes():
-    r = grader.check("05.padded_transpose", transpose_right)
+    r = grader.check("05.swizzled_transpose", _transpose())
     assert r.status == "passed" and r.hidden_run
 
 
-@pytest.mark.skipif(runtime.on_gpu(), reason="the traffic case needs the simulator's tracer")
-def test_transpose_unpadded_tile_is_named():
-    r = grader.check("05.padded_transpose", transpose_unpadded)
+@traced
+def test_transpose_plain_tile_is_named():
+    r = grader.check("05.swizzled_transpose", _transpose(layout="plain"))
     assert r.status == "failed" and "32-way shared-memory bank conflict" in r.message
-    assert "(TILE, TILE + 1)" in r.message and r.passed == r.total - 1
+    assert "c ^ r" in r.message and r.passed == r.total - 1
 
 
-@pytest.mark.skipif(runtime.on_gpu(), reason="the traffic case needs the simulator's tracer")
+@traced
+def test_transpose_padded_tile_is_refused():
+    r = grader.check("05.swizzled_transpose", _transpose(layout="padded"))
+    assert r.status == "failed" and "padded?" in r.message and r.passed == r.total - 1
+
+
+def test_transpose_swizzle_on_one_side_only_fails():
+    r = grader.check("05.swizzled_transpose", _transpose(store_swizzle=False))
+    assert r.status == "failed" and "40 x 24" in r.message and "c ^ r" in r.message
+
+
+@traced
 def test_transpose_naive_is_caught_as_uncoalesced():
-    r = grader.check("05.padded_transpose", transpose_naive)
+    r = grader.check("05.swizzled_transpose", transpose_naive)
     assert r.status == "failed" and "needs 32 sectors" in r.message
 
 
-@pytest.mark.skipif(runtime.on_gpu(), reason="the traffic case needs the simulator's tracer")
+@traced
 def test_transpose_strided_store_is_named():
-    r = grader.check("05.padded_transpose", transpose_strided_store)
+    r = grader.check("05.swizzled_transpose", _transpose(coalesced_store=False))
     assert r.status == "failed" and "dst is written down a column" in r.message
 
 
 def test_transpose_unguarded_store_is_named():
-    r = grader.check("05.padded_transpose", transpose_unguarded_store)
+    r = grader.check("05.swizzled_transpose", _transpose(guard=False))
     assert r.status == "failed" and "out of bounds" in r.message and "guard both sides" in r.message
 
 
 def test_transpose_swapped_offsets_fails():
-    r = grader.check("05.padded_transpose", transpose_swapped_offsets)
+    r = grader.check("05.swizzled_transpose", _transpose(swap_offsets=False))
     assert r.status == "failed" and "40 x 24" in r.message
 
 
@@ -184,4 +158,4 @@ def test_transpose_stub_is_not_implemented():
     def stub(src, dst):
         raise NotImplementedError("transpose_kernel")
 
-    assert grader.check("05.padded_transpose", stub).status == "not implemented"
+    assert grader.check("05.swizzled_transpose", stub).status == "not implemented"

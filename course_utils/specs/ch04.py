@@ -1,20 +1,23 @@
 """Chapter 04, tiled matmul: graded exercises.
 
-- ``04.tiled_matmul``: the shared-memory tiled Numba kernel ``tiled_matmul_kernel(A, B, C)``
-  for any M, N, K, launched as ``tiled_matmul_kernel[grid, (TILE, TILE)](A, B, C)`` with
-  ``grid = (ceil(N / TILE), ceil(M / TILE))`` (x -> columns of C, y -> rows).
-- ``04.global_reads``: ``global_reads(M, N, K, tile)``, the number of global-memory element
-  reads the tiled kernel makes (``tile = 1`` is the naive kernel: ``2 * M * N * K``). Graded
-  against a run of an instrumented tiled kernel that counts its loads (small shapes) and against
-  the exact count for large ones.
-- ``04.cuda_tiled_body``: the body of the CUDA C++ shared-memory tiled kernel; the candidate is
-  the whole source string (or a function that returns it). On a GPU it is built with
-  ``load_cuda`` and run on awkward shapes; without a GPU only its compilation is graded (nvcc,
-  sm_90: it compiles, uses shared memory and a barrier, spills nothing).
+The lecture tiles C = A B. The exercises tile the product attention starts with, S = Q Kᵀ, where
+both operands are stored row by row along the reduction dimension d: the K tile is loaded from
+K's rows, not its columns, and the inner product reads it transposed.
 
-What counts as a global read: one element of A or B that a thread loads from global memory.
-Loads the guards skip (outside the matrix, where the tile gets 0) read nothing. So a block of
-the tiled kernel reads, per k step, the in-bounds part of its A tile and of its B tile.
+- ``04.tiled_qk``: the shared-memory tiled Numba kernel ``qk_tiled_kernel(Q, K, S)`` with
+  S = Q Kᵀ (Q: Nq x d, K: Nk x d, S: Nq x Nk) for any sizes, launched as
+  ``qk_tiled_kernel[grid, (TILE, TILE)](Q, K, S)``, ``grid = (ceil(Nk / TILE), ceil(Nq / TILE))``
+  (x -> columns of S, i.e. keys; y -> rows, queries). In the simulator a traced launch
+  (``harness.ch04:traced_qk``, in the student's process) also checks that every warp load of Q
+  and of K is coalesced: K's tile is loaded along d, as K is stored.
+- ``04.global_reads``: ``global_reads(Nq, Nk, d, Br, Bc)``, the elements of Q and K loaded from
+  global memory by a tiled kernel whose blocks each compute a Br x Bc tile of S (guarded loads
+  outside the matrices read nothing). The reference enumerates every block and every k step.
+- ``04.cuda_tiled_qk``: the same kernel in CUDA C++ from a blank body (indices, the two shared
+  tiles, loads, barriers, the inner product, the guarded store). Without a GPU it is compiled
+  (nvcc or NVRTC: errors and resources are reported) and scores nothing (``needs gpu``); on a GPU
+  it is compiled and launched in the student's process (``harness.ch04:launch_cuda``) on shapes
+  that are not multiples of the tile, and S is compared here against float64.
 
 A missing ``syncthreads`` usually still passes in the simulator, which schedules threads
 differently from a GPU: these checks catch wrong guards and wrong indexing, not races.
@@ -24,194 +27,156 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
-from numba import cuda, float32  # specs are imported after course_utils.setup() has chosen the mode
 
-from ..checks import (
-    CheckFailure,
-    assert_unchanged,
-    check_guard,
-    compare,
-    guarded,
-    snapshot,
-)
-from ..grader import Exercise
+from ..checks import CheckFailure, assert_unchanged, check_guard, compare, guarded, snapshot
+from ..grader import Exercise, NeedsGPU, invoke
+from ..harness.ch04 import CUDA_KERNEL, CUDA_TILE, TILE, matmul_tolerance
 from ..runtime import device, kernel_array, on_gpu, pick, synchronize
 from . import compiled_resources, require_implemented, source_of
 
-TILE = 8  # threads per block side of 04.tiled_matmul: kernel[grid, (TILE, TILE)](A, B, C)
-CUDA_TILE = 16  # TILE of the CUDA C++ kernel of 04.cuda_tiled_body (the source defines it)
-CUDA_FUNCTION = "matmul_tiled"  # host function of 04.cuda_tiled_body: matmul_tiled(A, B) -> C
-CUDA_KERNEL = "matmul_tiled_kernel"
+
+def _reference(Q: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
+    """S[i, j] = sum over c of Q[i, c] K[j, c], in float64 (an einsum: no transpose written)."""
+    return torch.einsum("ic,jc->ij", Q.double(), K.double())
 
 
-def matmul_tolerance(K: int) -> tuple[float, float]:
-    """(atol, rtol) for a float32 matmul with a reduction of length K against float64.
-
-    A sum of K products of N(0, 1) numbers has size ~sqrt(K) and a rounding error that grows
-    like sqrt(K) * eps * sqrt(K) in the worst orderings; 1e-5 * sqrt(K) leaves a wide margin
-    for any summation order while a wrong or missing term (size ~1) is far outside it.
-    """
-    return 1e-5 * math.sqrt(max(K, 1)), 1e-5
+def _inputs(Nq: int, Nk: int, d: int, dev=None):
+    dev = device() if dev is None else dev
+    return torch.randn(Nq, d, device=dev), torch.randn(Nk, d, device=dev)
 
 
-def _reference(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    return A.double() @ B.double()
+# ----------------------------------------------------------------------------- tiled Q K^T
 
-
-def _inputs(M: int, N: int, K: int):
-    A = torch.randn(M, K, device=device())
-    B = torch.randn(K, N, device=device())
-    return A, B
-
-
-# ----------------------------------------------------------------------------- tiled matmul
-
-tiled_matmul = Exercise("04.tiled_matmul", "Shared-memory tiled matmul (Numba)", points=4)
+tiled_qk = Exercise("04.tiled_qk", "Shared-memory tiled S = Q Kᵀ (Numba)", points=4)
 
 HINT_BOUNDS = (
-    "load A[row, k] only when row < M and k < K (and B[k, col] only when k < K and col < N); "
-    "otherwise write 0 into the tile. Store C[row, col] only when row < M and col < N."
+    "load Q[i, k0 + tx] only when i < Nq and k0 + tx < d, and K[j0 + ty, k0 + tx] only when "
+    "j0 + ty < Nk and k0 + tx < d; otherwise write 0 into the tile. Store S[i, j] only when "
+    "i < Nq and j < Nk."
 )
 HINT_UNWRITTEN = (
-    "every thread with row < M and col < N must store its element: row = blockIdx.y * TILE + "
-    "threadIdx.y, col = blockIdx.x * TILE + threadIdx.x (x runs along columns)"
+    "every thread with i < Nq and j < Nk must store its element: i = blockIdx.y * TILE + "
+    "threadIdx.y, j = blockIdx.x * TILE + threadIdx.x (x runs along the columns of S: keys)"
 )
 HINT_VALUES = (
-    "C[row, col] = sum over k of A[row, k] * B[k, col]. Step t covers k in [t*TILE, (t+1)*TILE) "
-    "and the loop must cover all of K: range(0, K, TILE), including a last partial tile. "
-    "Outside the matrix the tile must get 0, not keep the previous step's values."
+    "S[i, j] = sum over c of Q[i, c] * K[j, c]: row j of K, not column j. The K tile holds the "
+    "block's TILE keys as rows (Ks[ty, tx] = K[j0 + ty, k0 + tx]), so thread (ty, tx) reads "
+    "it as Ks[tx, kk]. The k loop must cover all of d, including a last partial tile, and "
+    "outside the matrices the tiles must get 0, not keep the previous step's values."
 )
 
 
-def _tiled_case(M: int, N: int, K: int):
+def _qk_case(Nq: int, Nk: int, d: int):
     def run(kernel):
-        case = f"M x N x K = {M} x {N} x {K}, TILE = {TILE}"
+        case = f"Nq x Nk x d = {Nq} x {Nk} x {d}, TILE = {TILE}"
         require_implemented(kernel)
-        A, B = _inputs(M, N, K)
-        C, buffer = guarded((M, N))
-        snap = snapshot(A, B, names=("A", "B"))
-        grid = (math.ceil(N / TILE), math.ceil(M / TILE))
+        Q, K = _inputs(Nq, Nk, d)
+        S, buffer = guarded((Nq, Nk))
+        snap = snapshot(Q, K, names=("Q", "K"))
+        grid = (math.ceil(Nk / TILE), math.ceil(Nq / TILE))
         try:
-            kernel[grid, (TILE, TILE)](kernel_array(A), kernel_array(B), kernel_array(C))
+            kernel[grid, (TILE, TILE)](kernel_array(Q), kernel_array(K), kernel_array(S))
             synchronize()
         except IndexError as exc:  # the simulator checks every index; a GPU would not
             detail = f"a thread indexed out of bounds: {exc}"
             raise CheckFailure(case, detail, HINT_BOUNDS) from None
         assert_unchanged(snap, case=case)
-        check_guard(buffer, M * N, name="C", case=case, hint=HINT_BOUNDS)
-        hint = HINT_UNWRITTEN if torch.isnan(C).any() else HINT_VALUES
-        atol, rtol = matmul_tolerance(K)
-        compare("C", C, _reference(A, B), case=case, atol=atol, rtol=rtol, poisoned=True, hint=hint)
+        check_guard(buffer, Nq * Nk, name="S", case=case, hint=HINT_BOUNDS)
+        hint = HINT_UNWRITTEN if torch.isnan(S).any() else HINT_VALUES
+        atol, rtol = matmul_tolerance(d)
+        compare("S", S, _reference(Q, K), case=case, atol=atol, rtol=rtol, poisoned=True,
+                hint=hint)  # fmt: skip
 
     return run
 
 
+def _qk_traffic_case(kernel):
+    """Trace an 8 x 16 x 16 launch (2 blocks): every warp load of Q and of K must be coalesced.
+
+    A warp of a TILE x TILE = 8 x 8 block is 4 rows of 8 threads. Loading a row of Q or K with
+    threadIdx.x along d, those 4 rows read 4 runs of 8 floats: 4 sectors (d = 16 keeps them
+    aligned). Loading K by columns (threadIdx.x along the keys) touches 8 rows: 8 sectors.
+    """
+    Nq, Nk, d = TILE, 2 * TILE, 2 * TILE
+    case = f"memory traffic of a traced {Nq} x {Nk} x {d} launch"
+    require_implemented(kernel)
+    Q, K = torch.randn(Nq, d), torch.randn(Nk, d)
+    got = invoke(kernel, "course_utils.harness.ch04:traced_qk", Q, K)
+    atol, rtol = matmul_tolerance(d)
+    compare("S", got["S"], _reference(Q, K), case=case, atol=atol, rtol=rtol, poisoned=True,
+            hint=HINT_VALUES)  # fmt: skip
+    coalesced = 4  # 32 lanes x 4 bytes, in 4 aligned runs of 32 bytes
+    for name in ("Q", "K"):
+        worst = int(got[f"{name.lower()}_sectors"])
+        if worst > coalesced:
+            raise CheckFailure(
+                case,
+                f"a warp load of {name} needs {worst} sectors (coalesced: {coalesced})\n"
+                f"{got['summary']}",
+                f"load {name}'s tile the way {name} is stored: threadIdx.x along d, "
+                f"{name}[row, k0 + tx], so neighbouring threads read neighbouring addresses; "
+                "the transpose happens when the products read the tile (Ks[tx, kk]), in shared "
+                "memory, not in the global load",
+            )
+
+
 # Each case launches at most a few hundred simulator threads (TILE * TILE = 64 per block).
-tiled_matmul.case("20 x 13 x 11 (no dimension a multiple of TILE)")(_tiled_case(20, 13, 11))
-tiled_matmul.case("K = 3 < TILE")(_tiled_case(9, 10, 3))
-tiled_matmul.case("K = 19: two full k tiles and a partial one")(_tiled_case(7, 9, 19))
-tiled_matmul.case("1 x 1 x 1", hidden=True)(_tiled_case(1, 1, 1))
-tiled_matmul.case("tall and skinny: 37 x 2 x 5", hidden=True)(_tiled_case(37, 2, 5))
-tiled_matmul.case("wide: 3 x 29 x 17", hidden=True)(_tiled_case(3, 29, 17))
-tiled_matmul.case("exact multiples: 16 x 8 x 16", hidden=True)(_tiled_case(16, 8, 16))
-tiled_matmul.case("larger, not multiples", hidden=True)(
-    _tiled_case(*pick(gpu=(1000, 777, 1029), cpu=(17, 18, 21)))
+tiled_qk.case("20 x 13 x 11 (no dimension a multiple of TILE)")(_qk_case(20, 13, 11))
+tiled_qk.case("d = 3 < TILE")(_qk_case(9, 10, 3))
+tiled_qk.case("d = 19: two full k tiles and a partial one")(_qk_case(7, 9, 19))
+if not on_gpu():  # tracing needs the simulator
+    tiled_qk.case("coalesced loads of Q and K (traced)")(_qk_traffic_case)
+tiled_qk.case("1 x 1 x 1", hidden=True)(_qk_case(1, 1, 1))
+tiled_qk.case("many queries, 2 keys: 37 x 2 x 5", hidden=True)(_qk_case(37, 2, 5))
+tiled_qk.case("3 queries, 29 keys, d = 17", hidden=True)(_qk_case(3, 29, 17))
+tiled_qk.case("exact multiples: 16 x 8 x 16", hidden=True)(_qk_case(16, 8, 16))
+tiled_qk.case("larger, not multiples", hidden=True)(
+    _qk_case(*pick(gpu=(1000, 777, 1029), cpu=(17, 18, 21)))
 )
 
 # ----------------------------------------------------------------------------- global reads
 
-global_reads = Exercise("04.global_reads", "Global reads of the tiled matmul", points=2)
+global_reads = Exercise("04.global_reads", "Global reads of a tiled S = Q Kᵀ", points=2)
+
+_K_STEP = 16  # the enumeration's k step: the count does not depend on it
 
 
-def _counting_kernel(tile: int):
-    """The tiled matmul of the chapter, counting in ``count[0]`` every element it loads from
-    global memory (guarded loads outside the matrix count nothing). Ground truth for grading."""
-
-    @cuda.jit
-    def counted(A, B, C, count):
-        M, K = A.shape
-        N = B.shape[1]
-        ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
-        row = cuda.blockIdx.y * tile + ty
-        col = cuda.blockIdx.x * tile + tx
-        As = cuda.shared.array((tile, tile), float32)
-        Bs = cuda.shared.array((tile, tile), float32)
-        acc = float32(0.0)
-        for k0 in range(0, K, tile):
-            As[ty, tx] = float32(0.0)
-            Bs[ty, tx] = float32(0.0)
-            if row < M and k0 + tx < K:
-                As[ty, tx] = A[row, k0 + tx]
-                cuda.atomic.add(count, 0, 1)
-            if k0 + ty < K and col < N:
-                Bs[ty, tx] = B[k0 + ty, col]
-                cuda.atomic.add(count, 0, 1)
-            cuda.syncthreads()
-            for kk in range(tile):
-                acc += As[ty, kk] * Bs[kk, tx]
-            cuda.syncthreads()
-        if row < M and col < N:
-            C[row, col] = acc
-
-    return counted
+def enumerated_global_reads(Nq: int, Nk: int, d: int, Br: int, Bc: int) -> int:
+    """The reference: visit every block (bi, bj) of the grid and every k step, and add up the
+    in-bounds elements of its Q tile (Br x step) and K tile (Bc x step)."""
+    q_rows = np.minimum(Br, Nq - np.arange(0, Nq, Br)).astype(np.int64)  # per block row
+    k_rows = np.minimum(Bc, Nk - np.arange(0, Nk, Bc)).astype(np.int64)  # per block column
+    width = np.minimum(_K_STEP, d - np.arange(0, d, _K_STEP)).astype(np.int64)  # per k step
+    per_step = q_rows[:, None, None] * width + k_rows[None, :, None] * width  # (bi, bj, step)
+    return int(per_step.sum())
 
 
-_counters: dict[int, object] = {}
-
-
-def measured_global_reads(M: int, N: int, K: int, tile: int) -> int:
-    """Run the instrumented tiled kernel (keep M * N small in simulator mode) and return its
-    count of global element reads."""
-    if tile not in _counters:
-        _counters[tile] = _counting_kernel(tile)
-    A, B = _inputs(M, N, K)
-    C = torch.zeros(M, N, device=device())
-    count = torch.zeros(1, dtype=torch.int64, device=device())
-    grid = (math.ceil(N / tile), math.ceil(M / tile))
-    _counters[tile][grid, (tile, tile)](
-        kernel_array(A), kernel_array(B), kernel_array(C), kernel_array(count)
-    )
-    synchronize()
-    return int(count.item())
-
-
-def exact_global_reads(M: int, N: int, K: int, tile: int) -> int:
-    """Each of the ceil(N / tile) block columns reads all of A once, and each of the
-    ceil(M / tile) block rows all of B: M*K*ceil(N/tile) + K*N*ceil(M/tile)."""
-    return M * K * math.ceil(N / tile) + K * N * math.ceil(M / tile)
-
-
-def _reads_hint(got, M, N, K, tile) -> str:
-    floor = M * K * (N // tile) + K * N * (M // tile)
-    padded = (
-        math.ceil(M / tile) * math.ceil(N / tile) * math.ceil(K / tile) * 2 * tile * tile
-    )
-    if tile > 1 and got == 2 * M * N * K:
+def _reads_hint(got, Nq, Nk, d, Br, Bc) -> str:
+    if Br * Bc > 1 and got == 2 * Nq * Nk * d:
         return "that is the naive count; with tiles each element loaded is reused by a whole tile"
-    if got in (2 * M * N * K // tile, 2 * M * N * K / tile):
+    if got in (Nq * Nk * d * (1 / Br + 1 / Bc), Nq * Nk * d // Br + Nq * Nk * d // Bc):
         return (
-            "2*M*N*K/tile holds only when M and N are multiples of tile: count blocks with ceil. "
-            "Each of the ceil(N/tile) block columns reads all of A once, and each of the "
-            "ceil(M/tile) block rows reads all of B once."
+            "Nq*Nk*d*(1/Br + 1/Bc) holds only when Nq and Nk are multiples of the tile: count the "
+            "blocks of the grid, a partial one included"
         )
-    if got == floor:
-        return "N // tile drops the last, partial block column (M // tile the last row): use ceil"
-    if got == padded:
+    padded = math.ceil(Nq / Br) * math.ceil(Nk / Bc) * (Br + Bc) * math.ceil(d / _K_STEP) * _K_STEP
+    if got in (padded, math.ceil(Nq / Br) * math.ceil(Nk / Bc) * (Br + Bc) * d):
         return (
-            "you counted the padding too: a guarded load outside the matrix writes 0 into the "
-            "tile and reads nothing from global memory; count in-bounds elements only"
+            "you counted the padding too: a guarded load outside Q or K writes 0 into the tile "
+            "and reads nothing from global memory; count in-bounds elements only"
         )
     return (
-        "count, per block and per k step, the in-bounds elements of its A tile and of its B "
-        "tile; summed over blocks, A is read once per block column, B once per block row"
+        "count, per block, the in-bounds rows of its Q tile and of its K tile times d; then ask "
+        "how many blocks share the same rows of Q (and of K)"
     )
 
 
-def _reads_case(M: int, N: int, K: int, tile: int, measured: bool):
+def _reads_case(Nq: int, Nk: int, d: int, Br: int, Bc: int):
     def run(fn):
-        case = f"M x N x K = {M} x {N} x {K}, tile = {tile}"
-        got = fn(M, N, K, tile)
+        case = f"Nq x Nk x d = {Nq} x {Nk} x {d}, Br x Bc = {Br} x {Bc}"
+        got = fn(Nq, Nk, d, Br, Bc)
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             try:
                 got = got.item()  # a 0-dim tensor or numpy number
@@ -219,46 +184,48 @@ def _reads_case(M: int, N: int, K: int, tile: int, measured: bool):
                 raise CheckFailure(
                     case, f"expected a number, got {type(got).__name__}", None
                 ) from None
-        expected = measured_global_reads(M, N, K, tile) if measured else (
-            exact_global_reads(M, N, K, tile)
-        )
-        how = "counted by the instrumented kernel" if measured else "exact count"
+        expected = enumerated_global_reads(Nq, Nk, d, Br, Bc)
         if got != expected:
             raise CheckFailure(
-                case, f"got {got}, expected {expected} ({how})", _reads_hint(got, M, N, K, tile)
+                case,
+                f"got {got}, expected {expected} (every block and k step enumerated)",
+                _reads_hint(got, Nq, Nk, d, Br, Bc),
             )
 
     return run
 
 
-# Measured cases: at most ~200 simulator threads each.
-global_reads.case("5 x 7 x 6, tile = 4 (measured)")(_reads_case(5, 7, 6, 4, True))
-global_reads.case("tile = 1 is the naive kernel (measured)")(_reads_case(3, 4, 5, 1, True))
-global_reads.case("8 x 12 x 8, tile = 4: multiples (measured)")(_reads_case(8, 12, 8, 4, True))
-global_reads.case("9 x 6 x 11, tile = 4 (measured)", hidden=True)(_reads_case(9, 6, 11, 4, True))
-global_reads.case("K < tile (measured)", hidden=True)(_reads_case(6, 5, 2, 4, True))
-global_reads.case("4096^3, tile = 32", hidden=True)(_reads_case(4096, 4096, 4096, 32, False))
-global_reads.case("1000 x 3000 x 777, tile = 16", hidden=True)(
-    _reads_case(1000, 3000, 777, 16, False)
+global_reads.case("5 x 7 x 6, 4 x 4 tiles")(_reads_case(5, 7, 6, 4, 4))
+global_reads.case("1 x 1 tiles: the naive kernel")(_reads_case(3, 4, 5, 1, 1))
+global_reads.case("multiples: 8 x 12 x 8, 4 x 4 tiles")(_reads_case(8, 12, 8, 4, 4))
+global_reads.case("rectangular tiles: 50 x 70 x 9, Br x Bc = 16 x 32")(
+    _reads_case(50, 70, 9, 16, 32)
 )
+global_reads.case("9 x 6 x 11, 4 x 4", hidden=True)(_reads_case(9, 6, 11, 4, 4))
+global_reads.case("d < tile", hidden=True)(_reads_case(6, 5, 2, 4, 4))
+global_reads.case("one query", hidden=True)(_reads_case(1, 300, 64, 64, 64))
+global_reads.case("4096^2 x 128, 128 x 64", hidden=True)(_reads_case(4096, 4096, 128, 128, 64))
+global_reads.case("1000 x 3000 x 777, 16 x 48", hidden=True)(_reads_case(1000, 3000, 777, 16, 48))
 
-# ----------------------------------------------------------------------------- CUDA C++ body
+# ----------------------------------------------------------------------------- CUDA C++ Q K^T
 
-cuda_tiled_body = Exercise(
-    "04.cuda_tiled_body", "Shared-memory tiled matmul kernel (CUDA C++)", points=3
+cuda_tiled_qk = Exercise(
+    "04.cuda_tiled_qk", "Shared-memory tiled S = Q Kᵀ from a blank body (CUDA C++)", points=3
 )
 
 HINT_CUDA_VALUES = (
-    "row = blockIdx.y * TILE + threadIdx.y, col = blockIdx.x * TILE + threadIdx.x; per k step "
-    "load As[ty][tx] = A[row * K + k0 + tx] and Bs[ty][tx] = B[(k0 + ty) * N + col], 0 outside "
-    "the matrix; loop k0 over all of K, including a last partial tile; store only inside C"
+    "i = blockIdx.y * TILE + threadIdx.y (query), j = blockIdx.x * TILE + threadIdx.x (key). Per "
+    "k step load Qs[ty][tx] = Q[i * d + k0 + tx] and Ks[ty][tx] = K[(j0 + ty) * d + k0 + tx] "
+    "(0 outside), barrier, acc += Qs[ty][kk] * Ks[tx][kk], barrier; loop k0 over all of d; "
+    "store S[i * Nk + j] only inside S"
 )
 
 
-def _compile_case(candidate) -> None:
-    case = "compiles for sm_90 (nvcc; no GPU needed)"
+def _compile_checks(candidate, case: str) -> None:
+    """What the compiler's report shows: it compiles, stages two shared tiles, has a barrier,
+    spills nothing. Runs here (nvcc or NVRTC); a failure is reported with the compiler's words."""
     k = compiled_resources(source_of(candidate), CUDA_KERNEL, case=case,
-                           hint="keep the given signature")  # fmt: skip
+                           hint="keep the given kernel signature")  # fmt: skip
     if k.spills:
         raise CheckFailure(
             case,
@@ -270,7 +237,7 @@ def _compile_case(candidate) -> None:
             case,
             f"{CUDA_KERNEL} uses {k.shared_bytes} B of shared memory, less than two "
             f"{CUDA_TILE} x {CUDA_TILE} float tiles ({2 * CUDA_TILE * CUDA_TILE * 4} B)",
-            "stage the tiles in the __shared__ arrays As and Bs and compute from them",
+            "declare __shared__ float Qs[TILE][TILE], Ks[TILE][TILE]; and compute from them",
         )
     if k.barriers < 1:
         raise CheckFailure(
@@ -280,41 +247,42 @@ def _compile_case(candidate) -> None:
         )
 
 
-def _cuda_run_case(M: int, N: int, K: int):
+def _cuda_case(Nq: int, Nk: int, d: int):
     def run(candidate):
-        from ..cuda import load_cuda
-
-        case = f"M x N x K = {M} x {N} x {K} (CUDA C++, TILE = {CUDA_TILE})"
-        module = load_cuda(source_of(candidate), [CUDA_FUNCTION])
-        A, B = _inputs(M, N, K)
-        snap = snapshot(A, B, names=("A", "B"))
-        C = getattr(module, CUDA_FUNCTION)(A, B)
-        synchronize()
+        case = f"Nq x Nk x d = {Nq} x {Nk} x {d} (CUDA C++, TILE = {CUDA_TILE})"
+        _compile_checks(candidate, case)
+        if not on_gpu():
+            raise NeedsGPU("compiled with nvcc; correctness is decided on a GPU")
+        Q, K = _inputs(Nq, Nk, d, "cuda")
+        S, buffer = guarded((Nq, Nk), device="cuda")
+        snap = snapshot(Q, K, names=("Q", "K"))
+        grid = (math.ceil(Nk / CUDA_TILE), math.ceil(Nq / CUDA_TILE))
+        # the kernel writes S through the buffer's first Nq * Nk floats; the rest is the guard
+        invoke(candidate, "course_utils.harness.ch04:launch_cuda", CUDA_KERNEL, grid,
+               (CUDA_TILE, CUDA_TILE), Q, K, buffer, Nq, Nk, d)  # fmt: skip
         assert_unchanged(snap, case=case)
-        atol, rtol = matmul_tolerance(K)
-        compare("C", C, _reference(A, B), case=case, atol=atol, rtol=rtol, poisoned=True,
+        check_guard(buffer, Nq * Nk, name="S", case=case,
+                    hint="store S[i * Nk + j] only when i < Nq and j < Nk")  # fmt: skip
+        S = buffer[: Nq * Nk].view(Nq, Nk)
+        atol, rtol = matmul_tolerance(d)
+        compare("S", S, _reference(Q, K), case=case, atol=atol, rtol=rtol, poisoned=True,
                 hint=HINT_CUDA_VALUES)  # fmt: skip
 
     return run
 
 
-cuda_tiled_body.case("compiles, uses shared memory and barriers, 0 spills")(_compile_case)
 if on_gpu():  # results can only be graded where the kernel can run
-    cuda_tiled_body.case("GPU: 100 x 77 x 45")(_cuda_run_case(100, 77, 45))
-    cuda_tiled_body.case("GPU: K = 5 < TILE")(_cuda_run_case(33, 40, 5))
-    cuda_tiled_body.case("GPU: 1 x 1 x 1", hidden=True)(_cuda_run_case(1, 1, 1))
-    cuda_tiled_body.case("GPU: 1025 x 513 x 1000", hidden=True)(_cuda_run_case(1025, 513, 1000))
-    cuda_tiled_body.case("GPU: tall and skinny 4099 x 3 x 17", hidden=True)(
-        _cuda_run_case(4099, 3, 17)
-    )
+    cuda_tiled_qk.case("GPU: 100 x 77 x 45")(_cuda_case(100, 77, 45))
+    cuda_tiled_qk.case("GPU: d = 5 < TILE")(_cuda_case(33, 40, 5))
+    cuda_tiled_qk.case("GPU: 1 x 1 x 1", hidden=True)(_cuda_case(1, 1, 1))
+    cuda_tiled_qk.case("GPU: 1025 x 513 x 1000", hidden=True)(_cuda_case(1025, 513, 1000))
+    cuda_tiled_qk.case("GPU: 4099 queries, 3 keys, d = 17", hidden=True)(_cuda_case(4099, 3, 17))
+else:  # compiling is not grading: the one case reports the compiler, then "needs gpu"
+    cuda_tiled_qk.case("compiles (nvcc); its results need a GPU")(_cuda_case(100, 77, 45))
 
 __all__ = [
-    "CUDA_TILE",
-    "TILE",
-    "cuda_tiled_body",
-    "exact_global_reads",
+    "cuda_tiled_qk",
+    "enumerated_global_reads",
     "global_reads",
-    "matmul_tolerance",
-    "measured_global_reads",
-    "tiled_matmul",
+    "tiled_qk",
 ]

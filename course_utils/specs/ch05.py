@@ -1,24 +1,27 @@
 """Chapter 05, memory coalescing: graded exercises.
 
-- ``05.sectors_per_request``: ``sectors_per_request(index, itemsize, offset)``, the number of
+- ``05.sectors_per_request``: ``sectors_per_request(elements, itemsize, offset)``, the number of
   32-byte sectors one warp request touches when lane ``l`` (0..31) accesses element
-  ``index(l)`` of an array (``None``: lane inactive) whose elements are ``itemsize`` bytes and
-  whose element 0 lies ``offset`` bytes after a 256-byte aligned address. Graded against the
+  ``elements[l]`` of an array (``None``: lane inactive) whose elements are ``itemsize`` bytes
+  and whose element 0 lies ``offset`` bytes after a 256-byte aligned address. Graded against the
   memory tracer (``course_utils.trace``) running a one-warp kernel with that access pattern in
-  the simulator; on a GPU, where nothing can be traced, against the tracer's sector model.
-- ``05.padded_transpose``: the shared-memory tiled transpose with a padded tile,
-  ``transpose_kernel(src, dst)`` with ``dst = src.T`` for any M x N, launched as
-  ``transpose_kernel[grid, (TILE, BLOCK_ROWS)](src, dst)`` with
-  ``grid = (ceil(N / TILE), ceil(M / TILE))`` (x -> column tiles of src, y -> row tiles).
-  Graded for correctness (NaN-poisoned output with a guard region behind it, awkward sizes,
-  src unchanged) and, in the simulator, for its memory traffic traced on a 32 x 64 matrix:
-  every global load and store request at most 4 sectors (coalesced float32) and every
-  shared-memory request free of bank conflicts.
+  the simulator, here in the grading process; on a GPU, where nothing can be traced, against the
+  tracer's sector model.
+- ``05.swizzled_transpose``: the shared-memory tiled transpose with an **unpadded, XOR-swizzled**
+  tile (the lecture pads; CUTLASS and FlashAttention swizzle): element (r, c) of the tile is
+  stored at ``tile[r, c ^ r]``. ``transpose_kernel(src, dst)`` with ``dst = src.T`` for any
+  M x N, launched as ``transpose_kernel[grid, (TILE, BLOCK_ROWS)](src, dst)`` with
+  ``grid = (ceil(N / TILE), ceil(M / TILE))``. Graded for correctness (NaN-poisoned output with
+  a guard region behind it, awkward sizes, src unchanged) and, in the simulator, for its memory
+  traffic traced on a 32 x 64 matrix in the student's process (``harness.ch05:traced_transpose``):
+  every global load and store request at most 4 sectors, every shared-memory request free of
+  bank conflicts, and a shared tile of TILE x TILE floats (no padding).
 
 What these checks cannot see: a missing ``cuda.syncthreads()``. The simulator runs each thread
 as a Python thread and a race rarely shows; a GPU would read tile elements before they are
 written. The tracer also ignores caches: a request's sectors are counted as if all came from
-DRAM.
+DRAM. The traffic figures are measured in the student's process: a notebook that forges them
+is not caught by them (its values are still compared here).
 """
 
 from __future__ import annotations
@@ -32,13 +35,12 @@ from numba import cuda  # specs are imported after course_utils.setup() has chos
 
 from .. import trace
 from ..checks import CheckFailure, assert_unchanged, check_guard, compare, guarded, snapshot
-from ..grader import Exercise
+from ..grader import Exercise, invoke
+from ..harness.ch05 import BLOCK_ROWS, TILE
 from ..runtime import device, kernel_array, on_gpu, synchronize
 from . import require_implemented
 
 WARP = trace.WARP_SIZE
-TILE = 32  # 05.padded_transpose: a TILE x TILE tile per block
-BLOCK_ROWS = 8  # ... moved by TILE x BLOCK_ROWS threads, each handling TILE / BLOCK_ROWS rows
 
 # ----------------------------------------------------------------------------- sectors
 
@@ -55,10 +57,9 @@ def _gather_one_warp(src, idx, out):
         out[lane] = src[e]
 
 
-def measured_sectors(index, itemsize: int, offset: int = 0) -> int:
-    """Sectors of one warp request with this access pattern: traced in the simulator, or
-    computed with the tracer's model on a GPU (where nothing can be traced)."""
-    elements = [index(lane) for lane in range(WARP)]
+def measured_sectors(elements, itemsize: int, offset: int = 0) -> int:
+    """Sectors of one warp request where lane l reads ``elements[l]`` (None: inactive): traced
+    in the simulator, or computed with the tracer's model on a GPU (where nothing is traced)."""
     active = [e for e in elements if e is not None]
     if not active:
         return 0
@@ -73,8 +74,8 @@ def measured_sectors(index, itemsize: int, offset: int = 0) -> int:
     return int(t.max_sectors_per_request("src", "load"))
 
 
-def _sectors_hint(got, index, itemsize, offset, expected):
-    active = [e for lane in range(WARP) if (e := index(lane)) is not None]
+def _sectors_hint(got, elements, itemsize, offset, expected):
+    active = [e for e in elements if e is not None]
     if got == len(active) and got != expected:
         return (
             "that is one sector per lane: lanes whose elements fall in the same 32-byte sector "
@@ -90,51 +91,44 @@ def _sectors_hint(got, index, itemsize, offset, expected):
     if got == len(set(active)):
         return "that counts distinct elements; several elements can share one 32-byte sector"
     return (
-        "address of lane l = offset + index(l) * itemsize; sector = address // 32; an element "
+        "address of lane l = offset + elements[l] * itemsize; sector = address // 32; an element "
         "that straddles a sector boundary touches both; inactive lanes (None) touch nothing"
     )
 
 
-def _sectors_case(name, index, itemsize, offset=0):
+def _sectors_case(name, pattern, itemsize, offset=0):
+    """``pattern()`` gives (description, one element index or None per lane), fresh each run."""
+
     def run(fn):
-        case_index = index() if getattr(index, "fresh", False) else index
-        case = f"{name}: {case_index.__doc__}, {itemsize}-byte elements, offset {offset} bytes"
-        got = fn(case_index, itemsize, offset)
+        doc, elements = pattern()
+        case = f"{name}: {doc}, {itemsize}-byte elements, offset {offset} bytes"
+        got = fn(list(elements), itemsize, offset)
         if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
             if not (isinstance(got, float) and got.is_integer()):
                 raise CheckFailure(case, f"expected a whole number, got {got!r}", None)
-        expected = measured_sectors(case_index, itemsize, offset)
+        expected = measured_sectors(elements, itemsize, offset)
         if got != expected:
             raise CheckFailure(
                 case,
                 f"got {got}, expected {expected} sectors (measured by the memory tracer)",
-                _sectors_hint(got, case_index, itemsize, offset, expected),
+                _sectors_hint(got, elements, itemsize, offset, expected),
             )
 
     return run
 
 
 def _pattern(doc, f):
-    f.__doc__ = doc
-    return f
+    return lambda: (doc, [f(lane) for lane in range(WARP)])
 
 
 def _fresh_stride():
-    """A new random stride and start every call."""
     stride, start = random.randint(1, 40), random.randint(0, 64)
-    return _pattern(f"lane l -> {start} + {stride} * l", lambda lane: start + stride * lane)
-
-
-_fresh_stride.fresh = True
+    return f"lane l -> {start} + {stride} * l", [start + stride * lane for lane in range(WARP)]
 
 
 def _fresh_permutation():
-    """Lanes read a shuffled run of 32 consecutive elements."""
-    perm = random.sample(range(WARP), WARP)
-    return _pattern("a random permutation of 0..31", lambda lane: perm[lane])
+    return "a random permutation of 0..31", random.sample(range(WARP), WARP)
 
-
-_fresh_permutation.fresh = True
 
 _cases = [
     ("contiguous float32", _pattern("lane l -> l", lambda lane: lane), 4, 0, False),
@@ -159,13 +153,13 @@ _cases = [
     ("fresh random stride, misaligned float16", _fresh_stride, 2, 6, True),
     ("fresh random permutation", _fresh_permutation, 4, 0, True),
 ]  # fmt: skip
-for _name, _index, _itemsize, _offset, _hidden in _cases:
-    sectors_exercise.case(_name, hidden=_hidden)(_sectors_case(_name, _index, _itemsize, _offset))
+for _name, _pat, _itemsize, _offset, _hidden in _cases:
+    sectors_exercise.case(_name, hidden=_hidden)(_sectors_case(_name, _pat, _itemsize, _offset))
 
 # ----------------------------------------------------------------------------- transpose
 
-padded_transpose = Exercise(
-    "05.padded_transpose", "Coalesced shared-memory transpose with a padded tile", points=4
+swizzled_transpose = Exercise(
+    "05.swizzled_transpose", "Coalesced transpose through an XOR-swizzled shared tile", points=4
 )
 
 HINT_BOUNDS = (
@@ -178,9 +172,9 @@ HINT_UNWRITTEN = (
     "columns by*TILE + tx of dst; the k loop must cover all TILE rows"
 )
 HINT_VALUES = (
-    "dst[c, r] must be src[r, c]. Load tile[ty + k, tx] = src[by*TILE + ty + k, bx*TILE + tx]; "
-    "after the barrier write dst[bx*TILE + ty + k, by*TILE + tx] = tile[tx, ty + k] (the tile "
-    "is read transposed, the block offsets swap). Wrong values that vary between runs can also "
+    "dst[c, r] must be src[r, c]. Element (r, c) of the tile (src row r0 + r, column c0 + c) "
+    "lives at tile[r, c ^ r]: store it there, and read it back from the same place, "
+    "tile[tx, c ^ tx] for tile column c = ty + k. Wrong values that vary between runs can also "
     "mean a missing cuda.syncthreads() between the two loops."
 )
 
@@ -215,45 +209,52 @@ def _transpose_case(M, N):
 
 
 def _traffic_case(kernel):
-    """Trace a 32 x 64 transpose (2 blocks, 512 threads) and check every request's cost."""
+    """Trace a 32 x 64 transpose (2 blocks, 512 threads) and judge every request's cost."""
     M, N = TILE, 2 * TILE
     case = f"memory traffic of a traced {M} x {N} transpose"
     require_implemented(kernel)
     src = torch.randn(M, N)
-    dst = torch.full((N, M), math.nan)
-    grid = (math.ceil(N / TILE), math.ceil(M / TILE))
-    t = trace.launch(kernel, grid, (TILE, BLOCK_ROWS), src, dst, names=("src", "dst"))
-    compare("dst", dst, src.T.contiguous(), case=case, atol=0, rtol=0, poisoned=True,
+    got = invoke(kernel, "course_utils.harness.ch05:traced_transpose", src)
+    compare("dst", got["dst"], src.T.contiguous(), case=case, atol=0, rtol=0, poisoned=True,
             hint=HINT_VALUES)  # fmt: skip
     coalesced = TILE * 4 // trace.SECTOR_BYTES  # 32 float32 in a row: 4 sectors
     for name, kind, side in (("src", "load", "read"), ("dst", "store", "written")):
-        worst = t.max_sectors_per_request(name, kind)
+        worst = int(got[f"{name}_{kind}_sectors"])
         if worst > coalesced:
             raise CheckFailure(
                 case,
                 f"a warp {kind} of {name} needs {worst} sectors (coalesced: {coalesced}); "
-                f"{name} is {side} down a column\n{t.summary()}",
+                f"{name} is {side} down a column\n{got['summary']}",
                 "consecutive threadIdx.x must touch consecutive elements of a row on both sides: "
-                f"{name}[..., base + tx]. Indices swapped? Read the tile transposed "
-                "(tile[tx, ty + k]) instead of writing dst column-wise.",
+                f"{name}[..., base + tx]. The transpose happens in the tile: read it by columns "
+                "(tile row tx) instead of writing dst column-wise.",
             )
-    shared = [r for r in t.requests if r.space == "shared"]
-    if not shared:
+    if not got["shared_requests"]:
         raise CheckFailure(
             case,
             "the kernel uses no shared memory",
-            "stage each TILE x TILE block in cuda.shared.array((TILE, TILE + 1), float32): "
-            "without it one side of the transpose is always strided",
+            "stage each TILE x TILE block in cuda.shared.array((TILE, TILE), float32): without "
+            "it one side of the transpose is always strided",
         )
-    worst = max(shared, key=lambda r: r.conflict_degree)
-    if worst.conflict_degree > 1:
+    padded = {k: v for k, v in got["shared_bytes"].items() if v > TILE * TILE * 4}
+    if padded:
+        name, size = next(iter(padded.items()))
         raise CheckFailure(
             case,
-            f"{worst.conflict_degree}-way shared-memory bank conflict at line {worst.line} "
-            f"(`{worst.source}`)\n{t.summary()}",
-            "unpadded tile: with (TILE, TILE) float32, a column's 32 elements lie 128 bytes "
-            "apart, all in one bank. Declare it (TILE, TILE + 1): each row then starts one bank "
-            "later, and a column touches all 32 banks.",
+            f"the shared array {name} takes {size} bytes, more than a TILE x TILE float32 tile "
+            f"({TILE * TILE * 4} B): padded?",
+            "this exercise removes the padding: keep the tile (TILE, TILE) and swizzle instead, "
+            "element (r, c) at tile[r, c ^ r]",
+        )
+    if int(got["worst_conflict"]) > 1:
+        raise CheckFailure(
+            case,
+            f"{got['worst_conflict']}-way shared-memory bank conflict at line {got['worst_line']} "
+            f"(`{got['worst_source']}`)\n{got['summary']}",
+            "an unswizzled (TILE, TILE) float32 tile puts a whole column in one bank (rows are "
+            "128 bytes apart). Store element (r, c) at column c ^ r: along a row the columns are "
+            "a permutation of 0..31, and down a column (r = tx) too, so 32 lanes hit 32 banks. "
+            "Use the same swizzle on both sides.",
         )
 
 
@@ -261,25 +262,23 @@ def _fresh_size():
     return random.randint(1, 2 * TILE)
 
 
-padded_transpose.case("40 x 24 (neither a multiple of TILE)")(_transpose_case(40, 24))
-padded_transpose.case("31 x 45")(_transpose_case(31, 45))
+swizzled_transpose.case("40 x 24 (neither a multiple of TILE)")(_transpose_case(40, 24))
+swizzled_transpose.case("31 x 45")(_transpose_case(31, 45))
 if not on_gpu():  # tracing needs the simulator
-    padded_transpose.case("coalesced global access, no bank conflicts (traced)")(_traffic_case)
-padded_transpose.case("1 x 1", hidden=True)(_transpose_case(1, 1))
-padded_transpose.case("exact multiples: 32 x 32", hidden=True)(_transpose_case(32, 32))
-padded_transpose.case("one row: 1 x 70", hidden=True)(_transpose_case(1, 70))
-padded_transpose.case("one column: 65 x 1", hidden=True)(_transpose_case(65, 1))
-padded_transpose.case("fresh random size, up to 64 x 32", hidden=True)(
+    swizzled_transpose.case("coalesced, no bank conflicts, no padding (traced)")(_traffic_case)
+swizzled_transpose.case("1 x 1", hidden=True)(_transpose_case(1, 1))
+swizzled_transpose.case("exact multiples: 32 x 32", hidden=True)(_transpose_case(32, 32))
+swizzled_transpose.case("one row: 1 x 70", hidden=True)(_transpose_case(1, 70))
+swizzled_transpose.case("one column: 65 x 1", hidden=True)(_transpose_case(65, 1))
+swizzled_transpose.case("fresh random size, up to 64 x 32", hidden=True)(
     _transpose_case(_fresh_size, lambda: random.randint(1, TILE))
 )
 if on_gpu():
-    padded_transpose.case("GPU: 1000 x 777", hidden=True)(_transpose_case(1000, 777))
-    padded_transpose.case("GPU: 4099 x 33", hidden=True)(_transpose_case(4099, 33))
+    swizzled_transpose.case("GPU: 1000 x 777", hidden=True)(_transpose_case(1000, 777))
+    swizzled_transpose.case("GPU: 4099 x 33", hidden=True)(_transpose_case(4099, 33))
 
 __all__ = [
-    "BLOCK_ROWS",
-    "TILE",
     "measured_sectors",
-    "padded_transpose",
     "sectors_exercise",
+    "swizzled_transpose",
 ]

@@ -1,45 +1,39 @@
 """Chapter 06, registers, occupancy and spilling: graded exercises.
 
-- ``06.occupancy``: ``max_active_blocks(registers, shared_bytes, threads)`` for an H100
-  (sm_90), graded against ``course_utils.occupancy.active_blocks`` on edge cases and random
-  configurations, and on a GPU also against the CUDA driver for compiled kernels.
-- ``06.flash_budget``: ``flash_budget(Br, Bc, d, threads, dtype_bytes)`` ->
-  ``(registers_per_thread, shared_bytes)``, graded against ``fa_registers_per_thread`` and
-  ``fa_shared_bytes``.
-- ``06.no_spill``: the CUDA C++ source of ``rotate_dot`` rewritten so that ptxas reports no stack
-  frame and no spills (nvcc, no GPU needed); on a GPU it is also compiled with NVRTC
-  (``compile_kernel``) and its results are compared with torch.
+- ``06.launch_bounds``: ``max_registers(threads, min_blocks, shared_bytes)``, the most registers
+  per thread that still let ``min_blocks`` blocks of ``threads`` threads (each with
+  ``shared_bytes`` of shared memory) be active at once on an H100 SM: what ptxas may use under
+  ``__launch_bounds__(threads, min_blocks)``. The lecture computes occupancy *from* a register
+  count; this is the inverse. Graded against a search over the course's occupancy calculator
+  (``course_utils.occupancy.active_blocks``), with visible cases where the allocation
+  granularity (256 registers per warp, whole warps per quarter of the register file) and the
+  1 KiB per-block shared-memory reserve each change the answer; and, wherever nvcc or NVRTC is
+  installed (no GPU needed), against the registers ptxas itself gives kernels compiled with
+  ``__launch_bounds__``.
+- ``06.flash_budget``: ``flash_budget(Br, Bc, d, threads, dtype_bytes, stages)`` ->
+  ``(registers_per_thread, shared_bytes)`` for a FlashAttention-2 block that keeps its S tile in
+  registers and pipelines K and V through ``stages`` shared buffers each.
+- ``06.no_local_memory``: the CUDA C++ kernel ``bucket_dot`` rewritten so that ptxas reports no
+  stack frame and no spills. Without a GPU it is compiled (nvcc; the report is graded as part of
+  the case) and scores nothing (``needs gpu``); on a GPU it is also compiled with NVRTC and
+  launched in the student's process (``harness.ch06:launch_cuda``), and its output (poisoned
+  beforehand) is compared here with a float64 reference.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
 
 from ..checks import CheckFailure, compare
-from ..grader import Exercise
-from ..occupancy import active_blocks, fa_registers_per_thread, fa_shared_bytes
-from ..runtime import on_gpu, synchronize
+from ..cuda import nvcc_path, nvrtc_available
+from ..grader import Exercise, NeedsGPU, invoke
+from ..harness.ch06 import KERNEL, NB, W
+from ..occupancy import SM90, active_blocks, fa_registers_per_thread, fa_shared_bytes
+from ..runtime import on_gpu
 from . import compiled_resources, source_of
-
-# ----------------------------------------------------------------------------- occupancy
-
-occupancy = Exercise("06.occupancy", "Occupancy calculator (sm_90)", points=3)
-
-OCC_HINTS = {
-    "registers": (
-        "registers: per warp, registers * 32 rounded up to a multiple of 256; each quarter of the "
-        "register file (65536 / 4) holds whole warps; blocks = 4 * warps per quarter // warps "
-        "per block"
-    ),
-    "shared memory": (
-        "shared memory: each block takes shared_bytes + 1024 (reserved), rounded up to 128 "
-        "bytes, out of 228 KiB per SM; a block may use at most 227 KiB"
-    ),
-    "warps": "warps: 64 warp slots per SM; a block of 100 threads takes ceil(100 / 32) = 4 warps",
-    "blocks": "blocks: at most 32 blocks per SM, however small they are",
-}
 
 
 def _as_int(got, case):
@@ -53,131 +47,197 @@ def _as_int(got, case):
     return got
 
 
-def _occ_check(fn, registers, shared_bytes, threads, expected=None, source="calculator"):
-    case = f"registers={registers}, shared_bytes={shared_bytes}, threads={threads}"
-    want = active_blocks(registers, shared_bytes, threads)
-    expected = want.blocks if expected is None else expected
-    got = _as_int(fn(registers, shared_bytes, threads), case)
+# ----------------------------------------------------------------------------- launch bounds
+
+launch_bounds = Exercise(
+    "06.launch_bounds", "Registers allowed by __launch_bounds__ (sm_90)", points=3
+)
+
+
+def searched_max_registers(threads: int, min_blocks: int, shared_bytes: int = 0) -> int:
+    """The reference: try every register count from 255 down, with the forward calculator."""
+    for registers in range(SM90.max_registers_per_thread, 0, -1):
+        if active_blocks(registers, shared_bytes, threads).blocks >= min_blocks:
+            return registers
+    return 0
+
+
+def _bounds_hint(got, threads, min_blocks, shared_bytes, expected):
+    warps = math.ceil(threads / 32)
+    if expected == 0:
+        return (
+            f"{min_blocks} blocks of {threads} threads cannot be active at once whatever the "
+            "registers: check the warp slots (64), the block slots (32), 1024 threads per block, "
+            "and shared memory: each block takes shared_bytes + 1 KiB reserved, rounded up to "
+            "128 B, out of 228 KiB"
+        )
+    if got == min(255, 65536 // (threads * min_blocks)):
+        return (
+            "65536 / (threads * blocks) ignores how registers are handed out: per warp, in units "
+            "of 256, and each quarter of the register file (16384) holds whole warps, so the "
+            f"{min_blocks * warps} warps must fit 4 quarters of whole warps"
+        )
+    if got > expected and got % 8:
+        return "registers are allocated per warp in units of 256: per thread, a multiple of 8"
+    return (
+        "registers are handed to warps, in units of 256 per warp, and each quarter of the "
+        "register file (16384) holds whole warps: how many warps must the fullest quarter hold, "
+        "and how many registers per warp does that leave?"
+    )
+
+
+def _bounds_check(fn, threads, min_blocks, shared_bytes):
+    case = f"threads={threads}, min_blocks={min_blocks}, shared_bytes={shared_bytes}"
+    expected = searched_max_registers(threads, min_blocks, shared_bytes)
+    got = _as_int(fn(threads, min_blocks, shared_bytes), case)
     if got != expected:
-        if expected == 0:
-            hint = (
-                "this block cannot launch at all (over 255 registers, over 1024 threads, over "
-                "64K registers per block, or over 227 KiB of shared memory): return 0"
-            )
-        else:
-            hint = OCC_HINTS.get(want.limit, "")
-        detail = f"got {got}, expected {expected} ({source}; limited by {want.limit})"
-        raise CheckFailure(case, detail, hint)
+        detail = f"got {got}, expected {expected}"
+        if expected:
+            detail += (f" ({expected} registers give "
+                       f"{active_blocks(expected, shared_bytes, threads)})")  # fmt: skip
+        if 0 < got <= 255 and got != expected:
+            detail += f"; with {got}: {active_blocks(got, shared_bytes, threads)}"
+        raise CheckFailure(
+            case, detail, _bounds_hint(got, threads, min_blocks, shared_bytes, expected)
+        )
 
 
-def _occ_case(*configs):
+def _bounds_case(*configs):
     def run(fn):
         for config in configs:
-            _occ_check(fn, *config)
+            _bounds_check(fn, *config)
 
     return run
 
 
-occupancy.case("32 registers, 256 threads: 100 %")(_occ_case((32, 0, 256)))
-occupancy.case("register-limited")(_occ_case((64, 0, 256), (128, 0, 128)))
-occupancy.case("shared-memory-limited")(_occ_case((32, 100 * 1024, 128), (32, 40 * 1024, 64)))
-occupancy.case("block-limit-limited")(_occ_case((16, 0, 32)))
-occupancy.case("cannot launch -> 0")(_occ_case((255, 0, 1024), (32, 0, 2048)))
-occupancy.case("registers rounded up to 8", hidden=True)(_occ_case((33, 0, 64), (41, 0, 96)))
-occupancy.case("partial warps", hidden=True)(_occ_case((32, 0, 100), (24, 0, 33)))
-occupancy.case("shared rounded to 128 B, 1 KiB reserved", hidden=True)(
-    _occ_case((32, 1, 32), (32, 20000, 256), (32, 227 * 1024, 64), (32, 227 * 1024 + 4, 64))
+launch_bounds.case("__launch_bounds__(1024, 2): 32 registers (lecture)")(_bounds_case((1024, 2, 0)))
+launch_bounds.case("one small block: capped at 255")(_bounds_case((64, 1, 0)))
+launch_bounds.case("whole warps per quarter: 96 threads x 5 blocks")(_bounds_case((96, 5, 0)))
+launch_bounds.case("granularity: 320 threads x 1 block is 168, not 204 or 170")(
+    _bounds_case((320, 1, 0))
 )
-occupancy.case("threads-limited: 1024-thread blocks", hidden=True)(_occ_case((24, 0, 1024)))
-occupancy.case("zero registers and shared memory", hidden=True)(_occ_case((0, 0, 128)))
+launch_bounds.case("the 1 KiB shared reserve: 4 blocks of 56.5 KiB cannot fit")(
+    _bounds_case((128, 4, 56 * 1024 + 512), (128, 4, 56 * 1024))
+)
+launch_bounds.case("impossible: too many warps or blocks -> 0")(
+    _bounds_case((512, 5, 0), (32, 33, 0), (2048, 1, 0))
+)
+launch_bounds.case("shared rounded up to 128 B", hidden=True)(
+    _bounds_case((128, 5, 45666), (128, 5, 45500))
+)
+launch_bounds.case("partial warps", hidden=True)(_bounds_case((100, 3, 0), (33, 7, 0)))
+launch_bounds.case("FlashAttention-like: 256 threads, 2 blocks, 85 KB", hidden=True)(
+    _bounds_case((256, 2, 84992), (256, 3, 70000))
+)
 
 
-@occupancy.case("40 random configurations", hidden=True)
-def _occ_random(fn):
+@launch_bounds.case("40 random configurations", hidden=True)
+def _bounds_random(fn):
     rng = random.Random()
     for _ in range(40):
-        _occ_check(
-            fn,
-            rng.randint(8, 255),
-            rng.choice([0, 0, rng.randint(0, 120 * 1024)]),
-            rng.randint(1, 1024),
-        )
+        threads = rng.randint(1, 1024)
+        _bounds_check(fn, threads, rng.randint(1, max(1, 2048 // threads + 1)),
+                      rng.choice([0, 0, rng.randint(0, 120 * 1024)]))  # fmt: skip
 
 
-DRIVER_SOURCE = r"""
-__global__ void light(float* out) { out[threadIdx.x] = threadIdx.x; }
-__global__ void heavy(const float* x, float* out, int n) {
-    __shared__ float tile[2048];  // 8 KiB static
-    float acc[24];
+_BOUNDS = ((1024, 2), (320, 1), (96, 5), (100, 3), (192, 4))  # (threads, min_blocks) for ptxas
+_HUNGRY = r"""
+__global__ void __launch_bounds__(THREADS, BLOCKS)
+hungry_THREADS_BLOCKS(const float* x, float* out, int n) {
+    float acc[96];  // 96 live values: more than any bound here allows, so ptxas uses its cap
     #pragma unroll
-    for (int k = 0; k < 24; ++k) acc[k] = x[(threadIdx.x + k) % n];
-    tile[threadIdx.x % 2048] = acc[0];
-    __syncthreads();
-    float total = tile[(threadIdx.x + 1) % 2048];
+    for (int k = 0; k < 96; ++k) acc[k] = x[(threadIdx.x + k) % n];
+    for (int t = 0; t < 4; ++t) {
+        #pragma unroll
+        for (int k = 0; k < 96; ++k) acc[k] = acc[k] * acc[(k + 1) % 96] + 1.0f;
+    }
+    float total = 0.0f;
     #pragma unroll
-    for (int k = 0; k < 24; ++k) total += acc[k] * acc[(k + 5) % 24];
-    out[threadIdx.x] = total;
+    for (int k = 0; k < 96; ++k) total += acc[k];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = total;
 }
 """
+BOUNDED_SOURCE = "".join(
+    _HUNGRY.replace("THREADS", str(t)).replace("BLOCKS", str(b)) for t, b in _BOUNDS
+)
 
 
-@occupancy.case("GPU: the driver agrees", hidden=False) if on_gpu() else (lambda f: f)
-def _occ_driver(fn):
-    from ..cuda import compile_kernel
-    from ..occupancy import driver_active_blocks, driver_resources
+def _bounds_ptxas(fn):
+    """ptxas itself answers the question: compile kernels that want more registers than their
+    ``__launch_bounds__`` allow, and read the count it settled on (no GPU needed)."""
+    case = "ptxas (sm_90) under __launch_bounds__"
+    found = {k.name: k.registers for k in compiled_resources(BOUNDED_SOURCE, case=case)}
+    for threads, blocks in _BOUNDS:
+        used = found[f"hungry_{threads}_{blocks}"]
+        got = _as_int(fn(threads, blocks, 0), case)
+        if got != used:
+            raise CheckFailure(
+                f"{case}({threads}, {blocks})",
+                f"ptxas gave the kernel {used} registers per thread; you said {got}",
+                _bounds_hint(got, threads, blocks, 0, used),
+            )
 
-    for name in ("light", "heavy"):
-        kernel = compile_kernel(DRIVER_SOURCE, name)
-        used = driver_resources(kernel)
-        for threads, dynamic in ((64, 0), (256, 16 * 1024), (1024, 0)):
-            expected = driver_active_blocks(kernel, threads, dynamic)
-            _occ_check(
-                fn, used["registers"], used["shared_bytes"] + dynamic, threads,
-                expected=expected, source=f"the CUDA driver, kernel {name}",
-            )  # fmt: skip
+
+if nvcc_path() is not None or nvrtc_available():  # a compiler measures it, GPU or not
+    launch_bounds.case("ptxas agrees: (1024, 2), (320, 1), (96, 5), (100, 3), (192, 4)")(
+        _bounds_ptxas
+    )
 
 
 # ----------------------------------------------------------------------------- FA budget
 
-flash_budget = Exercise("06.flash_budget", "FlashAttention register and shared budget", points=2)
+flash_budget = Exercise(
+    "06.flash_budget", "FlashAttention-2 register and shared budget, S in registers", points=2
+)
 
 
-def _budget_case(Br, Bc, d, threads, dtype_bytes):
+def _budget_case(Br, Bc, d, threads, dtype_bytes, stages):
     def run(fn):
-        case = f"Br={Br}, Bc={Bc}, d={d}, threads={threads}, dtype_bytes={dtype_bytes}"
-        got = fn(Br, Bc, d, threads, dtype_bytes)
+        case = (f"Br={Br}, Bc={Bc}, d={d}, threads={threads}, dtype_bytes={dtype_bytes}, "
+                f"stages={stages}")  # fmt: skip
+        got = fn(Br, Bc, d, threads, dtype_bytes, stages)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             raise CheckFailure(case, f"expected (registers, shared_bytes), got {got!r}", None)
         regs, smem = (_as_int(g, case) for g in got)
-        want_regs = fa_registers_per_thread(Br, d, threads)
-        want_smem = fa_shared_bytes(Br, Bc, d, dtype_bytes)
-        o_share = -(-(Br * d) // threads)
+        floor = fa_registers_per_thread(Br, d, threads)  # O, m and l (the lecture's floor)
+        s_share = -(-(Br * Bc) // threads)
+        want_regs = floor + s_share
+        q_bytes = fa_shared_bytes(Br, 0, d, dtype_bytes)
+        kv_bytes = fa_shared_bytes(0, Bc, d, dtype_bytes)  # one K and one V buffer
+        want_smem = q_bytes + stages * kv_bytes
         if regs != want_regs:
-            if regs == o_share:
-                hint = "add m and l: 2 registers for each row the thread holds part of"
-            elif regs == Br * d + 2 * Br:
-                hint = "divide O among the threads: each holds ceil(Br * d / threads) floats"
+            if regs == floor:
+                hint = "add the S tile: Br x Bc float32 scores, split evenly among the threads"
+            elif regs == floor + Br * Bc:
+                hint = "divide the S tile among the threads: ceil(Br * Bc / threads) each"
             else:
-                hint = "ceil(Br * d / threads) for O, plus 2 * ceil(Br / threads) for m and l"
+                hint = ("O's share ceil(Br * d / threads) + m and l (2 per row the thread holds "
+                        "part of) + S's share ceil(Br * Bc / threads)")  # fmt: skip
             raise CheckFailure(case, f"registers: got {regs}, expected {want_regs}", hint)
         if smem != want_smem:
-            if smem == (Br + Bc) * d * dtype_bytes:
-                hint = "K_j and V_j are two tiles of Bc x d each"
-            elif smem == (Br * d + 2 * Bc * d) * 4 and dtype_bytes != 4:
-                hint = "the tiles are stored in the input dtype: multiply by dtype_bytes"
+            if smem == q_bytes + kv_bytes:
+                hint = "each stage is its own K_j and V_j buffer: multiply them by stages"
+            elif smem == stages * (q_bytes + kv_bytes):
+                hint = "Q_i is loaded once per block: only K and V are multi-buffered"
             else:
-                hint = "(Br * d + 2 * Bc * d) * dtype_bytes: Q_i, K_j and V_j"
+                hint = "Q_i (Br x d) once, plus stages buffers of K_j and V_j (Bc x d each)"
             raise CheckFailure(case, f"shared_bytes: got {smem}, expected {want_smem}", hint)
 
     return run
 
 
-flash_budget.case("Br=64, Bc=64, d=128, 128 threads, fp16")(_budget_case(64, 64, 128, 128, 2))
-flash_budget.case("Br=128, d=256: over 255 registers")(_budget_case(128, 64, 256, 128, 2))
-flash_budget.case("Br=256 > threads: two rows per thread")(_budget_case(256, 32, 64, 128, 4))
-flash_budget.case("uneven split", hidden=True)(_budget_case(48, 80, 96, 96, 2))
-flash_budget.case("one warp", hidden=True)(_budget_case(16, 16, 64, 32, 4))
-flash_budget.case("fp32, 256 threads", hidden=True)(_budget_case(128, 128, 64, 256, 4))
+flash_budget.case("Br=64, Bc=64, d=128, 128 threads, fp16, 2 stages")(
+    _budget_case(64, 64, 128, 128, 2, 2)
+)
+flash_budget.case("Br=128, Bc=64, d=64, 128 threads, fp16, 1 stage")(
+    _budget_case(128, 64, 64, 128, 2, 1)
+)
+flash_budget.case("Br=256 > threads: two rows per thread, 3 stages")(
+    _budget_case(256, 32, 64, 128, 4, 3)
+)
+flash_budget.case("uneven split", hidden=True)(_budget_case(48, 80, 96, 96, 2, 2))
+flash_budget.case("one warp", hidden=True)(_budget_case(16, 16, 64, 32, 4, 1))
+flash_budget.case("fp32, 256 threads", hidden=True)(_budget_case(128, 128, 64, 256, 4, 2))
 
 
 @flash_budget.case("20 random configurations", hidden=True)
@@ -190,54 +250,76 @@ def _budget_random(fn):
             rng.choice([32, 64, 96, 128, 256]),
             rng.choice([32, 64, 128, 256]),
             rng.choice([2, 4]),
+            rng.choice([1, 2, 3, 4]),
         )(fn)
 
 
-# ----------------------------------------------------------------------------- no spill
+# ----------------------------------------------------------------------------- no local memory
 
-no_spill = Exercise("06.no_spill", "Rewrite a kernel so it stays in registers", points=3)
+no_local_memory = Exercise(
+    "06.no_local_memory", "Move a run-time index out of a register array (CUDA C++)", points=3
+)
 
-KERNEL = "rotate_dot"
-W = 32  # the row length of the kernel (the source defines it too)
-
-
-@no_spill.case("nvcc sm_90: no stack frame, no spills (no GPU needed)")
-def _no_spill_compile(candidate):
-    case = "nvcc sm_90"
-    k = compiled_resources(source_of(candidate), KERNEL, case=case)
-    if k.stack_bytes or k.spills:
-        raise CheckFailure(
-            case,
-            f"{KERNEL}: {k.stack_bytes} B stack frame, {k.spill_store_bytes} B spill stores, "
-            f"{k.spill_load_bytes} B spill loads",
-            "an array indexed with a value known only at run time ((j + s) % W) lives in local "
-            "memory: read x directly at that index, or index the array only with constants "
-            "(a fully unrolled loop over j)",
-        )
+HINT_LOCAL = (
+    "acc[(j + s) % NB] is indexed with a value known only at run time, so acc cannot be "
+    "registers: it lives in local memory (the stack frame). Index acc only with compile-time "
+    "values (an unrolled loop: acc[j % NB]) and put the run-time part where memory is addressed "
+    "anyway: the index of the store to out"
+)
 
 
-def _no_spill_run(n_rows: int):
+def _reference(x: torch.Tensor, w: torch.Tensor, s: int) -> torch.Tensor:
+    """out[row, b] = sum of x[row, j] * w[j] over the j with (j + s) % NB == b, in float64."""
+    prod = x.double() * w.double()
+    out = torch.zeros(x.shape[0], NB, dtype=torch.float64, device=x.device)
+    for j in range(W):
+        out[:, (j + s) % NB] += prod[:, j]
+    return out
+
+
+def _no_local_case(n_rows: int):
     def run(candidate):
-        from ..cuda import compile_kernel
-
-        kernel = compile_kernel(source_of(candidate), KERNEL)
-        for s in (0, 5, W - 1):
-            case = f"GPU (NVRTC): n_rows = {n_rows}, s = {s}"
+        case = f"bucket_dot, n_rows = {n_rows}"
+        k = compiled_resources(source_of(candidate), KERNEL, case=case)
+        if k.stack_bytes or k.spills:
+            raise CheckFailure(
+                case,
+                f"{KERNEL}: {k.stack_bytes} B stack frame, {k.spill_store_bytes} B spill "
+                f"stores, {k.spill_load_bytes} B spill loads (nvcc sm_90)",
+                HINT_LOCAL,
+            )
+        if not on_gpu():
+            raise NeedsGPU("compiled with nvcc; correctness is decided on a GPU")
+        threads = 128
+        blocks = (n_rows + threads - 1) // threads
+        for s in (0, 3, NB, 29):
+            where = f"{case}, s = {s} (GPU, NVRTC)"
             x = torch.randn(n_rows, W, device="cuda")
             w = torch.randn(W, device="cuda")
-            out = torch.full((n_rows,), float("nan"), device="cuda")
-            threads = 128
-            kernel((n_rows + threads - 1) // threads, threads, x, w, out, n_rows, s)
-            synchronize()
-            expected = torch.roll(x.double(), -s, dims=1) @ w.double()
-            compare("out", out, expected, case=case, atol=1e-4, rtol=1e-4, poisoned=True,
-                    hint="out[row] = sum over j of x[row, (j + s) % W] * w[j]")  # fmt: skip
+            out = torch.full((n_rows + 64, NB), float("nan"), device="cuda")  # + a guard
+            invoke(candidate, "course_utils.harness.ch06:launch_cuda", KERNEL, blocks, threads,
+                   x, w, out, n_rows, s)  # fmt: skip
+            if not torch.isnan(out[n_rows:]).all():
+                raise CheckFailure(where, "a thread wrote past the last row of out",
+                                   "keep the `if (row >= n_rows) return;` guard")  # fmt: skip
+            compare("out", out[:n_rows], _reference(x, w, s), case=where, atol=1e-4, rtol=1e-4,
+                    poisoned=True,
+                    hint="out[row * NB + b] = sum of x[row, j] * w[j] over the j with "
+                         "(j + s) % NB == b: the bucket of j is rotated by s")  # fmt: skip
 
     return run
 
 
 if on_gpu():  # the results can only be checked where the kernel runs
-    no_spill.case("GPU: 1000 rows")(_no_spill_run(1000))
-    no_spill.case("GPU: 1 row", hidden=True)(_no_spill_run(1))
+    no_local_memory.case("no stack frame; GPU: 1000 rows")(_no_local_case(1000))
+    no_local_memory.case("GPU: 1 row", hidden=True)(_no_local_case(1))
+else:  # compiling is not grading: the case reports the compiler, then "needs gpu"
+    no_local_memory.case("no stack frame (nvcc); its results need a GPU")(_no_local_case(1000))
 
-__all__ = ["DRIVER_SOURCE", "KERNEL", "W", "flash_budget", "no_spill", "occupancy"]
+__all__ = [
+    "BOUNDED_SOURCE",
+    "flash_budget",
+    "launch_bounds",
+    "no_local_memory",
+    "searched_max_registers",
+]
