@@ -2,16 +2,18 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from numba import cuda, float32
 
 from course_utils import grader
+from course_utils.harness import ch08 as harness
 from course_utils.specs import ch08
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
-D, BR, BC = ch08.DKDV_D, ch08.DKDV_BR, ch08.DKDV_BC
+D, BR, BC, G = harness.DKDV_D, harness.DKDV_BR, harness.DKDV_BC, harness.DKDV_G
 
 
 # ----------------------------------------------------------------------------- reference
@@ -31,6 +33,19 @@ def test_reference_gradients_match_autograd(causal, Nq, Nk):
     torch.testing.assert_close(got[0], O.detach(), rtol=1e-12, atol=1e-12)
     for g, w in zip(got[2:], want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_gqa_problem_sums_the_heads_of_a_group():
+    case = ch08.C("t", 2, 4, 9, 7, 16, causal=True)
+    (Q, K, V, O, LSE, dO), (dQ, dK, dV), _ = ch08.gqa_problem(case, 2)
+    assert K.shape == (2, 2, 7, 16) and Q.shape == (2, 4, 9, 16)
+    q, k, v = (t.double().requires_grad_() for t in (Q, K, V))
+    S = q @ k.repeat_interleave(2, dim=1).transpose(-2, -1) / 4
+    S = S.masked_fill(~torch.ones(9, 7, dtype=torch.bool, device=S.device).tril(), -math.inf)
+    out = torch.softmax(S, -1) @ v.repeat_interleave(2, dim=1)
+    want = torch.autograd.grad(out, (q, k, v), dO.double())
+    for g, w in zip((dQ, dK, dV), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
 # ----------------------------------------------------------------------------- delta
@@ -61,14 +76,16 @@ def test_delta_in_place_fails():
 
 def torch_backward(Q, K, V, O, LSE, dO, causal=False, scale=None, Br=64, Bc=64, bug=None):
     B, H, Nq, d = Q.shape
-    Nk = K.shape[2]
+    Hkv, Nk = K.shape[1], K.shape[2]
+    G = H // Hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     D = (dO * O).sum(-1, keepdim=True)
     LSE_use = torch.where(LSE == -math.inf, math.inf, LSE)[..., None]
     dQ, dK, dV = torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
     for c0 in range(0, Nk, Bc):
         c1 = min(c0 + Bc, Nk)
-        K_j, V_j = K[:, :, c0:c1], V[:, :, c0:c1]
+        K_j = K[:, :, c0:c1].repeat_interleave(G, dim=1)
+        V_j = V[:, :, c0:c1].repeat_interleave(G, dim=1)
         dK_j, dV_j = dK[:, :, c0:c1], dV[:, :, c0:c1]
         cols = torch.arange(c0, c1, device=Q.device)[None, :]
         for r0 in range((c0 // Br) * Br if causal else 0, Nq, Br):
@@ -78,12 +95,15 @@ def torch_backward(Q, K, V, O, LSE, dO, causal=False, scale=None, Br=64, Bc=64, 
             if causal and bug != "no mask":
                 S = S.masked_fill(cols > torch.arange(r0, r1, device=Q.device)[:, None], -math.inf)
             P = torch.exp(S - LSE_use[:, :, r0:r1])
-            dV_j += P.transpose(-2, -1) @ dO_i
             dP = dO_i @ V_j.transpose(-2, -1)
             dS = P * dP if bug == "no D" else P * (dP - D[:, :, r0:r1])
             s = 1.0 if bug == "no scale" else scale
             dQ[:, :, r0:r1] += s * dS @ K_j
-            dK_j += s * dS.transpose(-2, -1) @ Q_i
+            group = (lambda x: x.unflatten(1, (Hkv, G)).mean(2)) if bug == "mean" else (
+                lambda x: x.unflatten(1, (Hkv, G))[:, :, 0] if bug == "first head" else
+                x.unflatten(1, (Hkv, G)).sum(2))
+            dV_j += group(P.transpose(-2, -1) @ dO_i)
+            dK_j += s * group(dS.transpose(-2, -1) @ Q_i)
     return dQ, dK, dV
 
 
@@ -96,33 +116,29 @@ def test_torch_backward_passes_when_right():
     assert r.status == "passed" and r.hidden_run, r.message
 
 
-def test_torch_backward_missing_D_fails():
-    r = grader.check("08.torch_backward", _with("no D"))
-    assert r.status == "failed" and "(dP - D_i)" in r.message
-
-
-def test_torch_backward_missing_mask_fails_on_causal():
-    r = grader.check("08.torch_backward", _with("no mask"))
-    assert r.status == "failed" and "causal" in r.message
-
-
-def test_torch_backward_missing_scale_fails():
-    r = grader.check("08.torch_backward", _with("no scale"))
-    assert r.status == "failed"
+@pytest.mark.parametrize(("bug", "case", "words"), [
+    ("mean", "G=2, H=4", "SUM"), ("first head", "G=2, H=4", "SUM"),
+    ("no D", "G=1", "dS = P * (dP - D_i)"), ("no mask", "causal", "causal"),
+    ("no scale", "G=1", "")])  # fmt: skip
+def test_torch_backward_bugs_fail_visibly(monkeypatch, bug, case, words):
+    monkeypatch.delenv(grader.GRADING_ENV)  # the visible cases alone must catch it
+    r = grader.check("08.torch_backward", _with(bug))
+    assert r.status == "failed" and case in r.message and words in r.message, r.message
 
 
 def test_torch_backward_autograd_is_forbidden():
     def cheat(Q, K, V, O, LSE, dO, causal=False, scale=None):
+        G = Q.shape[1] // K.shape[1]
         q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
-        s = q @ k.transpose(-2, -1) * (scale or 1 / math.sqrt(Q.shape[-1]))
+        s = q @ k.repeat_interleave(G, 1).transpose(-2, -1) * (scale or 1 / math.sqrt(Q.shape[-1]))
         if causal:
-            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
+                             -math.inf)
         out = torch.exp(s - s.amax(-1, keepdim=True))
-        out = (out / out.sum(-1, keepdim=True)) @ v
+        out = (out / out.sum(-1, keepdim=True)) @ v.repeat_interleave(G, 1)
         return torch.autograd.grad(out, (q, k, v), dO)
 
-    r = grader.check("08.torch_backward", cheat)
-    assert r.status == "forbidden"
+    assert grader.check("08.torch_backward", cheat).status == "forbidden"
 
 
 def test_torch_backward_softmax_is_forbidden():
@@ -133,61 +149,71 @@ def test_torch_backward_softmax_is_forbidden():
     assert grader.check("08.torch_backward", cheat).status == "forbidden"
 
 
+def test_torch_backward_numpy_is_forbidden():
+    def cheat(Q, K, V, O, LSE, dO, causal=False, scale=None):
+        np.asarray(Q).sum()
+        return torch_backward(Q, K, V, O, LSE, dO, causal, scale)
+
+    assert grader.check("08.torch_backward", cheat).status == "forbidden"
+
+
 # ----------------------------------------------------------------------------- dK/dV kernel
 
 
 def make_kernel(bug=None):
-    NEG = float32(-math.inf)  # noqa: F841
+    NG = 1 if bug == "one head" else G
 
     @cuda.jit
     def kernel(Q, K, V, dO, LSE, Dv, dK, dV, scale, causal):
-        H, Nq, Nk = Q.shape[1], Q.shape[2], K.shape[2]
+        Hkv, Nq, Nk = K.shape[1], Q.shape[2], K.shape[2]
         t = cuda.threadIdx.x
-        b_, h_ = cuda.blockIdx.y // H, cuda.blockIdx.y % H
+        b_, gh = cuda.blockIdx.y // Hkv, cuda.blockIdx.y % Hkv
         c = cuda.blockIdx.x * BC + t
-        Qs = cuda.shared.array((BR, D), float32)
-        dOs = cuda.shared.array((BR, D), float32)
-        Ls = cuda.shared.array(BR, float32)
-        Ds = cuda.shared.array(BR, float32)
+        Qs = cuda.shared.array((G, BR, D), float32)
+        dOs = cuda.shared.array((G, BR, D), float32)
+        Ls = cuda.shared.array((G, BR), float32)
+        Ds = cuda.shared.array((G, BR), float32)
         k_row = cuda.local.array(D, float32)
         v_row = cuda.local.array(D, float32)
         dk = cuda.local.array(D, float32)
         dv = cuda.local.array(D, float32)
         for k in range(D):
-            k_row[k] = K[b_, h_, c, k] if c < Nk else float32(0.0)
-            v_row[k] = V[b_, h_, c, k] if c < Nk else float32(0.0)
+            k_row[k] = K[b_, gh, c, k] if c < Nk else float32(0.0)
+            v_row[k] = V[b_, gh, c, k] if c < Nk else float32(0.0)
             dk[k] = float32(0.0)
             dv[k] = float32(0.0)
         for i in range((Nq + BR - 1) // BR):
             r0 = i * BR
-            for e in range(t, BR * D, BC):
-                r, k = e // D, e % D
-                Qs[r, k] = Q[b_, h_, r0 + r, k] if r0 + r < Nq else float32(0.0)
-                dOs[r, k] = dO[b_, h_, r0 + r, k] if r0 + r < Nq else float32(0.0)
-            for r in range(t, BR, BC):
-                lse = LSE[b_, h_, r0 + r] if r0 + r < Nq else float32(math.inf)
-                Ls[r] = lse if lse != -math.inf else float32(math.inf)
-                Ds[r] = Dv[b_, h_, r0 + r] if r0 + r < Nq else float32(0.0)
+            for e in range(t, G * BR * D, BC):
+                g, r, k = e // (BR * D), (e // D) % BR, e % D
+                Qs[g, r, k] = Q[b_, gh * G + g, r0 + r, k] if r0 + r < Nq else float32(0.0)
+                dOs[g, r, k] = dO[b_, gh * G + g, r0 + r, k] if r0 + r < Nq else float32(0.0)
+            for e in range(t, G * BR, BC):
+                g, r = e // BR, e % BR
+                lse = LSE[b_, gh * G + g, r0 + r] if r0 + r < Nq else float32(math.inf)
+                Ls[g, r] = lse if lse != -math.inf else float32(math.inf)
+                Ds[g, r] = Dv[b_, gh * G + g, r0 + r] if r0 + r < Nq else float32(0.0)
             cuda.syncthreads()
             for r in range(BR):
-                s = float32(0.0)
-                dp = float32(0.0)
-                for k in range(D):
-                    s += Qs[r, k] * k_row[k]
-                    dp += dOs[r, k] * v_row[k]
                 masked = c >= Nk or r0 + r >= Nq or (causal and c > r0 + r)
                 if bug == "ignore mask":
                     masked = c >= Nk or r0 + r >= Nq
-                p = float32(0.0) if masked else math.exp(s * scale - Ls[r])
-                ds = p * (dp - Ds[r]) if bug != "no D" else p * dp
-                for k in range(D):
-                    dv[k] += p * dOs[r, k]
-                    dk[k] += ds * (Qs[r, k] if bug != "dk uses dO" else dOs[r, k])
+                for g in range(NG):
+                    s = float32(0.0)
+                    dp = float32(0.0)
+                    for k in range(D):
+                        s += Qs[g, r, k] * k_row[k]
+                        dp += dOs[g, r, k] * v_row[k]
+                    p = float32(0.0) if masked else math.exp(s * scale - Ls[g, r])
+                    ds = p * (dp - Ds[g, r]) if bug != "no D" else p * dp
+                    for k in range(D):
+                        dv[k] += p * dOs[g, r, k]
+                        dk[k] += ds * (Qs[g, r, k] if bug != "dk uses dO" else dOs[g, r, k])
             cuda.syncthreads()
         if c < Nk:
             for k in range(D):
-                dK[b_, h_, c, k] = dk[k] * scale
-                dV[b_, h_, c, k] = dv[k]
+                dK[b_, gh, c, k] = dk[k] * scale
+                dV[b_, gh, c, k] = dv[k]
 
     return kernel
 
@@ -197,42 +223,51 @@ def test_dkdv_passes_when_right():
     assert r.status == "passed" and r.hidden_run, r.message
 
 
-@pytest.mark.parametrize(("bug", "case"), [("no D", "Nq=Nk=16"), ("dk uses dO", "Nq=Nk=16"),
-                                           ("ignore mask", "causal")])
-def test_dkdv_bugs_fail(bug, case):
+@pytest.mark.parametrize(("bug", "case"), [("one head", "all G query heads"), ("no D", "Nq=Nk=16"),
+                                           ("dk uses dO", "Nq=Nk=16"), ("ignore mask", "causal")])
+def test_dkdv_bugs_fail(monkeypatch, bug, case):
+    monkeypatch.delenv(grader.GRADING_ENV)  # the visible cases alone must catch it
     r = grader.check("08.dkdv_accumulate", make_kernel(bug))
-    assert r.status == "failed" and case in r.message
+    assert r.status == "failed" and case in r.message, r.message
 
 
 # ----------------------------------------------------------------------------- causal skip
 
 
-def good_start(j, Br, Bc, Nq, causal):
-    if not causal:
-        return 0
-    return j * Bc // Br if j * Bc < Nq else math.ceil(Nq / Br)
+def q_tile_range(j, Br, Bc, Nq, Nk, window, bug=None):
+    shift = 0 if bug == "top-left" else Nk - Nq
+    c_first, c_last = j * Bc, min((j + 1) * Bc, Nk) - 1
+    r_lo = max(c_first - shift, 0)
+    no_window = window is None or bug == "no window"
+    r_hi = Nq - 1 if no_window else min(c_last + window - 1 - shift, Nq - 1)
+    if r_hi < r_lo:
+        return 0, 0
+    return r_lo // Br, r_hi // Br + (0 if bug == "inclusive end" else 1)
 
 
 def test_causal_skip_passes_when_right():
-    r = grader.check("08.causal_skip", good_start)
-    assert r.status == "passed" and r.hidden_run
+    r = grader.check("08.causal_skip", q_tile_range)
+    assert r.status == "passed" and r.hidden_run, r.message
 
 
-def test_causal_skip_rounds_up_fails():
-    r = grader.check("08.causal_skip", lambda j, Br, Bc, Nq, c: math.ceil(j * Bc / Br) if c else 0)
-    assert r.status == "failed" and ("round down" in r.message or "Br != Bc" in r.message)
+def test_causal_skip_brute_force_agrees_with_the_closed_form():
+    gen = torch.Generator().manual_seed(4)
+    for n in range(200):
+        Br, Bc = (int(x) for x in torch.randint(1, 6, (2,), generator=gen) * 4)
+        Nq, Nk = (int(x) for x in torch.randint(1, 90, (2,), generator=gen))
+        window = None if n % 2 else int(torch.randint(1, 50, (1,), generator=gen))
+        for j in range(math.ceil(Nk / Bc)):
+            first, end = q_tile_range(j, Br, Bc, Nq, Nk, window)
+            assert list(range(first, end)) == ch08.visited_q_tiles(j, Br, Bc, Nq, Nk, window)
 
 
-def test_causal_skip_j_fails():
-    r = grader.check("08.causal_skip", lambda j, Br, Bc, Nq, c: j if c else 0)
-    assert r.status == "failed" and "Br != Bc" in r.message
+@pytest.mark.parametrize(("bug", "words"), [("top-left", "top-left"),
+                                            ("no window", "far below"),
+                                            ("inclusive end", "one past the last")])
+def test_causal_skip_bugs_are_named(bug, words):
+    r = grader.check("08.causal_skip", lambda *a: q_tile_range(*a, bug=bug))
+    assert r.status == "failed" and words in r.message, r.message
 
 
-def test_causal_skip_no_clamp_fails_on_hidden():
-    r = grader.check("08.causal_skip", lambda j, Br, Bc, Nq, c: j * Bc // Br if c else 0)
-    assert r.status == "failed" and "Tr" in r.message
-
-
-def test_causal_skip_always_zero_fails():
-    r = grader.check("08.causal_skip", lambda *a: 0)
-    assert r.status == "failed"
+def test_causal_skip_wants_a_pair():
+    assert grader.check("08.causal_skip", lambda *a: 0).status == "failed"

@@ -1,48 +1,47 @@
 """Chapter 07, the FlashAttention-2 forward pass: graded exercises.
 
-- ``07.torch_forward``: ``flash_attention_forward(Q, K, V, causal=False, scale=None)`` in plain
-  PyTorch, tiled (Br query rows x Bc keys at a time, online softmax), returning ``(O, LSE)`` for
-  ``(B, H, N, d)`` float32 inputs. softmax, log_softmax, logsumexp and SDPA are forbidden, and
-  no tensor as large as half the Nq x Nk score matrix may appear.
+The lecture teaches causal masking aligned top-left (SDPA's ``is_causal``). The exercises use the
+alignment FlashAttention-2 itself uses since v2.1, and a sliding window (Mistral's local
+attention): query row ``r`` sits at position ``p = r + Nk - Nq`` (the last Nq positions of the
+sequence, as when decoding with a KV cache) and sees the keys ``c`` with
+``p - window < c <= p`` (``window=None``: every ``c <= p``). A row with ``p < 0`` sees no key:
+``O = 0``, ``LSE = -inf``.
+
+- ``07.torch_forward``: ``flash_attention_forward(Q, K, V, window=None, scale=None, Br=64,
+  Bc=64)`` in plain PyTorch, tiled (Br query rows x Bc keys at a time, online softmax), with
+  that mask, returning ``(O, LSE)`` for ``(B, H, N, d)`` float32 inputs. softmax, log_softmax,
+  logsumexp and SDPA are forbidden, numpy too (``torch_only``); the largest tensor any operator
+  creates during a call at Nq = Nk = 512 must stay under half the Nq x Nk score matrix (measured
+  by ``harness.ch07.largest_tensor``). The visible cases pass small tiles, so several key tiles
+  meet every query tile.
 - ``07.online_update``: the online-softmax update and the final normalisation inside a Numba
-  kernel with one thread per query row (``ONLINE_BR`` rows per block, K/V tiles of
-  ``ONLINE_BC`` keys, head dim ``ONLINE_D``), launched as
+  kernel with one thread per query row (top-left causal, as in the lecture), launched as
   ``kernel[(ceil(Nq / ONLINE_BR), B * H), ONLINE_BR](Q, K, V, O, LSE, scale, causal)``.
-- ``07.causal_skip``: ``kv_tile_count(i, Br, Bc, Nq, Nk, causal)``, the number of K/V tiles
-  (tiles 0 .. n-1) that query tile ``i`` must visit; causal masking is top-left aligned.
-- ``07.lse_epilogue``: the epilogue of the chapter's CUDA C++ kernel
-  (course_utils/kernels/flash_attention_forward.cu, between ``// BEGIN EPILOGUE`` and
-  ``// END EPILOGUE``): finish l, write O and LSE. The candidate is the epilogue's source text
-  (or a function returning it). Without a GPU it is compiled (nvcc, sm_90) and checked for what
-  it must contain; on a GPU it is built with ``load_cuda`` and run.
+- ``07.causal_skip``: ``kv_tile_range(i, Br, Bc, Nq, Nk, window)``, the K/V tiles
+  ``first .. end - 1`` that query tile ``i`` must visit under the mask above. The expected range
+  is found by brute force: every tile holding a (row, key) pair the mask keeps.
+- ``07.combine_splits``: the split-KV ("flash-decoding") combine in CUDA C++, written from a blank
+  body: ``combine_splits(O_parts, LSE_parts, O, LSE, n_splits, rows, d)`` turns the partial
+  ``(O_s, LSE_s)`` of S key chunks into the attention over all keys. Without a GPU the source is
+  compiled (nvcc, sm_90) and the case reports ``needs gpu``; on a GPU it is compiled and launched
+  in the notebook's process (``harness.ch07.run_combine``) and compared here.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
-from ..checks import AttentionCase, CheckFailure, attention_cases, check_attention
-from ..grader import Exercise
-from ..runtime import kernel_array, on_gpu, pick, synchronize
+from .. import reference
+from ..checks import AttentionCase, CheckFailure, check_attention, compare, random_qkv, tolerance
+from ..grader import Exercise, NeedsGPU, invoke
+from ..harness.ch07 import COMBINE_KERNEL, KERNEL_PATH, ONLINE_BC, ONLINE_BR, ONLINE_D
+from ..runtime import device, kernel_array, on_gpu, synchronize
 from . import compiled_resources, require_implemented, source_of
 
 FORBIDDEN = ("scaled_dot_product_attention", "softmax", "log_softmax", "logsumexp")
-
-ONLINE_D = 16  # head dim of 07.online_update's kernel (its local arrays are sized by it)
-ONLINE_BR = 16  # query rows per block = threads per block
-ONLINE_BC = 8  # keys per K/V tile
-
-KERNEL_PATH = Path(__file__).resolve().parent.parent / "kernels" / "flash_attention_forward.cu"
-EPILOGUE_BEGIN = "// BEGIN EPILOGUE"
-EPILOGUE_END = "// END EPILOGUE"
-CUDA_FUNCTION = "flash_attention_forward"
-CUDA_KERNEL = "flash_attention_forward_kernel"
 
 C = AttentionCase
 
@@ -51,75 +50,154 @@ def _run_attention(fn, cases, *, out=False):
     check_attention(fn, cases=cases, out=out, verbose=False)
 
 
+def window_keep(Nq, Nk, window, top_left=False):
+    """The mask of the exercises, (Nq, Nk) bool, by its definition: one row at a time.
+
+    ``top_left=True`` gives the lecture's alignment instead (used to recognise it in answers).
+    """
+    keep = torch.zeros(Nq, Nk, dtype=torch.bool)
+    for r in range(Nq):
+        p = r if top_left else r + Nk - Nq  # the row's position among the keys
+        lo = 0 if window is None else p - window + 1
+        for c in range(max(lo, 0), min(p, Nk - 1) + 1):
+            keep[r, c] = True
+    return keep
+
+
 # ----------------------------------------------------------------------------- torch forward
 
 torch_forward = Exercise(
-    "07.torch_forward", "Tiled FlashAttention-2 forward (PyTorch)", points=3, forbidden=FORBIDDEN
-)
+    "07.torch_forward", "Tiled forward, bottom-right causal with a sliding window (PyTorch)",
+    points=3, forbidden=FORBIDDEN, torch_only=True,
+)  # fmt: skip
+
+_HF = {
+    "plain": "several key tiles meet each query tile here: when a later tile raises the row max, "
+    "l and O_i must be multiplied by alpha = exp(m_old - m_new) before adding the tile's terms.",
+    "align": "bottom-right alignment: query row r sits at position p = r + Nk - Nq and sees the "
+    "keys c <= p (not c <= r): with Nq = 3 queries and Nk = 200 keys, every query sees almost "
+    "every key.",
+    "empty": "rows with p = r + Nk - Nq < 0 see no key: l stays 0, so write O = 0 and LSE = -inf "
+    "there (and never compute exp(-inf - (-inf)) = NaN: use 0 in place of an m that is still "
+    "-inf).",
+    "window": "the window: row r (position p = r + Nk - Nq) sees keys p - window < c <= p, i.e. "
+    "exactly `window` keys once p >= window - 1; the tiles left of the window are skipped.",
+    "large": "scores of std 30: subtract the running max before exp (exp overflows float32 above "
+    "88.7) and rescale l and O_i by exp(m_old - m_new) when it grows.",
+}
 
 HINT_MATERIALISED = (
-    "a tiled forward never holds the whole Nq x Nk score matrix: loop over query tiles of Br "
-    "rows and, inside, over K/V tiles of Bc rows; S, P exist for one (query tile, key tile) "
-    "pair at a time (Br = Bc = 64 is a good choice)."
+    "a tiled forward never holds a tensor the size of the Nq x Nk scores (S, P, or the mask): "
+    "loop over query tiles of Br rows and, inside, over K/V tiles of Bc keys; build the mask of "
+    "one (query tile, key tile) pair at a time."
 )
 
 
-class _LargestTensor(TorchFunctionMode):
-    """Remembers the largest number of elements of any tensor a torch function returned."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for r in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(r, torch.Tensor):
-                self.largest = max(self.largest, r.numel())
-        return result
+def _forward_problem(case, window):
+    q, k, v = random_qkv(case, device=device())
+    keep = window_keep(case.Nq, case.Nk, window).to(q.device)
+    scale = 1.0 / math.sqrt(case.d) if case.scale is None else case.scale
+    O, LSE = reference.attention(q, k, v, scale=scale, mask=keep)
+    S = (q.double() @ k.double().transpose(-2, -1)) * scale
+    max_score = float(S.masked_fill(~keep, 0.0).abs().max())
+    return (q, k, v), (O, LSE), max_score
 
 
-def _not_materialised(fn):
-    Nq = Nk = pick(gpu=4096, cpu=512)
-    case = f"B=1, H=1, Nq=Nk={Nq}, d=16: S is never materialised"
-    q, k, v = (torch.randn(1, 1, n, 16, device="cuda" if on_gpu() else "cpu")
-               for n in (Nq, Nk, Nk))  # fmt: skip
-    spy = _LargestTensor()
-    with spy:
-        fn(q, k, v, causal=False, scale=0.25)
-    if spy.largest >= Nq * Nk // 2:
-        raise CheckFailure(
-            case,
-            f"a tensor of {spy.largest} elements appeared; the full S has {Nq * Nk}",
-            HINT_MATERIALISED,
-        )
+def _check_forward(got, want, case, max_score):
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise CheckFailure(case.name, f"expected a tuple (O, LSE), got {type(got).__name__}")
+    atol, rtol = tolerance(torch.float32, max_score)
+    for name, g, w in zip(("O", "LSE"), got, want, strict=True):
+        compare(name, g, w, case=case.name, atol=atol, rtol=rtol, dtype=torch.float32,
+                hint=case.hint)  # fmt: skip
 
 
-def _torch_cases(cases):
-    def run(fn):
-        _run_attention(fn, cases)
+def _forward_case(*cases):
+    """cases: (AttentionCase, window, tiles) with tiles a dict of Br, Bc or {} (the defaults)."""
+
+    def run(candidate):
+        for case, window, tiles in cases:
+            inputs, want, max_score = _forward_problem(case, window)
+            got = candidate(*inputs, window=window, scale=case.scale, **tiles)
+            _check_forward(got, want, case, max_score)
 
     return run
 
 
-_small = attention_cases(d=16, tile=16, sizes="small")
-torch_forward.case("the standard edge cases, d=16 (ragged N, Nq != Nk, causal, scale, logits)")(
-    _torch_cases(_small)
+def _not_materialised(candidate):
+    n = 512
+    for window in (100, None):
+        case = C(f"B=1, H=1, Nq=Nk={n}, d=16, window={window}, default tiles: no tensor of "
+                 "Nq x Nk / 2 elements", 1, 1, n, n, 16)  # fmt: skip
+        inputs, want, max_score = _forward_problem(case, window)
+        O, LSE, largest = invoke(candidate, "course_utils.harness.ch07:largest_tensor", *inputs,
+                                 {"window": window, "scale": None})  # fmt: skip
+        _check_forward((O, LSE), want, case, max_score)
+        if not isinstance(largest, int) or largest >= n * n // 2:
+            raise CheckFailure(case.name, f"a tensor of {largest} elements appeared during the "
+                               f"call; the whole S has {n * n}", HINT_MATERIALISED)  # fmt: skip
+
+
+def _t(Br, Bc):
+    return {"Br": Br, "Bc": Bc}
+
+
+torch_forward.case("Nq=Nk=100, Br=Bc=16: causal over 7 x 7 tiles, no window")(
+    _forward_case((C("Nq=Nk=100, d=16, Br=Bc=16", 1, 1, 100, 100, 16, hint=_HF["plain"]), None,
+                   _t(16, 16)))  # fmt: skip
 )
-torch_forward.case("does not materialise the Nq x Nk scores")(_not_materialised)
-torch_forward.case("B=3, H=4, Nq=Nk=100, d=64, causal", hidden=True)(
-    _torch_cases([C("B=3, H=4, N=100, d=64, causal", 3, 4, 100, 100, 64, causal=True)])
+torch_forward.case("decoding: Nq=3 queries, Nk=200 keys, Br=16, Bc=32")(
+    _forward_case((C("Nq=3, Nk=200, d=32, B=2, Br=16, Bc=32", 2, 1, 3, 200, 32,
+                     hint=_HF["align"]), None, _t(16, 32)))  # fmt: skip
 )
-torch_forward.case("Nq=1000, Nk=17, d=128 and Nq=17, Nk=1000 causal", hidden=True)(
-    _torch_cases([
-        C("Nq=1000, Nk=17, d=128", 1, 1, 1000, 17, 128),
-        C("causal, Nq=17, Nk=1000, d=128", 1, 1, 17, 1000, 128, causal=True),
-    ])
+torch_forward.case("Nq=90 > Nk=37: the first 53 rows see no key, Br=32, Bc=16")(
+    _forward_case((C("Nq=90, Nk=37, d=16, Br=32, Bc=16", 1, 2, 90, 37, 16, hint=_HF["empty"]),
+                   None, _t(32, 16)))  # fmt: skip
 )
-torch_forward.case("logits x30, ragged, causal, d=64", hidden=True)(
-    _torch_cases([C("logits x30, causal, Nq=Nk=217, d=64", 1, 2, 217, 217, 64, causal=True,
-                    logit_scale=30.0)])  # fmt: skip
+torch_forward.case("sliding window 24, Nq=Nk=150, B=2, H=2, Br=Bc=16")(
+    _forward_case((C("window=24, Nq=Nk=150, d=16, Br=Bc=16", 2, 2, 150, 150, 16,
+                     hint=_HF["window"]), 24, _t(16, 16)))  # fmt: skip
 )
+torch_forward.case("window 40, Nq=60, Nk=130, scores of std 30, scale 0.2, Br=16, Bc=32")(
+    _forward_case((C("window=40, Nq=60, Nk=130, logits x30, scale=0.2", 1, 1, 60, 130, 16,
+                     logit_scale=30.0, scale=0.2, hint=_HF["large"]), 40, _t(16, 32)))
+)
+torch_forward.case("S is never materialised (Nq=Nk=512, default tiles)")(_not_materialised)
+torch_forward.case("window=1 (each row sees one key) and window >= Nk", hidden=True)(
+    _forward_case((C("window=1, Nq=Nk=33, Br=Bc=8", 1, 1, 33, 33, 16, hint=_HF["window"]), 1,
+                   _t(8, 8)),
+                  (C("window=500, Nq=40, Nk=70, Br=16, Bc=8", 1, 1, 40, 70, 16,
+                     hint=_HF["window"]), 500, _t(16, 8)))  # fmt: skip
+)
+torch_forward.case("Nq=Nk=1; Nq=1, Nk=1000, window 100, d=128", hidden=True)(
+    _forward_case((C("Nq=Nk=1", 1, 1, 1, 1, 16), None, {}),
+                  (C("Nq=1, Nk=1000, window=100, d=128", 1, 2, 1, 1000, 128,
+                     hint=_HF["window"]), 100, {}))  # fmt: skip
+)
+torch_forward.case("B=3, H=4, Nq=Nk=100, d=64, default tiles; Nq=300, Nk=17, window 5",
+                   hidden=True)(
+    _forward_case((C("B=3, H=4, Nq=Nk=100, d=64", 3, 4, 100, 100, 64), None, {}),
+                  (C("Nq=300, Nk=17, window=5, d=64", 1, 1, 300, 17, 64, hint=_HF["empty"]), 5,
+                   _t(64, 16)))  # fmt: skip
+)
+
+
+def _random_forward_cases():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    out = []
+    for n in range(3):
+        Nq, Nk = (int(x) for x in torch.randint(1, 160, (2,), generator=g))
+        Br, Bc = (int(x) for x in torch.randint(1, 5, (2,), generator=g) * 8)
+        window = None if n == 0 else int(torch.randint(1, 90, (1,), generator=g))
+        out.append((C(f"random: Nq={Nq}, Nk={Nk}, window={window}, Br={Br}, Bc={Bc}", 1, 2, Nq,
+                      Nk, 32, logit_scale=4.0), window, _t(Br, Bc)))  # fmt: skip
+    return out
+
+
+@torch_forward.case("3 random shapes, windows and tiles", hidden=True)
+def _random_forward(candidate):
+    _forward_case(*_random_forward_cases())(candidate)
+
 
 # ----------------------------------------------------------------------------- online update
 
@@ -184,177 +262,196 @@ online_update.case("logits x30, causal, Nq=Nk=19", hidden=True)(
 
 # ----------------------------------------------------------------------------- causal skip
 
-causal_skip = Exercise("07.causal_skip", "Which K/V tiles a query tile visits", points=2)
+causal_skip = Exercise(
+    "07.causal_skip", "Which K/V tiles a query tile visits (bottom-right causal, window)",
+    points=2,
+)  # fmt: skip
 
 
-def expected_kv_tile_count(i, Br, Bc, Nq, Nk, causal):
-    """Brute force: 1 + the last K/V tile holding a key that some real row of tile i sees."""
-    last = -1
-    for r in range(i * Br, min((i + 1) * Br, Nq)):
-        key = min(r, Nk - 1) if causal else Nk - 1  # the last key row r sees (top-left)
-        last = max(last, key // Bc)
-    return last + 1
+def visited_tiles(i, Br, Bc, Nq, Nk, window, top_left=False):
+    """Brute force: every K/V tile holding a (real row of tile i, key) pair the mask keeps."""
+    rows = range(i * Br, min((i + 1) * Br, Nq))
+    keep = window_keep(Nq, Nk, window, top_left)[list(rows)]
+    return sorted({int(c) // Bc for c in keep.any(dim=0).nonzero().flatten()})
 
 
-def _skip_hint(got, i, Br, Bc, Nq, Nk, causal):
-    Tc = math.ceil(Nk / Bc)
-    end = min((i + 1) * Br, Nq)
-    if got == min(end, Nk) // Bc or got == end // Bc:
-        return "a partly visible tile must be visited: round up (ceil), not down"
-    if causal and got == math.ceil(min(Nk, (i + 1) * Br) / Bc):
-        return ("the last query tile may be partial: rows >= Nq do not exist, so only rows up "
-                "to min((i + 1) * Br, Nq) - 1 count")  # fmt: skip
-    if causal and got == Tc:
-        return "with causal=True the tiles entirely above the diagonal are skipped, not visited"
-    if got == math.ceil(end / Bc):
-        return "never more than Tc = ceil(Nk / Bc) tiles: clip the last key at Nk - 1"
-    return ("query row r sees keys 0..min(r, Nk - 1) (top-left aligned, like SDPA's is_causal); "
-            "the tile's last real row is min((i + 1) * Br, Nq) - 1; count the tiles up to the "
-            "one holding its last visible key")  # fmt: skip
+def same_range(got, tiles):
+    """Whether the pair ``got`` = (first, end) names exactly ``tiles`` (any empty range if none)."""
+    return got[0] >= got[1] if not tiles else got == (tiles[0], tiles[-1] + 1)
 
 
-def _skip_case(params):
+def _range_hint(got, want, i, Br, Bc, Nq, Nk, window):
+    first, end = got
+    if same_range(got, visited_tiles(i, Br, Bc, Nq, Nk, window, top_left=True)):
+        return ("that is top-left alignment (row r sees keys c <= r); here row r sits at "
+                "position p = r + Nk - Nq and sees keys c <= p")  # fmt: skip
+    if want and first == 0 and want[0] > 0:
+        return ("with a window, the tiles left of the first row's window are skipped too: the "
+                "tile's first row (position p) sees keys from p - window + 1")  # fmt: skip
+    if want and end == want[-1]:
+        return "end is one past the last visited tile (a range, like Python's range(first, end))"
+    if not want:
+        return ("no real row of this tile sees a key (every position p = r + Nk - Nq < 0): "
+                "return an empty range, first >= end")  # fmt: skip
+    return ("the first tile holds the smallest key any real row sees (the first row's window "
+            "start, clipped at 0), the last one the largest (the last real row's position, "
+            "clipped at Nk - 1); real rows stop at Nq - 1")  # fmt: skip
+
+
+def _range_case(params):
     def run(fn):
-        for i, Br, Bc, Nq, Nk, causal in params:
-            case = f"kv_tile_count(i={i}, Br={Br}, Bc={Bc}, Nq={Nq}, Nk={Nk}, causal={causal})"
-            got = fn(i, Br, Bc, Nq, Nk, causal)
-            want = expected_kv_tile_count(i, Br, Bc, Nq, Nk, causal)
-            if isinstance(got, bool) or not isinstance(got, int):
-                try:
-                    got = int(got) if float(got) == int(got) else got
-                except (TypeError, ValueError):
-                    raise CheckFailure(case, f"expected an int, got {type(got).__name__}") from None
-            if got != want:
-                raise CheckFailure(case, f"got {got}, expected {want}",
-                                   _skip_hint(got, i, Br, Bc, Nq, Nk, causal))  # fmt: skip
+        for i, Br, Bc, Nq, Nk, window in params:
+            case = f"kv_tile_range(i={i}, Br={Br}, Bc={Bc}, Nq={Nq}, Nk={Nk}, window={window})"
+            got = fn(i, Br, Bc, Nq, Nk, window)
+            if (not isinstance(got, (tuple, list)) or len(got) != 2
+                    or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                               for x in got)):  # fmt: skip
+                raise CheckFailure(case, f"expected a pair of ints (first, end), got {got!r}")
+            got = (int(got[0]), int(got[1]))
+            want = visited_tiles(i, Br, Bc, Nq, Nk, window)
+            if not same_range(got, want):
+                expected = "an empty range (first >= end)" if not want else (want[0], want[-1] + 1)
+                raise CheckFailure(case, f"got {got}, expected {expected}",
+                                   _range_hint(got, want, i, Br, Bc, Nq, Nk, window))  # fmt: skip
 
     return run
 
 
-causal_skip.case("not causal: every tile, ragged Nk")(
-    _skip_case([(0, 64, 64, 256, 256, False), (3, 64, 64, 256, 100, False),
-                (0, 16, 16, 5, 17, False)])  # fmt: skip
+causal_skip.case("Nq = Nk, no window: the diagonal")(
+    _range_case([(0, 64, 64, 256, 256, None), (3, 64, 64, 256, 256, None),
+                 (1, 32, 48, 500, 500, None)])  # fmt: skip
 )
-causal_skip.case("causal, square, tile-aligned")(
-    _skip_case([(0, 64, 64, 256, 256, True), (1, 64, 64, 256, 256, True),
-                (3, 64, 64, 256, 256, True)])  # fmt: skip
+causal_skip.case("decoding, Nq < Nk: bottom-right")(
+    _range_case([(0, 16, 16, 4, 100, None), (1, 64, 32, 100, 1000, None),
+                 (0, 64, 64, 1, 1, None)])  # fmt: skip
 )
-causal_skip.case("causal, Br != Bc")(
-    _skip_case([(0, 128, 64, 1024, 1024, True), (2, 64, 128, 1024, 1024, True),
-                (1, 32, 48, 500, 500, True)])  # fmt: skip
+causal_skip.case("Nq > Nk: query tiles that see no key")(
+    _range_case([(0, 16, 16, 100, 20, None), (5, 16, 16, 100, 20, None),
+                 (2, 16, 8, 40, 37, None)])  # fmt: skip
 )
-causal_skip.case("causal, ragged last query tile (Nq=100, Br=64)")(
-    _skip_case([(1, 64, 16, 100, 100, True), (1, 64, 64, 70, 200, True)])
-)
-causal_skip.case("causal, Nq > Nk and Nq < Nk", hidden=True)(
-    _skip_case([(5, 16, 16, 100, 20, True), (0, 16, 16, 10, 1000, True),
-                (0, 64, 64, 1, 1, True), (2, 16, 8, 40, 37, True)])  # fmt: skip
+causal_skip.case("sliding window: tiles skipped on the left too")(
+    _range_case([(5, 16, 16, 200, 200, 40), (3, 64, 32, 300, 1000, 100),
+                 (2, 32, 32, 100, 100, 1)])  # fmt: skip
 )
 
 
 def _random_sweep():
     g = torch.Generator().manual_seed(7)
     params = []
-    for _ in range(300):
+    for _ in range(150):
         Br, Bc = (int(x) for x in torch.randint(1, 9, (2,), generator=g) * 8)
         Nq, Nk = (int(x) for x in torch.randint(1, 300, (2,), generator=g))
-        for causal in (False, True):
-            i = int(torch.randint(0, math.ceil(Nq / Br), (1,), generator=g))
-            params.append((i, Br, Bc, Nq, Nk, causal))
+        i = int(torch.randint(0, math.ceil(Nq / Br), (1,), generator=g))
+        params += [(i, Br, Bc, Nq, Nk, None),
+                   (i, Br, Bc, Nq, Nk, int(torch.randint(1, 120, (1,), generator=g)))]
     return params
 
 
-causal_skip.case("300 random shapes", hidden=True)(_skip_case(_random_sweep()))
+causal_skip.case("300 random shapes and windows", hidden=True)(_range_case(_random_sweep()))
 
-# ----------------------------------------------------------------------------- LSE epilogue
+# ----------------------------------------------------------------------------- split-KV combine
 
-lse_epilogue = Exercise("07.lse_epilogue", "The epilogue of the CUDA C++ kernel", points=2)
-
-
-def kernel_source_with(epilogue: str) -> str:
-    """The chapter's kernel source with its epilogue replaced by ``epilogue``."""
-    lines = KERNEL_PATH.read_text().split("\n")
-    begin = next(n for n, line in enumerate(lines) if line.strip() == EPILOGUE_BEGIN)
-    end = next(n for n, line in enumerate(lines) if line.strip() == EPILOGUE_END)
-    body = epilogue.strip("\n").rstrip().split("\n")
-    return "\n".join(lines[: begin + 1] + body + lines[end:])
-
-
-_STRUCTURE = (
-    (r"LSEbh\s*\[", "the epilogue never writes LSE", "store LSEbh[r] = (m[a] + log2f(l_row)) * LN2 "
-     "for rows r < Nq (one thread per row, e.g. tx == 0)"),
-    (r"Obh\s*\[", "the epilogue never writes O", "store Obh[r * D + o_col<D>(tx, q)] = "
-     "acc_o[a][q] / l_row for rows r < Nq"),
-    (r"__shfl_xor_sync|__shfl_down_sync|__shfl_sync", "l is never summed across the 16 threads "
-     "of a row", "each thread's l[a] is only its partial sum over its own TN columns: add the 16 "
-     "partials with __shfl_xor_sync(0xffffffff, x, off) for off = 8, 4, 2, 1, outside any "
-     "branch on r"),
-    (r"log2f?\s*\(|logf?\s*\(|__logf\s*\(", "no logarithm: LSE = m + log(l), not l",
-     "m is in log2 units (S was multiplied by log2(e)), so LSE = (m + log2f(l)) * LN2"),
-    (r"<\s*Nq", "no bound on the rows", "rows r >= Nq of the last query tile do not exist: "
-     "store only when r < Nq"),
+combine_splits = Exercise(
+    "07.combine_splits", "Combine split-KV partial results (CUDA C++, flash-decoding)", points=2
 )
 
+_HC = {
+    "plain": "O = sum_s exp(LSE_s - LSE) O_s with LSE = log(sum_s exp(LSE_s)): take the max M of "
+    "the LSE_s first, then w_s = exp(LSE_s - M), LSE = M + log(sum w_s), "
+    "O = sum w_s O_s / sum w_s.",
+    "empty": "a split whose keys the row never sees has LSE_s = -inf and O_s = 0: its weight "
+    "exp(-inf - M) is 0; if every split is empty (M = -inf) write O = 0 and LSE = -inf, never "
+    "exp(-inf - (-inf)) = NaN.",
+    "large": "LSE_s of +-hundreds: exp(LSE_s) overflows float32 above 88.7; subtract their max.",
+}
 
-def _epilogue_compiles(candidate):
-    case = "compiles for sm_90 (nvcc; no GPU needed) and writes O and LSE"
-    text = source_of(candidate)
-    kernels = compiled_resources(kernel_source_with(text), case=case,
-                                 extra_flags=["-DFA_KERNEL_ONLY"])  # fmt: skip
-    for k in kernels:
-        if k.spills:
-            hint = "keep the epilogue to scalars: no local arrays indexed at run time"
-            raise CheckFailure(case, f"{k.name} spills {k.spills} bytes with your epilogue", hint)
-    code = re.sub(r"//[^\n]*", "", text)
-    for pattern, detail, hint in _STRUCTURE:
-        if not re.search(pattern, code):
-            raise CheckFailure(case, detail, hint)
+_compiled: dict[str, str] = {}  # source -> what the compile step said
 
 
-_modules: dict[str, object] = {}
+def _combine_problem(rows, Nk, d, n_splits, logit_scale=1.0):
+    """Partial results of ``n_splits`` key chunks (inputs) and the full attention (expected).
+
+    The mask is the exercises' bottom-right causal one: the rows are the last ``rows``
+    positions, so with rows > Nk the first rows see no key at all.
+    """
+    dev = device()
+    case = C("combine", 1, 1, rows, Nk, d, logit_scale=logit_scale)
+    q, k, v = (t[0, 0] for t in random_qkv(case, device=dev))
+    keep = window_keep(rows, Nk, None).to(dev)
+    bounds = [round(s * Nk / n_splits) for s in range(n_splits + 1)]
+    O_parts = torch.empty(n_splits, rows, d, device=dev)
+    LSE_parts = torch.empty(n_splits, rows, device=dev)
+    for s in range(n_splits):
+        a, b = bounds[s], bounds[s + 1]
+        O_s, LSE_s = reference.attention(q, k[a:b], v[a:b], mask=keep[:, a:b])
+        O_parts[s], LSE_parts[s] = O_s.float(), LSE_s.float()
+    O, LSE = reference.attention(q, k, v, mask=keep)
+    max_score = float(LSE_parts[torch.isfinite(LSE_parts)].abs().max()) if keep.any() else 0.0
+    return (O_parts, LSE_parts), (O, LSE), max_score
 
 
-def _epilogue_runs(cases):
+def _combine_case(*problems):
+    """problems: (name, rows, Nk, d, n_splits, logit_scale, hint)."""
+
     def run(candidate):
-        from ..cuda import load_cuda
-
-        source = kernel_source_with(source_of(candidate))
-        if source not in _modules:
-            _modules[source] = load_cuda(source, [CUDA_FUNCTION], name="fa07_epilogue")
-        module = _modules[source]
-
-        def fn(q, k, v, causal, scale):
-            return getattr(module, CUDA_FUNCTION)(q, k, v, causal, scale)
-
-        _run_attention(fn, cases)
+        source = source_of(candidate)
+        name = problems[0][0]
+        if source not in _compiled:
+            try:  # compile errors (CheckFailure) show on any machine
+                compiled_resources(source, COMBINE_KERNEL, case=name,
+                                   hint=f"keep the kernel's name {COMBINE_KERNEL}")  # fmt: skip
+                _compiled[source] = "compiled with nvcc"
+            except NotImplementedError:  # the placeholder (a RuntimeError too)
+                raise
+            except RuntimeError as exc:  # no compiler here: nothing to say before a GPU runs it
+                _compiled[source] = f"not compiled ({str(exc).split(':')[0]})"
+        if not on_gpu():
+            raise NeedsGPU(f"{_compiled[source]}; correctness is decided on a GPU")
+        for name, rows, Nk, d, n_splits, logit_scale, hint in problems:
+            (O_parts, LSE_parts), (O, LSE), max_score = _combine_problem(
+                rows, Nk, d, n_splits, logit_scale)
+            out_O = torch.full((rows, d), math.nan, device=O_parts.device)
+            out_LSE = torch.full((rows,), math.nan, device=O_parts.device)
+            got = invoke(candidate, "course_utils.harness.ch07:run_combine", O_parts, LSE_parts,
+                         out_O, out_LSE)  # fmt: skip
+            if not isinstance(got, (tuple, list)) or len(got) != 2:
+                raise CheckFailure(name, "the launch returned no (O, LSE)")
+            atol, rtol = tolerance(torch.float32, max_score)
+            compare("O", got[0], O, case=name, atol=atol, rtol=rtol, dtype=torch.float32,
+                    hint=hint, poisoned=True)  # fmt: skip
+            compare("LSE", got[1], LSE, case=name, atol=atol, rtol=rtol, dtype=torch.float32,
+                    hint=hint, poisoned=True)  # fmt: skip
 
     return run
 
 
-lse_epilogue.case("compiles, 0 spills, writes O and LSE")(_epilogue_compiles)
-if on_gpu():  # results can only be graded where the kernel can run
-    lse_epilogue.case("GPU: the standard edge cases, d=64")(
-        _epilogue_runs(attention_cases(d=64, tile=64, sizes="large"))
-    )
-    lse_epilogue.case("GPU: d=16 and d=128, ragged, Nq != Nk", hidden=True)(
-        _epilogue_runs([
-            C("d=16, Nq=1000, Nk=17", 3, 4, 1000, 17, 16),
-            C("d=128, causal, Nq=17, Nk=1000", 1, 4, 17, 1000, 128, causal=True),
-            C("d=128, logits x30, N=100", 1, 1, 100, 100, 128, logit_scale=30.0),
-        ])
-    )
+combine_splits.case("4 splits of 64 keys, 8 rows, d=64")(
+    _combine_case(("4 splits, rows=8, Nk=256, d=64", 8, 256, 64, 4, 1.0, _HC["plain"]))
+)
+combine_splits.case("splits a row never sees (LSE_s = -inf), rows that see no key, d=32")(
+    _combine_case(("3 splits, rows=50 > Nk=40, d=32", 50, 40, 32, 3, 1.0, _HC["empty"]))
+)
+combine_splits.case("scores of std 30: LSE_s far apart, d=128")(
+    _combine_case(("5 splits, rows=8, Nk=300, d=128, logits x30", 8, 300, 128, 5, 30.0,
+                   _HC["large"]))  # fmt: skip
+)
+combine_splits.case("rows that see no key at all; 1 split; 16 splits", hidden=True)(
+    _combine_case(("rows=20 > Nk=8, 2 splits, d=16", 20, 8, 16, 2, 1.0, _HC["empty"]),
+                  ("1 split, rows=5, Nk=50, d=64", 5, 50, 64, 1, 1.0, _HC["plain"]),
+                  ("16 splits, rows=3, Nk=1000, d=128", 3, 1000, 128, 16, 1.0, _HC["plain"]))
+)
 
 __all__ = [
-    "CUDA_FUNCTION",
     "FORBIDDEN",
     "KERNEL_PATH",
     "ONLINE_BC",
     "ONLINE_BR",
     "ONLINE_D",
     "causal_skip",
-    "expected_kv_tile_count",
-    "kernel_source_with",
-    "lse_epilogue",
+    "combine_splits",
     "online_update",
+    "same_range",
     "torch_forward",
+    "visited_tiles",
+    "window_keep",
 ]

@@ -2,17 +2,21 @@
 
 - ``08.delta``: ``compute_D(O, dO)``, the preprocessing step ``D = rowsum(dO * O)``, shape
   ``(B, H, Nq)`` for ``O`` and ``dO`` of shape ``(B, H, Nq, d)``.
-- ``08.torch_backward``: the inner step of the tiled PyTorch backward (recompute ``P`` from the
-  saved ``LSE``, then ``dV``, ``dP``, ``dS = P * (dP - D)``, ``dQ``, ``dK``):
-  ``flash_attention_backward(Q, K, V, O, LSE, dO, causal=False, scale=None)`` returns
-  ``(dQ, dK, dV)``. softmax, log_softmax, logsumexp, SDPA and autograd (``Tensor.backward``,
-  ``torch.autograd.grad``) are forbidden.
-- ``08.dkdv_accumulate``: the dK/dV accumulation inside a Numba kernel with one thread per key
-  row (``DKDV_BC`` keys per block, query tiles of ``DKDV_BR`` rows, head dim ``DKDV_D``),
-  launched as ``kernel[(ceil(Nk / DKDV_BC), B * H), DKDV_BC](Q, K, V, dO, LSE, Dv, dK, dV,
-  scale, causal)``.
-- ``08.causal_skip``: ``q_tile_start(j, Br, Bc, Nq, causal)``, the first query tile that key
-  tile ``j`` must visit (it visits ``start .. Tr - 1``); causal masking is top-left aligned.
+- ``08.torch_backward``: the inner step of the tiled PyTorch backward for **grouped-query
+  attention** (GQA: ``Q`` has ``H`` heads, ``K`` and ``V`` have ``Hkv = H / G``; query head ``h``
+  reads K/V head ``h // G``): recompute ``P`` from the saved ``LSE``, then ``dV``, ``dP``,
+  ``dS = P * (dP - D)``, ``dQ``, ``dK``, where ``dK`` and ``dV`` of a K/V head sum the
+  contributions of its ``G`` query heads. ``flash_attention_backward(Q, K, V, O, LSE, dO,
+  causal=False, scale=None)`` returns ``(dQ, dK, dV)``. softmax, log_softmax, logsumexp, SDPA and
+  autograd (``Tensor.backward``, ``torch.autograd.grad``) are forbidden, numpy too.
+- ``08.dkdv_accumulate``: the dK/dV accumulation inside a Numba kernel for GQA, one thread per
+  key row of one K/V head (``DKDV_BC`` keys per block, query tiles of ``DKDV_BR`` rows of each of
+  the ``DKDV_G`` query heads of the group, head dim ``DKDV_D``), launched as
+  ``kernel[(ceil(Nk / DKDV_BC), B * Hkv), DKDV_BC](Q, K, V, dO, LSE, Dv, dK, dV, scale,
+  causal)``.
+- ``08.causal_skip``: ``q_tile_range(j, Br, Bc, Nq, Nk, window)``, the query tiles ``first ..
+  end - 1`` that key tile ``j`` must visit under chapter 07's exercise mask (causal aligned
+  bottom-right, optional sliding window: ``specs.ch07.window_keep``), found by brute force.
 
 Tolerances. Gradients are sums over a whole row or column of P (dK and dV over Nq queries, dQ
 over Nk keys), and dQ, dK are further multiplied by K, Q, so their float32 rounding errors are
@@ -35,17 +39,13 @@ import torch
 from .. import reference
 from ..checks import AttentionCase, CheckFailure, compare, poisoned, random_qkv, unchanged
 from ..grader import Exercise
+from ..harness.ch08 import DKDV_BC, DKDV_BR, DKDV_D, DKDV_G, GRAD_TOL, SCORE_ATOL
 from ..runtime import device, kernel_array, synchronize
 from . import require_implemented
+from .ch07 import same_range, window_keep
 
 FORBIDDEN = ("scaled_dot_product_attention", "softmax", "log_softmax", "logsumexp",
              "backward", "grad")  # fmt: skip
-GRAD_TOL = 1e-4
-SCORE_ATOL = 1e-5
-
-DKDV_D = 16  # head dim of 08.dkdv_accumulate's kernel
-DKDV_BR = 8  # query rows per streamed Q tile
-DKDV_BC = 8  # key rows per block = threads per block
 
 C = AttentionCase
 
@@ -135,16 +135,54 @@ delta.case("Nq=1, d=128 and B=3, H=4, Nq=100, d=32", hidden=True)(
     _delta_case((1, 1, 1, 128), (3, 4, 100, 32))
 )
 
+# ----------------------------------------------------------------------------- GQA problems
+
+
+def gqa_problem(case, G, dev=None):
+    """Fresh float32 ``(Q, K, V, O, LSE, dO)`` with ``case.H`` query heads and ``case.H // G``
+    K/V heads, and the float64 ``(dQ, dK, dV)``.
+
+    Query head h reads K/V head h // G. The gradients come from the closed form on K and V
+    repeated per query head; a K/V head's dK and dV then collect, head by head, the
+    contributions of every query head that read it.
+    """
+    dev = device() if dev is None else dev
+    B, H, Nq, Nk, d = case.B, case.H, case.Nq, case.Nk, case.d
+    Hkv = H // G
+    a = math.sqrt(case.logit_scale)
+    Q = torch.randn(B, H, Nq, d, device=dev) * a
+    K = torch.randn(B, Hkv, Nk, d, device=dev) * a
+    V = torch.randn(B, Hkv, Nk, d, device=dev)
+    dO = torch.randn(B, H, Nq, d, device=dev)
+    K_rep = torch.stack([K[:, h // G] for h in range(H)], dim=1)
+    V_rep = torch.stack([V[:, h // G] for h in range(H)], dim=1)
+    O, LSE, dQ, dK_rep, dV_rep = reference_gradients(Q, K_rep, V_rep, dO, case.causal, case.scale)
+    dK = torch.zeros(B, Hkv, Nk, d, dtype=torch.float64, device=dev)
+    dV = torch.zeros_like(dK)
+    for h in range(H):  # every query head adds to the K/V head it read
+        dK[:, h // G] += dK_rep[:, h]
+        dV[:, h // G] += dV_rep[:, h]
+    scale = 1.0 / math.sqrt(d) if case.scale is None else case.scale
+    max_score = float((Q.double() @ K_rep.double().transpose(-2, -1)).abs().max()) * scale
+    inputs = (Q, K, V, O.float().contiguous(), LSE.float().contiguous(), dO)
+    return inputs, (dQ, dK, dV), max_score
+
+
 # ----------------------------------------------------------------------------- torch backward
 
 torch_backward = Exercise(
-    "08.torch_backward", "The dS formula in the tiled PyTorch backward", points=3,
-    forbidden=FORBIDDEN,
+    "08.torch_backward", "The tiled PyTorch backward for grouped-query attention", points=3,
+    forbidden=FORBIDDEN, torch_only=True,
 )  # fmt: skip
 
 _HB = {
-    "plain": "the basic case fails: P = exp(S - LSE) with S = scale * Q_i K_j^T; dV_j += P^T dO_i; "
-    "dP = dO_i V_j^T; dS = P * (dP - D_i); dQ_i += scale * dS K_j; dK_j += scale * dS^T Q_i.",
+    "plain": "the basic case fails: P = exp(S - LSE_i) with S = scale * Q_i K_j^T; "
+    "dP = dO_i V_j^T; dS = P * (dP - D_i); dQ_i += scale * dS K_j; dV_j += P^T dO_i and "
+    "dK_j += scale * dS^T Q_i (summed over the G query heads of each K/V head).",
+    "group": "K/V head g is read by the G query heads g*G .. g*G + G - 1: its dK and dV are the "
+    "SUM of their contributions (a tensor used several times gets the sum of the gradients of "
+    "its uses). P^T dO_i is (B, H, bc, d): split H into (Hkv, G) and sum over G, not average, "
+    "and do not keep only one head of the group.",
     "causal": "causal: P must be 0 where key > query (S = -inf before exp), on the diagonal "
     "tiles; the tiles above the diagonal are skipped by the loop you were given.",
     "scale": "the scale is not 1/sqrt(d) here: S, dQ and dK all carry the scale passed in.",
@@ -154,9 +192,11 @@ _HB = {
 
 
 def _backward_case(*cases):
+    """cases: (AttentionCase, G)."""
+
     def run(fn):
-        for case in cases:
-            inputs, want, max_score = backward_problem(case)
+        for case, G in cases:
+            inputs, want, max_score = gqa_problem(case, G)
             Q, K, V, O, LSE, dO = inputs
             with unchanged(*inputs, names=("Q", "K", "V", "O", "LSE", "dO"), case=case.name):
                 got = fn(Q, K, V, O, LSE, dO, causal=case.causal, scale=case.scale)
@@ -165,48 +205,51 @@ def _backward_case(*cases):
     return run
 
 
-torch_backward.case("Nq=Nk=16 (one tile), d=16")(
-    _backward_case(C("Nq=Nk=16, d=16", 1, 1, 16, 16, 16, hint=_HB["plain"]))
+torch_backward.case("G=1 (plain attention), Nq=Nk=16, d=16")(
+    _backward_case((C("G=1, H=2, Nq=Nk=16, d=16", 1, 2, 16, 16, 16, hint=_HB["plain"]), 1))
 )
-torch_backward.case("ragged Nq=Nk=150 (three tiles of 64), B=2, H=2, d=32")(
-    _backward_case(C("ragged Nq=Nk=150, B=2, H=2, d=32", 2, 2, 150, 150, 32, hint=_HB["plain"]))
+torch_backward.case("G=2: H=4 query heads on 2 K/V heads, ragged Nq=Nk=150, B=2, d=32")(
+    _backward_case((C("G=2, H=4, Hkv=2, Nq=Nk=150, B=2, d=32", 2, 4, 150, 150, 32,
+                      hint=_HB["group"]), 2))  # fmt: skip
 )
-torch_backward.case("causal, Nq=Nk=130, d=16")(
-    _backward_case(C("causal, Nq=Nk=130, d=16", 1, 1, 130, 130, 16, causal=True,
-                     hint=_HB["causal"]))  # fmt: skip
+torch_backward.case("G=3, H=3 on one K/V head (multi-query), causal, Nq=Nk=130, d=16")(
+    _backward_case((C("G=3, H=3, Hkv=1, causal, Nq=Nk=130, d=16", 1, 3, 130, 130, 16,
+                      causal=True, hint=_HB["group"]), 3))  # fmt: skip
 )
-torch_backward.case("scale=0.3, Nq=70, Nk=40")(
-    _backward_case(C("scale=0.3, Nq=70, Nk=40", 1, 1, 70, 40, 16, scale=0.3, hint=_HB["scale"]))
+torch_backward.case("G=2, scale=0.3, Nq=70, Nk=40")(
+    _backward_case((C("G=2, H=2, scale=0.3, Nq=70, Nk=40", 1, 2, 70, 40, 16, scale=0.3,
+                      hint=_HB["scale"]), 2))  # fmt: skip
 )
-torch_backward.case("causal Nq != Nk (Nq=200, Nk=77 and Nq=17, Nk=300), d=64", hidden=True)(
-    _backward_case(C("causal, Nq=200, Nk=77, d=64", 1, 2, 200, 77, 64, causal=True,
-                     hint=_HB["causal"]),
-                   C("causal, Nq=17, Nk=300, d=64", 1, 1, 17, 300, 64, causal=True,
-                     hint=_HB["causal"]))  # fmt: skip
+torch_backward.case("causal Nq != Nk, G=4 (Nq=200, Nk=77 and Nq=17, Nk=300), d=64", hidden=True)(
+    _backward_case((C("G=4, H=8, causal, Nq=200, Nk=77, d=64", 1, 8, 200, 77, 64, causal=True,
+                      hint=_HB["causal"]), 4),
+                   (C("G=2, H=2, causal, Nq=17, Nk=300, d=64", 1, 2, 17, 300, 64, causal=True,
+                      hint=_HB["causal"]), 2))  # fmt: skip
 )
-torch_backward.case("large logits x30, causal, ragged, d=128", hidden=True)(
-    _backward_case(C("logits x30, causal, Nq=Nk=101, d=128", 1, 1, 101, 101, 128, causal=True,
-                     logit_scale=30.0, hint=_HB["large"]))  # fmt: skip
+torch_backward.case("large logits x30, causal, ragged, G=2, d=128", hidden=True)(
+    _backward_case((C("G=2, logits x30, causal, Nq=Nk=101, d=128", 1, 2, 101, 101, 128,
+                      causal=True, logit_scale=30.0, hint=_HB["large"]), 2))  # fmt: skip
 )
-torch_backward.case("Nq=1, Nk=1 and B=3, H=4, Nq=65, Nk=63", hidden=True)(
-    _backward_case(C("Nq=Nk=1", 1, 1, 1, 1, 16), C("B=3, H=4, Nq=65, Nk=63", 3, 4, 65, 63, 32))
+torch_backward.case("Nq=Nk=1 and B=3, H=6 on 2 K/V heads, Nq=65, Nk=63", hidden=True)(
+    _backward_case((C("Nq=Nk=1", 1, 1, 1, 1, 16), 1),
+                   (C("G=3, B=3, H=6, Nq=65, Nk=63", 3, 6, 65, 63, 32, hint=_HB["group"]), 3))
 )
 
 # ----------------------------------------------------------------------------- dK/dV kernel
 
 dkdv_accumulate = Exercise(
-    "08.dkdv_accumulate", "The dK/dV accumulation inside a Numba kernel", points=3,
+    "08.dkdv_accumulate", "dK/dV of a K/V head shared by G query heads (Numba kernel)", points=3,
     forbidden=FORBIDDEN,
 )  # fmt: skip
 
 
 def _dkdv_launcher(kernel):
     def fn(Q, K, V, O, LSE, dO, causal, scale):
-        B, H, Nk, d = K.shape
+        B, Hkv, Nk, d = K.shape
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         Dv = (dO * O).sum(-1).contiguous()
         dK, dV = poisoned(K.shape, device=K.device), poisoned(V.shape, device=V.device)
-        grid = (math.ceil(Nk / DKDV_BC), B * H)
+        grid = (math.ceil(Nk / DKDV_BC), B * Hkv)
         args = [kernel_array(t) for t in (Q, K, V, dO, LSE, Dv, dK, dV)]
         kernel[grid, DKDV_BC](*args, np.float32(scale), bool(causal))
         synchronize()
@@ -216,9 +259,12 @@ def _dkdv_launcher(kernel):
 
 
 _HK = {
-    "plain": "for each query row r of the tile: p = exp(s * scale - Ls[r]) (the saved LSE), "
-    "dv[k] += p * dOs[r, k], dp = dO[r] . v_row, ds = p * (dp - Ds[r]), dk[k] += ds * Qs[r, k]; "
-    "the kernel multiplies dk by scale when it stores it.",
+    "plain": "for each head g of the group: p = exp(s[g] * scale - Ls[g, r]) (0 if masked), "
+    "ds = p * (dp[g] - Ds[g, r]), then for every k: dv[k] += p * dOs[g, r, k] and "
+    "dk[k] += ds * Qs[g, r, k]; the kernel multiplies dk by scale when it stores it.",
+    "group": "the thread's key row is read by all G query heads of its group: add the "
+    "contributions of every g (each with its own Ls[g, r], Ds[g, r], Qs[g, r], dOs[g, r]), "
+    "not only one of them.",
     "ragged": "padded rows (r0 + r >= Nq) and padded keys (c >= Nk) must give p = 0 (the "
     "`masked` flag you were given); store only c < Nk (the given code does).",
     "causal": "causal: p = 0 where the key c is after the query r0 + r (use `masked`).",
@@ -230,7 +276,7 @@ def _dkdv_case(*cases):
         require_implemented(kernel)
         fn = _dkdv_launcher(kernel)
         for case in cases:
-            inputs, want, max_score = backward_problem(case)
+            inputs, want, max_score = gqa_problem(case, DKDV_G)
             with unchanged(*inputs, names=("Q", "K", "V", "O", "LSE", "dO"), case=case.name):
                 got = fn(*inputs, case.causal, case.scale)
             check_gradients(got, want[1:], case, max_score, names=("dK", "dV"))
@@ -238,103 +284,114 @@ def _dkdv_case(*cases):
     return run
 
 
-D = DKDV_D
-dkdv_accumulate.case(f"Nq=Nk=16 (two query tiles of {DKDV_BR}), d={D}")(
-    _dkdv_case(C("Nq=Nk=16", 1, 1, 16, 16, D, hint=_HK["plain"]))
+D, G = DKDV_D, DKDV_G
+dkdv_accumulate.case(f"Nq=Nk=16 (two query tiles of {DKDV_BR}), H={G} on one K/V head, d={D}")(
+    _dkdv_case(C(f"Nq=Nk=16, H={G}, Hkv=1", 1, G, 16, 16, D, hint=_HK["group"]))
 )
-dkdv_accumulate.case("ragged: Nq=13, Nk=11, B=2")(
-    _dkdv_case(C("ragged Nq=13, Nk=11, B=2", 2, 1, 13, 11, D, hint=_HK["ragged"]))
+dkdv_accumulate.case(f"ragged: Nq=13, Nk=11, B=2, H={2 * G} on 2 K/V heads")(
+    _dkdv_case(C(f"ragged Nq=13, Nk=11, B=2, H={2 * G}, Hkv=2", 2, 2 * G, 13, 11, D,
+                 hint=_HK["ragged"]))  # fmt: skip
 )
 dkdv_accumulate.case("causal, Nq=Nk=19")(
-    _dkdv_case(C("causal, Nq=Nk=19", 1, 1, 19, 19, D, causal=True, hint=_HK["causal"]))
+    _dkdv_case(C(f"causal, Nq=Nk=19, H={G}", 1, G, 19, 19, D, causal=True, hint=_HK["causal"]))
 )
 dkdv_accumulate.case("causal, Nq=21 > Nk=6, and Nq=5 < Nk=20", hidden=True)(
-    _dkdv_case(C("causal, Nq=21, Nk=6", 1, 1, 21, 6, D, causal=True, hint=_HK["causal"]),
-               C("causal, Nq=5, Nk=20", 1, 1, 5, 20, D, causal=True, hint=_HK["causal"]))
+    _dkdv_case(C("causal, Nq=21, Nk=6", 1, G, 21, 6, D, causal=True, hint=_HK["causal"]),
+               C("causal, Nq=5, Nk=20", 1, G, 5, 20, D, causal=True, hint=_HK["causal"]))
 )
-dkdv_accumulate.case("scale 0.1, logits x30, H=2, Nq=Nk=12", hidden=True)(
-    _dkdv_case(C("scale 0.1, logits x30, Nq=Nk=12", 1, 2, 12, 12, D, scale=0.1,
+dkdv_accumulate.case("scale 0.1, logits x30, 2 K/V heads, Nq=Nk=12", hidden=True)(
+    _dkdv_case(C("scale 0.1, logits x30, Nq=Nk=12", 1, 2 * G, 12, 12, D, scale=0.1,
                  logit_scale=30.0))  # fmt: skip
 )
 
 # ----------------------------------------------------------------------------- causal skip
 
-causal_skip = Exercise("08.causal_skip", "Which query tiles a key tile visits", points=2)
+causal_skip = Exercise(
+    "08.causal_skip", "Which query tiles a key tile visits (bottom-right causal, window)",
+    points=2,
+)  # fmt: skip
 
 
-def expected_q_tile_start(j, Br, Bc, Nq, causal):
-    """Brute force: the first query tile with a real row that sees a key of tile j."""
-    Tr = math.ceil(Nq / Br)
-    for i in range(Tr):
-        for r in range(i * Br, min((i + 1) * Br, Nq)):
-            if not causal or r >= j * Bc:  # row r sees key j * Bc (the tile's first) iff r >= it
-                return i
-    return Tr
+def visited_q_tiles(j, Br, Bc, Nq, Nk, window, top_left=False):
+    """Brute force: every query tile holding a real row that sees a key of K/V tile j."""
+    keep = window_keep(Nq, Nk, window, top_left)[:, j * Bc:min((j + 1) * Bc, Nk)]
+    return sorted({int(r) // Br for r in keep.any(dim=1).nonzero().flatten()})
 
 
-def _start_hint(got, j, Br, Bc, Nq, causal):
-    Tr = math.ceil(Nq / Br)
-    if not causal:
-        return "without causal masking every key tile meets every query tile: start at 0"
-    if got == j and Br != Bc:
-        return ("key tile j starts at key j * Bc, which row j * Bc sees first: that row is in "
-                "query tile (j * Bc) // Br, and Br != Bc here")  # fmt: skip
-    if got == math.ceil(j * Bc / Br):
-        return ("round down: the query tile holding row j * Bc starts partway above that row "
-                "but still contains it")  # fmt: skip
-    if got > Tr or (got < Tr and j * Bc >= Nq):
-        return ("when j * Bc >= Nq no real query row sees the tile: return Tr = ceil(Nq / Br) "
-                "(an empty range), never more")  # fmt: skip
-    return ("row r sees key c iff c <= r (top-left); the first row that sees any key of tile j "
-            "is row j * Bc; return the tile holding it, or Tr if it is past Nq - 1")
+def _range_hint(got, want, j, Br, Bc, Nq, Nk, window):
+    first, end = got
+    if same_range(got, visited_q_tiles(j, Br, Bc, Nq, Nk, window, top_left=True)):
+        return ("that start is top-left alignment (row r sees keys c <= r); here row r sits at "
+                "position p = r + Nk - Nq, so the first row that sees key c0 is c0 - (Nk - Nq)")
+    if want and end == math.ceil(Nq / Br) and end != want[-1] + 1:
+        return ("with a window, rows far below the tile do not see it: row r sees keys down to "
+                "p - window + 1 only, so the last row that sees the tile's last key c1 - 1 is at "
+                "position c1 - 1 + window - 1")  # fmt: skip
+    if want and end == want[-1]:
+        return "end is one past the last visited tile (a range, like Python's range(first, end))"
+    if not want:
+        return ("no real query row sees a key of this tile: return an empty range (first >= "
+                "end); its dK and dV stay 0")  # fmt: skip
+    return ("row r (position p = r + Nk - Nq) sees key c iff p - window < c <= p: the first row "
+            "that sees the tile is the one at position c0 = j * Bc (clipped at 0), the last the "
+            "one at position c1 - 1 + window - 1 (clipped at Nq - 1)")  # fmt: skip
 
 
-def _start_case(params):
+def _range_case(params):
     def run(fn):
-        for j, Br, Bc, Nq, causal in params:
-            case = f"q_tile_start(j={j}, Br={Br}, Bc={Bc}, Nq={Nq}, causal={causal})"
-            got = fn(j, Br, Bc, Nq, causal)
-            want = expected_q_tile_start(j, Br, Bc, Nq, causal)
-            if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
-                raise CheckFailure(case, f"expected an int, got {type(got).__name__}")
-            if got != want:
-                raise CheckFailure(case, f"got {got}, expected {want}",
-                                   _start_hint(got, j, Br, Bc, Nq, causal))  # fmt: skip
+        for j, Br, Bc, Nq, Nk, window in params:
+            case = f"q_tile_range(j={j}, Br={Br}, Bc={Bc}, Nq={Nq}, Nk={Nk}, window={window})"
+            got = fn(j, Br, Bc, Nq, Nk, window)
+            if (not isinstance(got, (tuple, list)) or len(got) != 2
+                    or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                               for x in got)):  # fmt: skip
+                raise CheckFailure(case, f"expected a pair of ints (first, end), got {got!r}")
+            got = (int(got[0]), int(got[1]))
+            want = visited_q_tiles(j, Br, Bc, Nq, Nk, window)
+            if not same_range(got, want):
+                expected = "an empty range (first >= end)" if not want else (want[0], want[-1] + 1)
+                raise CheckFailure(case, f"got {got}, expected {expected}",
+                                   _range_hint(got, want, j, Br, Bc, Nq, Nk, window))  # fmt: skip
 
     return run
 
 
-causal_skip.case("not causal: tile 0")(
-    _start_case([(3, 64, 64, 256, False), (0, 16, 16, 5, False)])
+causal_skip.case("Nq = Nk, no window: the diagonal, Br != Bc")(
+    _range_case([(0, 64, 64, 256, 256, None), (3, 64, 64, 256, 256, None),
+                 (3, 64, 128, 1024, 1024, None), (5, 48, 32, 500, 500, None)])  # fmt: skip
 )
-causal_skip.case("causal, Br = Bc")(
-    _start_case([(0, 64, 64, 256, True), (1, 64, 64, 256, True), (3, 64, 64, 256, True)])
+causal_skip.case("Nq < Nk (decoding): bottom-right")(
+    _range_case([(0, 16, 16, 4, 100, None), (6, 16, 16, 4, 100, None),
+                 (3, 32, 64, 100, 1000, None), (15, 32, 64, 100, 1000, None)])  # fmt: skip
 )
-causal_skip.case("causal, Br != Bc")(
-    _start_case([(1, 128, 64, 1024, True), (3, 64, 128, 1024, True), (5, 48, 32, 500, True)])
+causal_skip.case("Nq > Nk: query tiles above the first visible row")(
+    _range_case([(0, 16, 16, 100, 20, None), (1, 16, 8, 40, 37, None)])
 )
-causal_skip.case("causal, Nk > Nq: key tiles no query row sees", hidden=True)(
-    _start_case([(4, 16, 16, 40, True), (2, 64, 64, 100, True), (1, 8, 16, 16, True)])
+causal_skip.case("sliding window: the query tiles far below are skipped too")(
+    _range_case([(0, 16, 16, 200, 200, 40), (2, 64, 32, 300, 300, 100),
+                 (4, 32, 32, 100, 100, 1), (2, 16, 16, 100, 1000, 50)])  # fmt: skip
 )
 
 
 def _random_sweep():
     g = torch.Generator().manual_seed(8)
     params = []
-    for _ in range(300):
+    for _ in range(150):
         Br, Bc = (int(x) for x in torch.randint(1, 9, (2,), generator=g) * 8)
         Nq, Nk = (int(x) for x in torch.randint(1, 300, (2,), generator=g))
         j = int(torch.randint(0, math.ceil(Nk / Bc), (1,), generator=g))
-        params += [(j, Br, Bc, Nq, False), (j, Br, Bc, Nq, True)]
+        params += [(j, Br, Bc, Nq, Nk, None),
+                   (j, Br, Bc, Nq, Nk, int(torch.randint(1, 120, (1,), generator=g)))]
     return params
 
 
-causal_skip.case("300 random shapes", hidden=True)(_start_case(_random_sweep()))
+causal_skip.case("300 random shapes and windows", hidden=True)(_range_case(_random_sweep()))
 
 __all__ = [
     "DKDV_BC",
     "DKDV_BR",
     "DKDV_D",
+    "DKDV_G",
     "FORBIDDEN",
     "GRAD_TOL",
     "SCORE_ATOL",
@@ -343,7 +400,8 @@ __all__ = [
     "check_gradients",
     "delta",
     "dkdv_accumulate",
-    "expected_q_tile_start",
+    "gqa_problem",
     "reference_gradients",
     "torch_backward",
+    "visited_q_tiles",
 ]
