@@ -25,7 +25,9 @@ END = re.compile(r"^\s*(###|//) END SOLUTION\s*$")
 def normalise(line: str) -> str:
     """The line without comments, spaces or quote style: what copying would keep."""
     line = re.sub(r"(?<![:\"'])#.*$", "", line)  # Python comment
-    line = re.sub(r"//.*$", "", line)  # C++ comment (and Python floor division: harmless)
+    # A C++ comment: the whole line, or after a statement (Python's // divides, so keep it).
+    line = re.sub(r"^\s*//.*$", "", line)
+    line = re.sub(r"([;{}])\s*//.*$", r"\1", line)
     line = line.replace('"', "'")
     return re.sub(r"\s+", "", line)
 
