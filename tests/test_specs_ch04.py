@@ -87,11 +87,16 @@ def test_tiled_qk_stale_tile_is_named():
 
 
 def test_tiled_qk_unguarded_loads_and_store_are_named():
+    # The simulator stops an out-of-bounds access and the check names it; a GPU reads garbage
+    # (or writes past S, into the guard region), which fails a visible case all the same.
+    simulated = not on_gpu()
     r = grader.check("04.tiled_qk", _qk_kernel(guard_loads=False))
-    assert r.status == "failed" and "out of bounds" in r.message
+    assert r.status == "failed" and not r.message.startswith("(hidden case)"), r.message
+    assert "out of bounds" in r.message or not simulated, r.message
     r = grader.check("04.tiled_qk", _qk_kernel(guard_store=False))
-    assert r.status == "failed" and "out of bounds" in r.message
-    assert "only when i < Nq and j < Nk" in r.message
+    assert r.status == "failed" and not r.message.startswith("(hidden case)"), r.message
+    if simulated:
+        assert "out of bounds" in r.message and "only when i < Nq and j < Nk" in r.message
 
 
 def test_tiled_qk_stub_is_not_implemented():
