@@ -3,10 +3,10 @@
 When a notebook is graded, its code runs in a sandboxed worker process and the checks run in
 the grading process (see :mod:`course_utils.grader` and :mod:`course_utils.sandbox`). A case that
 needs the candidate object itself, not just a call, names a function here:
-``grader.invoke(candidate, "course_utils.harness.ch09:run_forward", q, k, v)`` runs
-``run_forward(obj, q, k, v)`` where the object lives. Those functions take and return data
-(tensors, arrays, numbers, strings), never an expected value: whatever runs here, a student's
-notebook could read or change.
+``grader.invoke(candidate, "course_utils.harness.ch09:run_window_forward", q, k, v, ...)``
+runs ``run_window_forward(obj, q, k, v, ...)`` where the object lives. Those functions take
+and return data (tensors, arrays, numbers, strings), never an expected value: whatever runs
+here, a student's notebook could read or change.
 
 One module per chapter (``ch04``, ``ch07``, ...) holds that chapter's helpers and the constants
 its exercise notebooks import (tile sizes, threads per block). ``course_utils.specs``, the

@@ -389,8 +389,13 @@ BYTES_PER_ELEMENT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def expected_bytes(B, H, Nq, Nk, bytes_per_element):
-    """S and P together: two (B, H, Nq, Nk) tensors of ``bytes_per_element`` bytes each."""
-    return 2 * B * H * Nq * Nk * bytes_per_element
+    """S and P together: two (B, H, Nq, Nk) tensors of ``bytes_per_element`` bytes each.
+
+    Counted on shape-only ("meta") tensors, not by the formula the exercise asks for.
+    """
+    S = torch.empty((B, H, Nq, Nk), device="meta")
+    P = torch.empty_like(S)
+    return (S.numel() + P.numel()) * bytes_per_element
 
 
 def _as_number(x, case):

@@ -35,20 +35,24 @@ SOFTMAX_FLOPS_PER_ELEMENT = 5
 
 
 def exact_cost(kind: str, shape: tuple[int, ...], itemsize: int) -> tuple[int, int]:
-    """(FLOPs, bytes) of one kernel that reads each input and writes each output once."""
-    if kind == "add":
+    """(FLOPs, bytes) of one kernel that reads each input and writes each output once.
+
+    Counted from the kernel's tensors (the shapes it reads and writes) and its FLOPs per
+    element, so the grader's route differs from the one-line formulas the exercise asks for.
+    """
+    if kind in ("add", "relu"):
         (n,) = shape
-        return n, 3 * n * itemsize
-    if kind == "relu":
-        (n,) = shape
-        return n, 2 * n * itemsize
-    if kind == "softmax":
+        reads = [(n,), (n,)] if kind == "add" else [(n,)]
+        tensors, flops = [*reads, (n,)], n  # one add, or one max, per output element
+    elif kind == "softmax":
         rows, cols = shape
-        return SOFTMAX_FLOPS_PER_ELEMENT * rows * cols, 2 * rows * cols * itemsize
-    if kind == "matmul":
+        tensors, flops = [(rows, cols), (rows, cols)], SOFTMAX_FLOPS_PER_ELEMENT * rows * cols
+    elif kind == "matmul":
         M, N, K = shape
-        return 2 * M * N * K, (M * K + K * N + M * N) * itemsize
-    raise ValueError(f"unknown kind {kind!r}")
+        tensors, flops = [(M, K), (K, N), (M, N)], M * N * K * 2  # a multiply and an add
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    return flops, sum(math.prod(t) for t in tensors) * itemsize
 
 
 def exact_intensity(kind: str, shape: tuple[int, ...], itemsize: int) -> float:
@@ -208,9 +212,16 @@ waves = Exercise("03.waves", "Tile and wave quantization of a matmul", points=3)
 
 
 def exact_waves(M: int, N: int, tile_m: int, tile_n: int, sms: int) -> tuple[int, int, float]:
-    tiles = math.ceil(M / tile_m) * math.ceil(N / tile_n)
-    n_waves = math.ceil(tiles / sms)
-    return tiles, n_waves, (M * N) / (n_waves * sms * tile_m * tile_n)
+    """(tiles, waves, efficiency), by handing the tiles out to the SMs a wave at a time."""
+    edges_m = [min(tile_m, M - r) for r in range(0, M, tile_m)]
+    edges_n = [min(tile_n, N - c) for c in range(0, N, tile_n)]
+    work = [a * b for a in edges_m for b in edges_n]  # useful elements of every tile
+    waves, left = 0, len(work)
+    while left > 0:  # each wave runs one tile on every SM that still has one
+        left -= min(sms, left)
+        waves += 1
+    slots = waves * sms * tile_m * tile_n  # what the SMs could have computed in that time
+    return len(work), waves, sum(work) / slots
 
 
 def _waves_hint(M, N, tile_m, tile_n, sms, got) -> str:
