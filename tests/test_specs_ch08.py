@@ -51,24 +51,83 @@ def test_gqa_problem_sums_the_heads_of_a_group():
 # ----------------------------------------------------------------------------- delta
 
 
+def compute_D(Q, K, V, dO, LSE, scale, Bc, bug=None):
+    """08.delta's answer, streamed over key tiles; ``bug`` makes one of the usual mistakes."""
+    B, H, Nq, d = Q.shape
+    Nk = K.shape[2]
+    if bug == "full S":
+        Bc = Nk
+    D = torch.zeros(B, H, Nq, dtype=Q.dtype, device=Q.device)
+    for c0 in range(0, Nk, Bc):
+        K_j, V_j = K[:, :, c0:c0 + Bc], V[:, :, c0:c0 + Bc]
+        S_j = scale * Q @ K_j.transpose(-2, -1)
+        P_j = torch.exp(S_j if bug == "no LSE" else S_j - LSE[..., None])
+        dP_j = V_j @ dO.transpose(-2, -1) if bug == "transposed dP" else dO @ V_j.transpose(-2, -1)
+        D = D + (P_j * dP_j).sum(-1)
+    return D
+
+
+def _delta_with(bug):
+    return lambda *a: compute_D(*a, bug=bug)
+
+
 def test_delta_passes_when_right():
-    r = grader.check("08.delta", lambda O, dO: (O * dO).sum(-1))
-    assert r.status == "passed" and r.hidden_run
+    r = grader.check("08.delta", compute_D)
+    assert r.status == "passed" and r.hidden_run, r.message
 
 
-def test_delta_wrong_axis_fails():
-    r = grader.check("08.delta", lambda O, dO: (O * dO).sum(-2))
-    assert r.status == "failed" and "last dim" in r.message
+def test_delta_reference_is_the_identity():
+    """The grader's D (from O) equals rowsum(P * dP) computed from the full float64 P."""
+    (Q, K, V, dO, LSE, scale), want, extra = ch08.delta_problem(2, 3, 9, 14, 16, 0.3)
+    P = torch.softmax(scale * Q.double() @ K.double().transpose(-2, -1), -1)
+    dP = dO.double() @ V.double().transpose(-2, -1)
+    torch.testing.assert_close(want, (P * dP).sum(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(extra["LSE"], torch.logsumexp(
+        scale * Q.double() @ K.double().transpose(-2, -1), -1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("bug", "case", "words"), [
+    ("no LSE", "Nq=16, Nk=48", "never normalised"),
+    ("transposed dP", "Nq=16, Nk=48", "transposed"),
+    ("full S", "Nq=Nk=256", "65536 elements")])  # fmt: skip
+def test_delta_bugs_fail_visibly(monkeypatch, bug, case, words):
+    monkeypatch.delenv(grader.GRADING_ENV)  # the visible cases alone must catch it
+    r = grader.check("08.delta", _delta_with(bug))
+    assert r.status == "failed" and case in r.message and words in r.message, r.message
+
+
+def test_delta_large_logits_need_lse():
+    r = grader.check("08.delta", _delta_with("no LSE"))
+    assert "scores std 30" in r.message  # also fails the case where exp(S) overflows
 
 
 def test_delta_keepdim_fails():
-    r = grader.check("08.delta", lambda O, dO: (O * dO).sum(-1, keepdim=True))
+    r = grader.check("08.delta", lambda *a: compute_D(*a)[..., None])
     assert r.status == "failed" and "shape" in r.message
 
 
 def test_delta_in_place_fails():
-    r = grader.check("08.delta", lambda O, dO: O.mul_(dO).sum(-1))
-    assert r.status == "failed" and "wrote into its input O" in r.message
+    def cheat(Q, K, V, dO, LSE, scale, Bc):
+        LSE.sub_(0.0).mul_(1.0).add_(1e-3)
+        return compute_D(Q, K, V, dO, LSE, scale, Bc)
+
+    r = grader.check("08.delta", cheat)
+    assert r.status == "failed" and "wrote into its input LSE" in r.message, r.message
+
+
+def test_delta_softmax_is_forbidden():
+    def cheat(Q, K, V, dO, LSE, scale, Bc):
+        P = torch.softmax(scale * Q @ K.transpose(-2, -1), -1)
+        return (P * (dO @ V.transpose(-2, -1))).sum(-1)
+
+    assert grader.check("08.delta", cheat).status == "forbidden"
+
+
+def test_delta_stub_is_not_implemented():
+    def stub(Q, K, V, dO, LSE, scale, Bc):
+        raise NotImplementedError
+
+    assert grader.check("08.delta", stub).status == "not implemented"
 
 
 # ----------------------------------------------------------------------------- torch backward

@@ -1,7 +1,11 @@
 """Chapter 08, the FlashAttention-2 backward pass: graded exercises.
 
-- ``08.delta``: ``compute_D(O, dO)``, the preprocessing step ``D = rowsum(dO * O)``, shape
-  ``(B, H, Nq)`` for ``O`` and ``dO`` of shape ``(B, H, Nq, d)``.
+- ``08.delta``: ``compute_D(Q, K, V, dO, LSE, scale, Bc)``, the row term ``D`` of the backward
+  pass WITHOUT ``O``: ``D = rowsum(P ∘ dP)``, streamed over key tiles of ``Bc`` keys
+  (``P_j = exp(scale Q K_j^T - LSE)``, ``dP_j = dO V_j^T``), shape ``(B, H, Nq)``; non-causal.
+  The grader computes ``D = rowsum(dO ∘ O)`` from a float64 ``O``, so a pass checks the identity
+  the lecture proves. softmax, log_softmax, logsumexp, SDPA and numpy are forbidden; the largest
+  tensor made during one call (``harness.ch08.call_and_largest``) must stay below Nq x Nk / 2.
 - ``08.torch_backward``: the inner step of the tiled PyTorch backward for **grouped-query
   attention** (GQA: ``Q`` has ``H`` heads, ``K`` and ``V`` have ``Hkv = H / G``; query head ``h``
   reads K/V head ``h // G``): recompute ``P`` from the saved ``LSE``, then ``dV``, ``dP``,
@@ -38,7 +42,7 @@ import torch
 
 from .. import reference
 from ..checks import AttentionCase, CheckFailure, compare, poisoned, random_qkv, unchanged
-from ..grader import Exercise
+from ..grader import Exercise, invoke
 from ..harness.ch08 import DKDV_BC, DKDV_BR, DKDV_D, DKDV_G, GRAD_TOL, SCORE_ATOL
 from ..runtime import device, kernel_array, synchronize
 from . import require_implemented
@@ -105,35 +109,146 @@ def check_gradients(got, want, case, max_score, names=("dQ", "dK", "dV"), hint=N
 
 # ----------------------------------------------------------------------------- delta
 
-delta = Exercise("08.delta", "D = rowsum(dO * O), the preprocessing step", points=1)
+DELTA_FORBIDDEN = ("scaled_dot_product_attention", "softmax", "log_softmax", "logsumexp")
+
+delta = Exercise("08.delta", "D without O: rowsum(P ∘ dP), tile by tile", points=1,
+                 forbidden=DELTA_FORBIDDEN, torch_only=True)  # fmt: skip
+
+
+def delta_problem(B, H, Nq, Nk, d, scale=None, score_std=1.0, dev=None):
+    """Fresh float32 ``(Q, K, V, dO, LSE, scale)`` and the float64 answer of 08.delta.
+
+    The answer goes through O, the route the student does not take: ``O = softmax(S) V`` from
+    its definition (exp and sum by hand, in float64), then ``D = sum over d of dO * O``. The
+    student streams ``rowsum(P_j * dP_j)`` over key tiles instead, so a pass checks the identity
+    ``rowsum(P ∘ dP) = rowsum(dO ∘ O)`` itself. ``score_std`` sets the spread of the scores
+    ``scale * q . k`` (30: scores of +-150, where only ``exp(S - LSE)`` stays finite). Returns
+    ``(inputs, want, extra)`` with ``extra`` the float64 ``S``, ``dO``, ``V``, ``K``, ``LSE``
+    the wrong answers are built from and ``max_score``.
+    """
+    dev = device() if dev is None else dev
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    a = math.sqrt(score_std / (scale * math.sqrt(d)))  # std of scale * q . k = a^2 scale sqrt(d)
+    Q = torch.randn(B, H, Nq, d, device=dev) * a
+    K = torch.randn(B, H, Nk, d, device=dev) * a
+    V, dO = torch.randn(B, H, Nk, d, device=dev), torch.randn(B, H, Nq, d, device=dev)
+    q, k, v, g = (t.double() for t in (Q, K, V, dO))
+    S = scale * torch.einsum("bhqe,bhke->bhqk", q, k)
+    m = S.amax(dim=-1, keepdim=True)
+    w = torch.exp(S - m)  # softmax by its definition, shifted so that exp stays finite
+    l_ = w.sum(dim=-1, keepdim=True)
+    O = torch.einsum("bhqk,bhke->bhqe", w / l_, v)
+    want = torch.einsum("bhqe,bhqe->bhq", g, O)
+    LSE = (m + torch.log(l_)).squeeze(-1)
+    inputs = (Q, K, V, dO, LSE.float().contiguous(), scale)
+    extra = {"S": S, "dO": g, "V": v, "K": k, "LSE": LSE, "max_score": float(S.abs().max())}
+    return inputs, want, extra
+
+
+def _delta_mistakes(extra, Nq, Bc):
+    """Float64 results of the usual mistakes, each with what to tell the student."""
+    S, g, v, k, LSE = extra["S"], extra["dO"], extra["V"], extra["K"], extra["LSE"]
+    Nk = S.shape[-1]
+    P = torch.exp(S - LSE[..., None])
+    dP = torch.einsum("bhqe,bhke->bhqk", g, v)
+    out = [
+        (torch.einsum("bhqk,bhqk->bhq", torch.exp(S), dP),
+         "that is rowsum(exp(S_j) * dP_j) with P never normalised: P_j = exp(S_j - LSE) "
+         "(LSE[..., None] broadcasts over the tile's keys); the rows of P then sum to 1"),
+        (torch.einsum("bhqk,bhqk->bhq", P, torch.einsum("bhqe,bhke->bhqk", g, k)),
+         "dP_j = dO V_j^T (O = P V, so dP takes V), not K_j"),
+        (torch.einsum("bhqk,bhqk->bhq", torch.exp(S / extra["scale"] - LSE[..., None]), dP),
+         "S_j = scale * Q K_j^T: the scale passed in, before subtracting LSE"),
+        (torch.einsum("bhqk,bhqk->bhq", P[..., :Nk // Bc * Bc], dP[..., :Nk // Bc * Bc]),
+         f"the last key tile holds only Nk % Bc = {Nk % Bc} keys: it must be added too"),
+    ]
+    if Nq == Bc and Nk % Bc == 0:  # a square tile: dP_j^T has P_j's shape
+        # element [q, k] of V_j dO^T is dP[query k, key c + q]: the tile of dP transposed
+        tiles = [torch.einsum("bhqk,bhkq->bhq", P[..., c:c + Bc], dP[..., c:c + Bc])
+                 for c in range(0, Nk, Bc)]  # fmt: skip
+        out.append((sum(tiles), "dP_j is transposed: dP_j = dO V_j^T has one row per query "
+                    "(Nq x Bc, like P_j), V_j dO^T one row per key"))
+    return out
+
+
+_HD = ("D_i = sum over the key tiles j of rowsum(P_j * dP_j), with P_j = exp(scale * Q K_j^T - "
+       "LSE) and dP_j = dO V_j^T (both Nq x Bc); start from zeros and add every tile's row sums")
+
+
+def _check_D(got, want, extra, name, Nq, Bc):
+    B, H = want.shape[:2]
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailure(name, f"expected a tensor, got {type(got).__name__}")
+    if tuple(got.shape) != (B, H, Nq):
+        raise CheckFailure(name, f"D has shape {tuple(got.shape)}, expected {(B, H, Nq)}",
+                           "one number per query row: sum over the keys (dim=-1, "
+                           "keepdim=False)")  # fmt: skip
+    hint = _HD
+    if not bool(torch.isfinite(got).all()):
+        hint = ("D has inf or NaN: exp(scale * Q K_j^T) overflows for scores of +-150; subtract "
+                "LSE before exp, P_j = exp(S_j - LSE) <= 1")  # fmt: skip
+    else:
+        g = got.detach().double().to(want.device)
+        for wrong, advice in _delta_mistakes(extra, Nq, Bc):
+            if bool(torch.isfinite(wrong).all()) and torch.allclose(g, wrong, rtol=1e-3,
+                                                                    atol=1e-3):
+                hint = advice
+                break
+    atol = GRAD_TOL + SCORE_ATOL * extra["max_score"]
+    compare("D", got, want, case=name, atol=atol, rtol=GRAD_TOL, dtype=torch.float32, hint=hint)
 
 
 def _delta_case(*shapes):
-    def run(fn):
-        for B, H, Nq, d in shapes:
-            name = f"B={B}, H={H}, Nq={Nq}, d={d}"
-            O, dO = torch.randn(B, H, Nq, d, device=device()), torch.randn(B, H, Nq, d,
-                                                                         device=device())
-            want = (O.double() * dO.double()).sum(-1)
-            with unchanged(O, dO, names=("O", "dO"), case=name):
-                got = fn(O, dO)
-            if not isinstance(got, torch.Tensor):
-                raise CheckFailure(name, f"expected a tensor, got {type(got).__name__}")
-            hint = ("D has one number per query row: multiply dO and O element by element and "
-                    "sum over the last dim (d), keepdim=False")  # fmt: skip
-            if tuple(got.shape) != (B, H, Nq):
-                raise CheckFailure(name, f"D has shape {tuple(got.shape)}, expected "
-                                   f"{(B, H, Nq)}", hint)  # fmt: skip
-            compare("D", got, want, case=name, dtype=torch.float32, hint=hint)
+    """shapes: (B, H, Nq, Nk, d, Bc, scale, score_std)."""
+
+    def run(candidate):
+        for B, H, Nq, Nk, d, Bc, scale, std in shapes:
+            name = f"B={B}, H={H}, Nq={Nq}, Nk={Nk}, d={d}, Bc={Bc}"
+            name += f", scale={scale}" if scale is not None else ""
+            name += f", scores std {std:g}" if std != 1.0 else ""
+            inputs, want, extra = delta_problem(B, H, Nq, Nk, d, scale, std)
+            extra["scale"] = inputs[-1]
+            with unchanged(*inputs[:5], names=("Q", "K", "V", "dO", "LSE"), case=name):
+                got = candidate(*inputs, Bc)
+            _check_D(got, want, extra, name, Nq, Bc)
 
     return run
 
 
-delta.case("B=1, H=1, Nq=5, d=16")(_delta_case((1, 1, 5, 16)))
-delta.case("B=2, H=3, Nq=37, d=64")(_delta_case((2, 3, 37, 64)))
-delta.case("Nq=1, d=128 and B=3, H=4, Nq=100, d=32", hidden=True)(
-    _delta_case((1, 1, 1, 128), (3, 4, 100, 32))
+def _delta_streamed(candidate):
+    n, Bc = 256, 16
+    name = f"B=1, H=1, Nq=Nk={n}, d=16, Bc={Bc}: no tensor of Nq x Nk / 2 elements"
+    inputs, want, extra = delta_problem(1, 1, n, n, 16)
+    extra["scale"] = inputs[-1]
+    got, largest = invoke(candidate, "course_utils.harness.ch08:call_and_largest", *inputs, Bc)
+    _check_D(got, want, extra, name, n, Bc)
+    if not isinstance(largest, int) or largest >= n * n // 2:
+        raise CheckFailure(name, f"a tensor of {largest} elements appeared during the call; the "
+                           f"whole S has {n * n}, one key tile {n * Bc}",
+                           "stream: only one Nq x Bc tile of S, P and dP at a time (slice K and "
+                           "V by key tiles of Bc rows), never Q K^T of all the keys")  # fmt: skip
+
+
+delta.case("Nq=16 = Bc, Nk=48, B=2, H=2: a square tile")(
+    _delta_case((2, 2, 16, 48, 32, 16, None, 1.0))
 )
+delta.case("Nq=Nk=20, Bc=8: three key tiles, the last one of 4 keys")(
+    _delta_case((1, 1, 20, 20, 16, 8, None, 1.0))
+)
+delta.case("decoding: Nq=1, Nk=37, Bc=4, d=64, and scale=0.3, Nq=45, Nk=33, Bc=5")(
+    _delta_case((1, 2, 1, 37, 64, 4, None, 1.0), (1, 1, 45, 33, 16, 5, 0.3, 1.0))
+)
+delta.case("large logits: scores std 30 (+-150), Nq=50, Nk=70, Bc=16")(
+    _delta_case((1, 2, 50, 70, 16, 16, None, 30.0))
+)
+delta.case("Nq=Nk=256, Bc=16: S is never materialised")(_delta_streamed)
+delta.case("B=3, H=4, Nq=100, Nk=129, Bc=12, d=128 and Nq=Nk=1", hidden=True)(
+    _delta_case((3, 4, 100, 129, 128, 12, None, 1.0), (1, 1, 1, 1, 16, 16, None, 1.0))
+)
+delta.case("scores std 30, Nq=77, Nk=300, Bc=32, d=64, scale=0.05", hidden=True)(
+    _delta_case((2, 1, 77, 300, 64, 32, 0.05, 30.0))
+)
+
 
 # ----------------------------------------------------------------------------- GQA problems
 
@@ -399,6 +514,7 @@ __all__ = [
     "causal_skip",
     "check_gradients",
     "delta",
+    "delta_problem",
     "dkdv_accumulate",
     "gqa_problem",
     "reference_gradients",
