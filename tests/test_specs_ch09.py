@@ -230,3 +230,17 @@ def test_gqa_dkdv_stub_is_not_implemented(tmp_path):
                     "    raise NotImplementedError('replace this line with your code')\n"
                     "    for g in range(GROUP):"))
     assert check("09.gqa_dkdv", stub).status == "not implemented"
+
+
+# ----------------------------------------------------------------------------- the package's code
+
+
+def test_the_package_kernels_pieces_are_not_answers():
+    # The attack: hand in the course kernel's own device functions, re-jitted. The
+    # exercises are variants (a window, grouped heads), so these fail instead of scoring.
+    from course_utils.kernels import flash_attention_triton as fat
+
+    for exercise, piece in [("09.window_split", fat.causal_split),
+                            ("09.window_inner", fat.forward_inner)]:
+        r = check(exercise, triton.jit(piece.fn))
+        assert r.score == 0 and r.status in ("failed", "error"), (exercise, r.status, r.message)
