@@ -32,3 +32,33 @@ def stub_reason(obj) -> str:
 def source_text(obj):
     """The CUDA source a candidate gives: the str itself, or what a function returns."""
     return obj() if callable(obj) else obj
+
+
+def largest_created(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)``; return ``(result, largest)``.
+
+    ``largest`` is the number of elements of the largest tensor that an ATen operator *created*
+    during the call, recorded by a ``TorchDispatchMode`` (views such as ``K[j:j + Bc]`` create
+    nothing and are not counted). Code that materialises a whole score matrix shows it here,
+    whatever torch route built it; the grader judges the number.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not getattr(func, "is_view", False):
+                for r in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(r, torch.Tensor):
+                        self.largest = max(self.largest, r.numel())
+            return out
+
+    spy = Largest()
+    with spy:
+        result = fn(*args, **kwargs)
+    return result, spy.largest

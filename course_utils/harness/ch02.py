@@ -11,33 +11,10 @@ THREADS = 32  # threads per block of 02.softmax_kernel: log_softmax_kernel[R, TH
 
 
 def largest_fresh_tensor(fn, *args):
-    """Run ``fn(*args)``; return ``(result, largest)``.
+    """Run ``fn(*args)``; return ``(result, largest)``: see :func:`harness.largest_created`."""
+    from . import largest_created
 
-    ``largest`` is the number of elements of the largest tensor that an ATen operator *created*
-    during the call (recorded by a ``TorchDispatchMode``; views such as ``K[j:j + Bc]`` create
-    nothing and are not counted). A row of attention that forms all its scores at once shows it
-    here, whatever torch route built them.
-    """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not getattr(func, "is_view", False):
-                for r in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(r, torch.Tensor):
-                        self.largest = max(self.largest, r.numel())
-            return out
-
-    spy = Largest()
-    with spy:
-        result = fn(*args)
-    return result, spy.largest
+    return largest_created(fn, *args)
 
 
 def _simulated(kernel):

@@ -21,30 +21,15 @@ COMBINE_KERNEL = "combine_splits"  # 07.combine_splits: the kernel's name in the
 def largest_tensor(fn, Q, K, V, kwargs):
     """Run ``fn(Q, K, V, **kwargs)``; return ``(O, LSE, largest)``.
 
-    ``largest`` is the number of elements of the largest tensor any ATen operator produced
-    during the call (recorded by a ``TorchDispatchMode``): a forward pass that materialises the
-    Nq x Nk score matrix shows it here, whatever torch route built it.
+    ``largest`` is the largest tensor created during the call (see
+    :func:`harness.largest_created`): a forward pass that materialises the Nq x Nk score matrix
+    shows it here, whatever torch route built it.
     """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from . import largest_created
 
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for r in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(r, torch.Tensor):
-                    self.largest = max(self.largest, r.numel())
-            return out
-
-    spy = Largest()
-    with spy:
-        result = fn(Q, K, V, **kwargs)
+    result, largest = largest_created(fn, Q, K, V, **kwargs)
     O, LSE = result if isinstance(result, (tuple, list)) and len(result) == 2 else (result, None)
-    return O, LSE, spy.largest
+    return O, LSE, largest
 
 
 _compiled: dict = {}

@@ -18,29 +18,9 @@ DKDV_G = 2  # query heads per K/V head (grouped-query attention) in 08.dkdv_accu
 
 
 def call_and_largest(fn, *args):
-    """Run ``fn(*args)``; return ``(result, largest)``.
+    """Run ``fn(*args)`` (08.delta's ``compute_D``); return ``(result, largest)``, the largest
+    tensor created during the call: see :func:`harness.largest_created`."""
+    from . import largest_created
 
-    ``largest`` is the number of elements of the largest tensor any ATen operator produced
-    during the call (recorded by a ``TorchDispatchMode``, as ``harness.ch07.largest_tensor``
-    does): a ``compute_D`` that builds the whole Nq x Nk score matrix shows it here, whatever
-    torch route built it. Used by 08.delta; the grader judges the number.
-    """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    return largest_created(fn, *args)
 
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for r in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(r, torch.Tensor):
-                    self.largest = max(self.largest, r.numel())
-            return out
-
-    spy = Largest()
-    with spy:
-        result = fn(*args)
-    return result, spy.largest
