@@ -87,7 +87,12 @@ def time_fn(fn, *args, warmup=None, rep=None, flush_l2=False, **kwargs):
     if not callable(fn):
         raise TypeError(f"time_fn needs a function to time, got {type(fn).__name__}")
     for name, value in (("warmup", warmup), ("rep", rep)):
-        if value is not None and (not isinstance(value, int) or value < 0):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):  # True is an int to Python
+            raise TypeError(f"{name}={value!r} ({type(value).__name__}): {name} is a number of "
+                            f"calls, an int (e.g. {name}=10), or None to choose by time")
+        if value < 0:
             raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
     if rep == 0:
         raise ValueError("rep must be at least 1: there is nothing to report from 0 timed calls")

@@ -26,6 +26,7 @@ The building blocks are usable on their own:
 from __future__ import annotations
 
 import math
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -104,6 +105,12 @@ def tolerance(dtype, max_score=0.0):
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"tolerance expects a torch.dtype such as torch.float32, got {dtype!r}")
+    if isinstance(max_score, bool) or not isinstance(max_score, numbers.Real):
+        raise TypeError(f"max_score={max_score!r}: expected a number, the largest |S| of the "
+                        "problem (0 for non-attention results)")
+    if not max_score >= 0 or not math.isfinite(max_score):  # also catches NaN
+        raise ValueError(f"max_score={max_score!r}: it is the largest |S|, a finite number >= 0 "
+                         "(take abs() of the scores before max())")
     if not dtype.is_floating_point:
         return 0.0, 0.0
     if dtype not in _TOLERANCES:
@@ -239,6 +246,14 @@ def compare(
         )
     if a.is_complex():
         raise CheckFailure(case, f"{name} is complex ({a.dtype}); a real tensor was expected")
+    for label, value in (("atol", atol), ("rtol", rtol)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{label}={value!r} ({type(value).__name__}): the tolerance must be "
+                            "a number, e.g. atol=1e-5 (or None for the dtype's default)")
+        if not value >= 0:
+            raise ValueError(f"{label}={value!r}: a tolerance must be >= 0")
     if atol is None or rtol is None:
         default_atol, default_rtol = tolerance(a.dtype)
         atol = default_atol if atol is None else atol
@@ -470,6 +485,9 @@ def attention_cases(d=None, tile=16, sizes="auto"):
         raise ValueError(f"tile must be an int >= 2 (the kernel's Br = Bc), got {tile!r}")
     if d is None:
         d = 16 if sizes == "small" else 64
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"d={d!r}: the head dimension must be an int >= 1 (a score is a dot "
+                         "product over d, and the default scale is 1/sqrt(d)), e.g. d=16")
     # base is an even number of tiles, so that base and base // 2 are multiples of the tile;
     # off is in [1, tile - 1], so adding it makes a length that is not.
     tiles = 2 if sizes == "small" else 2 * math.ceil(512 / tile)

@@ -1014,14 +1014,26 @@ def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), ver
         CudaCompileError: the source does not compile (message: each error beside your line).
         NotImplementedError: the source still contains the exercise's ``// YOUR CODE HERE``.
         ValueError: a name in ``functions`` is not a host function defined in the source.
+        TypeError: ``functions`` is not a list of names (None, a number...).
     """
     text, display_name = _read_source(source_or_path)
     _check_placeholder(text, "load_cuda")
     if isinstance(functions, str):
         functions = [functions]
+    if functions is None or not isinstance(functions, (list, tuple)):
+        raise TypeError(
+            f"load_cuda: functions={functions!r}: pass the names of the host functions to expose "
+            'to Python, e.g. load_cuda(path, ["vector_add"]) (a list of str, or one str).'
+        )
     functions = list(functions)
     if not functions:
         raise ValueError("load_cuda needs at least one function name to expose to Python.")
+    bad = [f for f in functions if not isinstance(f, str)]
+    if bad:
+        raise TypeError(
+            f"load_cuda: functions holds {bad[0]!r} ({type(bad[0]).__name__}): every entry must "
+            'be the name (a str) of a host function in the source, e.g. ["vector_add"].'
+        )
     prototypes = cpp_prototypes(text, functions)
     extra = [str(f) for f in extra_cuda_cflags]
     if not runtime.on_gpu():

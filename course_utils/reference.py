@@ -149,6 +149,12 @@ def _validated(q, k, v):
             f"q has head dim d={q64.shape[-1]} but k has d={k64.shape[-1]}: S = Q K^T needs the "
             "same d in both (shapes (..., Nq, d) and (..., Nk, d))."
         )
+    if q64.shape[-1] == 0:
+        raise ValueError(
+            f"q and k have head dim d=0 (q {tuple(q64.shape)}): a score is a dot product over d, "
+            "and the default scale 1/sqrt(d) is undefined; give each query and key at least one "
+            "feature (d >= 1)."
+        )
     if k64.shape[-2] != v64.shape[-2]:
         raise ValueError(
             f"k has Nk={k64.shape[-2]} keys but v has {v64.shape[-2]} rows: every key needs "

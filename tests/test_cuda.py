@@ -9,7 +9,9 @@ directory per test module, so every compile here really happens once and is then
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -635,3 +637,112 @@ def test_compile_kernel_dynamic_shared_memory_over_48k():
     out = torch.empty_like(x)
     k(4, threads, x, out, repeat, shared_mem=threads * repeat * 4)
     torch.testing.assert_close(out, x.view(4, threads).flip(1).reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The course's FlashAttention .cu kernels (chapters 07, 08): grid limits and float4 alignment
+# ---------------------------------------------------------------------------------------------
+
+KERNELS_DIR = Path(C.__file__).resolve().parent / "kernels"
+
+
+@pytest.fixture(scope="module")
+def flash_modules():
+    fwd = C.load_cuda(KERNELS_DIR / "flash_attention_forward.cu", ["flash_attention_forward"])
+    bwd = C.load_cuda(KERNELS_DIR / "flash_attention_backward.cu", ["flash_attention_backward"])
+    return fwd, bwd
+
+
+def _flash_check(fwd, bwd, Q, K, V, dO, causal, case):
+    from course_utils import checks
+    from course_utils.harness.ch09 import reference_gradients
+
+    scale = Q.shape[-1] ** -0.5
+    O, LSE = fwd.flash_attention_forward(Q, K, V, causal, scale)
+    torch.cuda.synchronize()
+    ref = reference_gradients(Q, K, V, dO, causal, scale)
+    checks.compare("O", O, ref[0], case=case, atol=1e-4, rtol=1e-4)
+    checks.compare("LSE", LSE, ref[1], case=case, atol=1e-4, rtol=1e-4)
+    for det in (True, False):
+        grads = bwd.flash_attention_backward(Q, K, V, O, LSE, dO, causal, scale, det)
+        torch.cuda.synchronize()
+        for name, got, want in zip(("dQ", "dK", "dV"), grads, ref[2:5], strict=True):
+            checks.compare(name, got, want, case=f"{case}, deterministic={det}",
+                           atol=1e-3, rtol=1e-3)
+
+
+@needs_nvcc
+def test_flash_cu_host_checks_compile_without_gpu(cpu_mode, capsys):
+    # The (T, H, B) grids, the grid-limit and alignment checks (TORCH_CHECK_VALUE) compile with
+    # torch's headers: nvcc parses the host functions too. No spill in any kernel.
+    for stem in ("forward", "backward"):
+        path = KERNELS_DIR / f"flash_attention_{stem}.cu"
+        source = path.read_text()
+        assert "blockIdx.z * gridDim.y + blockIdx.y" in source
+        assert "is not 16-byte aligned" in source and "at most 65535" in source
+        module = C.load_cuda(path, [f"flash_attention_{stem}"])
+        assert "compile-only" in repr(module)
+    report = capsys.readouterr().out
+    assert "registers" in report and "bytes spilled" in report
+    spills = re.findall(r"(\d+) bytes spilled", report)
+    assert len(spills) == 4 + 13 and set(spills) == {"0"}, report
+
+
+@needs_gpu
+@needs_nvcc
+def test_gpu_flash_cu_b_times_h_70000(flash_modules):
+    # B * H = 70000 > 65535: a (Tr, B * H) grid fails to launch ("invalid argument").
+    fwd, bwd = flash_modules
+    for B, H in ((70000, 1), (35000, 2)):
+        Q, K, V, dO = (torch.randn(B, H, 8, 16, device="cuda") for _ in range(4))
+        for causal in (False, True):
+            _flash_check(fwd, bwd, Q, K, V, dO, causal, f"B={B}, H={H}, N=8, d=16, {causal=}")
+
+
+@needs_gpu
+@needs_nvcc
+def test_gpu_flash_cu_small_multi_batch_head_still_matches(flash_modules):
+    fwd, bwd = flash_modules
+    Q = torch.randn(3, 2, 77, 32, device="cuda")
+    K, V = (torch.randn(3, 2, 100, 32, device="cuda") for _ in range(2))
+    _flash_check(fwd, bwd, Q, K, V, torch.randn_like(Q), True, "B=3, H=2, Nq=77, Nk=100")
+
+
+@needs_gpu
+@needs_nvcc
+def test_gpu_flash_cu_grid_limit_is_named(flash_modules):
+    fwd, bwd = flash_modules
+    Q = torch.zeros(65536, 1, 1, 16, device="cuda")
+    with pytest.raises(ValueError, match=r"B=65536, H=1: .*at most 65535"):
+        fwd.flash_attention_forward(Q, Q, Q, False, 0.25)
+    lse = torch.zeros(65536, 1, 1, device="cuda")
+    with pytest.raises(ValueError, match=r"B=65536, H=1: .*at most 65535"):
+        bwd.flash_attention_backward(Q, Q, Q, Q, lse, Q, False, 0.25, True)
+
+
+@needs_gpu
+@needs_nvcc
+def test_gpu_flash_cu_misaligned_view_is_a_clear_value_error(flash_modules):
+    # A contiguous view one float into its storage: data_ptr % 16 == 4. Launched, its float4
+    # loads would raise a sticky "misaligned address" that ends the CUDA context.
+    fwd, bwd = flash_modules
+    shape = (1, 2, 64, 32)
+    n = 2 * 64 * 32
+    base = torch.randn(n + 4, device="cuda")
+    bad = base[1:n + 1].view(shape)
+    assert bad.is_contiguous() and bad.data_ptr() % 16 == 4
+    good = torch.randn(shape, device="cuda")
+    for args, name in (((bad, good, good), "Q"), ((good, bad, good), "K"),
+                       ((good, good, bad), "V")):
+        with pytest.raises(ValueError, match=rf"{name}\.data_ptr\(\) is not 16-byte aligned .*"
+                                             rf"call {name}\.clone\(\)"):
+            fwd.flash_attention_forward(*args, False, 0.25)
+    O, LSE = fwd.flash_attention_forward(good, good, good, False, 0.25)
+    with pytest.raises(ValueError, match=r"dO\.data_ptr\(\) is not 16-byte aligned"):
+        bwd.flash_attention_backward(good, good, good, O, LSE, bad, False, 0.25, True)
+    with pytest.raises(ValueError, match=r"Q\.data_ptr\(\) is not 16-byte aligned"):
+        bwd.flash_attention_backward(bad, good, good, O, LSE, good, False, 0.25, True)
+    # The CUDA context is still usable, and the clone works.
+    O2, _ = fwd.flash_attention_forward(bad.clone(), good, good, False, 0.25)
+    torch.cuda.synchronize()
+    assert torch.isfinite(O2).all()

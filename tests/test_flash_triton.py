@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import course_utils as cu
 from course_utils import checks, reference
@@ -252,3 +254,162 @@ def test_bfloat16_in_the_interpreter_is_refused_with_the_reason():
 def test_cpu_tensors_on_a_gpu_are_named():
     q, k, v = (t.cpu() for t in _qkv())
     _raises(ValueError, r"move the tensors with \.cuda\(\)", q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows that see no key (issue 14): O = 0 and LSE = -inf, not NaN
+# ---------------------------------------------------------------------------------------------
+# The built-in top-left causal split gives every row key 0, so the public API cannot make such
+# a row; a custom ``split`` (the hook the exercises use for bottom-right causal or windows) can.
+# Both splits below keep the built-in forward_inner and the kernel's epilogue.
+
+
+@triton.jit
+def _split_no_key(start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    # Query tile 0 visits no key tile at all (l = 0 in the epilogue); the others the usual ones.
+    hi = _first_tile_empty(start_m, Nk)
+    return 0, hi, hi, hi
+
+
+@triton.jit
+def _first_tile_empty(start_m, Nk):
+    return tl.where(start_m == 0, 0, Nk)
+
+
+@triton.jit
+def _split_padding_first(start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr):
+    # Unmasked stage: one key tile entirely past Nk (all scores -inf: no row sees a key there),
+    # visited FIRST; then the real keys [0, Nk) as the (masked) diagonal stage. The first tile
+    # makes m_new = -inf, where an unguarded alpha = exp2(-inf - -inf) is NaN.
+    past = (Nk // BLOCK_N + 1) * BLOCK_N
+    return past, past + BLOCK_N, 0, Nk
+
+
+def test_forward_row_that_sees_no_key_gives_zero_and_minus_inf():
+    cfg = fat.CPU_CONFIGS["forward"] if not GPU else fat.FP32_GPU_CONFIGS["forward"]
+    bm = cfg.kwargs["BLOCK_M"]
+    q, k, v, _ = _problem((1, 2, 2 * bm, 20, False), torch.float32)
+    O, LSE = fat.attention_forward(q, k, v, False, config=cfg, split=_split_no_key)
+    keep = torch.ones(2 * bm, 20, dtype=torch.bool, device=DEV)
+    keep[:bm] = False  # query tile 0 sees nothing
+    O_ref, LSE_ref = reference.attention(q, k, v, mask=keep)
+    assert not torch.isnan(O).any() and not torch.isnan(LSE).any(), "a row with no key gave NaN"
+    _check_forward_masked(q, k, O, LSE, O_ref, LSE_ref, "no key in query tile 0")
+    assert (O[:, :, :bm] == 0).all() and (LSE[:, :, :bm] == float("-inf")).all()
+
+
+def test_backward_of_a_row_that_saw_no_key_is_finite():
+    # LSE = -inf for query tile 0 (as the forward now returns): the dK/dV kernel visits those
+    # rows (its own split knows nothing of the custom one) and must give them P = 0, not
+    # exp2(S - -inf) = inf; their dQ is 0.
+    cfg = fat.CPU_CONFIGS if not GPU else fat.FP32_GPU_CONFIGS
+    bm = cfg["forward"].kwargs["BLOCK_M"]
+    q, k, v, dO = _problem((1, 2, 2 * bm, 20, False), torch.float32)
+    O, LSE = fat.attention_forward(q, k, v, False, config=cfg["forward"], split=_split_no_key)
+    grads = fat.attention_backward(q, k, v, O, LSE, dO, False, dkdv_config=cfg["dkdv"],
+                                   dq_config=cfg["dq"], split=_split_no_key)
+    for name, g in zip(("dQ", "dK", "dV"), grads, strict=True):
+        assert torch.isfinite(g).all(), f"{name} is not finite for rows that saw no key"
+    # float64 gradients with query tile 0 masked out entirely
+    scale = 1 / math.sqrt(q.shape[-1])
+    q64, k64, v64, dO64 = (t.double() for t in (q, k, v, dO))
+    keep = torch.ones(2 * bm, 20, dtype=torch.bool, device=DEV)
+    keep[:bm] = False
+    O64, LSE64 = reference.attention(q64, k64, v64, mask=keep, scale=scale)
+    S = scale * q64 @ k64.transpose(-2, -1)
+    P = torch.where(keep, torch.exp(S - LSE64[..., None].clamp(min=-1e300)), 0.0)
+    dS = P * (dO64 @ v64.transpose(-2, -1) - (dO64 * O64).sum(-1, keepdim=True))
+    want = (scale * dS @ k64, scale * dS.transpose(-2, -1) @ q64, P.transpose(-2, -1) @ dO64)
+    for name, got, w in zip(("dQ", "dK", "dV"), grads, want, strict=True):
+        checks.compare(name, got, w, case="no key in query tile 0", atol=1e-4, rtol=1e-4)
+
+
+def test_forward_tile_with_no_key_visited_first_is_not_nan():
+    # Nk = 20 is not a multiple of the key tile, so the out-of-range tile is masked to -inf.
+    cfg = fat.CPU_CONFIGS["forward"] if not GPU else fat.FP32_GPU_CONFIGS["forward"]
+    q, k, v, _ = _problem((1, 2, 40, 20, True), torch.float32)
+    O, LSE = fat.attention_forward(q, k, v, True, config=cfg, split=_split_padding_first)
+    O_ref, LSE_ref = reference.attention(q, k, v, causal=True)
+    assert not torch.isnan(O).any(), "an all-masked first tile gave NaN (alpha, P unguarded)"
+    _check_forward_masked(q, k, O, LSE, O_ref, LSE_ref, "all-masked key tile first")
+
+
+def _check_forward_masked(q, k, O, LSE, O_ref, LSE_ref, case):
+    atol, rtol = checks.tolerance(q.dtype, _max_score(q, k, 1 / math.sqrt(q.shape[-1])))
+    checks.compare("O", O, O_ref, case=case, atol=atol, rtol=rtol)
+    checks.compare("LSE", LSE, LSE_ref, case=case, atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grids (T, H, B) (issue 14): B * H may pass 65535
+# ---------------------------------------------------------------------------------------------
+
+
+def test_several_batches_and_heads_on_a_t_h_b_grid_match_the_reference():
+    # B != H, both > 1: a kernel that mixed up program_id(1) (head) and program_id(2) (batch)
+    # would read another (batch, head)'s rows.
+    shape = (3, 2, 19, 23, True)
+    q, k, v, dO = _problem(shape, DTYPES[-1] if not GPU else torch.float16)
+    fwd, bwd = _fixed(q.dtype)
+    O, LSE = fat.attention_forward(q, k, v, True, **fwd)
+    _check_forward(q, k, v, O, LSE, True, 1 / math.sqrt(D), _name(shape))
+    grads = fat.attention_backward(q, k, v, O, LSE, dO, True, **bwd)
+    _check_grads(grads, q, k, v, dO, True, 1 / math.sqrt(D), _name(shape))
+
+
+def test_batch_or_heads_past_the_grid_limit_are_named():
+    q, k, v = (torch.zeros(65536, 1, 1, D, device=DEV, dtype=DTYPES[0]) for _ in range(3))
+    _raises(ValueError, r"B=65536, H=1: .* at most 65535 .* split the batch", q, k, v)
+
+
+@pytest.mark.skipif(not GPU, reason="GPU only: the grid limit is the GPU's (lead runs it)")
+def test_gpu_b_times_h_70000_forward_and_backward():
+    # B * H = 70000 > 65535: a (Tr, B * H) grid fails to launch ("invalid argument").
+    B, H, N, d = 70000, 1, 16, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dO = (torch.randn(B, H, N, d, device="cuda", generator=g).half() for _ in range(4))
+    for causal in (False, True):
+        for config in (None, "fixed"):
+            fwd, bwd = _fixed(q.dtype, d) if config else ({}, {})
+            O, LSE = fat.attention_forward(q, k, v, causal, **fwd)
+            torch.cuda.synchronize()
+            case = f"B={B}, H={H}, N={N}, d={d}, causal={causal}, config={config}"
+            _check_forward(q, k, v, O, LSE, causal, 1 / math.sqrt(d), case)
+            grads = fat.attention_backward(q, k, v, O, LSE, dO, causal, **bwd)
+            torch.cuda.synchronize()
+            _check_grads(grads, q, k, v, dO, causal, 1 / math.sqrt(d), case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autotuning keyed on length buckets (issue 14)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_length_bucket_is_the_next_power_of_two():
+    assert [fat.length_bucket(n) for n in (1, 2, 3, 4, 5, 16, 17, 1000, 1024, 1025, 4097)] == \
+        [1, 2, 4, 4, 8, 16, 32, 1024, 1024, 2048, 8192]
+    with pytest.raises(ValueError, match="at least 1"):
+        fat.length_bucket(0)
+
+
+def test_kernels_receive_buckets_and_the_tuner_keys_on_them():
+    assert fat._lengths(1000, 77) == (1000, 77, 1024, 128)
+    for kernel in fat._KERNELS.values():
+        names = kernel.fn.arg_names
+        assert "NQ_BUCKET" in names and "NK_BUCKET" in names
+    if GPU:  # the autotuner exists on a GPU only (the interpreter uses CPU_CONFIGS)
+        for kind in fat.CONFIGS:
+            assert fat._autotuned(kind).keys[:2] == ["NQ_BUCKET", "NK_BUCKET"]
+
+
+@pytest.mark.skipif(not GPU, reason="GPU only: the interpreter does not autotune (lead runs it)")
+def test_gpu_lengths_in_one_bucket_are_tuned_once():
+    tuner = fat._autotuned("forward")
+    before = len(tuner.cache)
+    for n in (1000, 1001, 1023, 1024):  # one bucket: 1024
+        q, k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        O, LSE = fat.attention_forward(q, k, v, False)
+        _check_forward(q, k, v, O, LSE, False, 1 / 8, f"N={n}")
+    assert len(tuner.cache) <= before + 1, "lengths of one bucket were tuned more than once"

@@ -8,12 +8,12 @@
 // LSE and Dv (B, H, Nq). Three kernels:
 //
 //   1. preprocess: Dv[r] = sum_k dO[r, k] * O[r, k], one warp per query row.
-//   2. dkdv (grid (Tc, B * H)): block j owns key tile K_j, V_j and accumulates dK_j, dV_j in
+//   2. dkdv (grid (Tc, H, B)): block j owns key tile K_j, V_j and accumulates dK_j, dV_j in
 //      registers while it streams the query tiles Q_i, dO_i, LSE_i, Dv_i through shared memory.
 //      Per (i, j): S^T = K_j Q_i^T and dP^T = V_j dO_i^T (one k loop), P = exp(S - LSE),
 //      dS = P * (dP - Dv), then dV_j += P^T dO_i, dK_j += dS^T Q_i. With ATOMIC_DQ it also adds
 //      dQ_i += dS K_j into global memory with atomicAdd (non-deterministic summation order).
-//   3. dq (grid (Tr, B * H)), the deterministic alternative: block i owns Q_i, dO_i and dQ_i,
+//   3. dq (grid (Tr, H, B)), the deterministic alternative: block i owns Q_i, dO_i and dQ_i,
 //      streams K_j, V_j, recomputes S, P, dP, dS (two more matrix products than the atomic
 //      version) and accumulates dQ_i in registers.
 //
@@ -21,10 +21,15 @@
 // (ty, tx) owns key rows c = ty + 16a (a < 4) of S^T and of dK_j, dV_j, and query columns
 // r = tx + 16b (b < 4) of S^T; its dK_j, dV_j columns are o_col(tx, q), q < CPT = D / 16.
 // Shared rows are padded by 4 floats, as in chapter 07.
+//
+// Grids (T, H, B): block (x, y, z) works on (batch, head) bh = z * gridDim.y + y = b * H + h.
+// Not (T, B * H): grid y and z stop at 65535, and B * H passes that in decode batches. (A grid
+// (T, B * H) of a smaller problem still works: gridDim.z = 1.)
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 #include <torch/types.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cstdint>
 #include <tuple>
 #endif
 
@@ -165,7 +170,8 @@ flash_attention_backward_dkdv_kernel(const float* __restrict__ Q, const float* _
     float* Ds = Ls + Br;            // [Br]
 
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
-    const int j = blockIdx.x, bh = blockIdx.y;
+    const int j = blockIdx.x;
+    const unsigned bh = blockIdx.z * gridDim.y + blockIdx.y;  // batch * H + head (< 2^32)
     const int col0 = j * Bc;
     const float* Qbh = Q + (size_t)bh * Nq * D;
     const float* dObh = dO + (size_t)bh * Nq * D;
@@ -318,7 +324,8 @@ flash_attention_backward_dq_kernel(const float* __restrict__ Q, const float* __r
     float* Ds = Ls + Br;            // [Br]
 
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
-    const int i = blockIdx.x, bh = blockIdx.y;
+    const int i = blockIdx.x;
+    const unsigned bh = blockIdx.z * gridDim.y + blockIdx.y;  // batch * H + head (< 2^32)
     const int row0 = i * Br;
     const float* Kbh = K + (size_t)bh * Nk * D;
     const float* Vbh = V + (size_t)bh * Nk * D;
@@ -429,6 +436,17 @@ static void opt_in(Kernel kernel, int smem_bytes, bool& done) {
     done = true;
 }
 
+// load_tile reads Q, K, V and dO as float4s, so each base pointer must be 16-byte aligned. A
+// contiguous view that starts mid-allocation (x.view(-1)[1:].view(...)) may not be, and a
+// misaligned float4 load is a sticky CUDA error that ends the process's CUDA context: refuse it
+// here (ValueError). O and LSE are read as plain floats.
+static void fa08_check_aligned(const char* name, const torch::Tensor& t) {
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                      "flash_attention_backward: ", name, ".data_ptr() is not 16-byte aligned "
+                      "(storage offset ", t.storage_offset(), " floats) and the kernel loads "
+                      "float4s: call ", name, ".clone() to get an aligned copy");
+}
+
 static void check_launch(const char* what) {
     const cudaError_t err = cudaGetLastError();
     TORCH_CHECK(err == cudaSuccess, "flash_attention_backward: ", what, " launch failed: ",
@@ -438,11 +456,11 @@ static void check_launch(const char* what) {
 template <int D, bool ATOMIC_DQ>
 static void launch_dkdv(const float* Q, const float* K, const float* V, const float* dO,
                         const float* LSE, const float* Dv, float* dK, float* dV, float* dQ,
-                        int Nq, int Nk, int BH, float scale, bool causal, cudaStream_t stream) {
+                        int Nq, int Nk, int H, int B, float scale, bool causal, cudaStream_t stream) {
     const int smem = fa08::dkdv_shared_floats(D) * (int)sizeof(float);
     static bool done = false;
     opt_in(flash_attention_backward_dkdv_kernel<D, ATOMIC_DQ>, smem, done);
-    const dim3 grid((Nk + fa08::Bc - 1) / fa08::Bc, BH);
+    const dim3 grid((Nk + fa08::Bc - 1) / fa08::Bc, H, B);  // y, z <= 65535 (checked)
     flash_attention_backward_dkdv_kernel<D, ATOMIC_DQ><<<grid, fa08::THREADS, smem, stream>>>(
         Q, K, V, dO, LSE, Dv, dK, dV, dQ, Nq, Nk, scale, causal ? 1 : 0);
     check_launch("dkdv");
@@ -450,12 +468,12 @@ static void launch_dkdv(const float* Q, const float* K, const float* V, const fl
 
 template <int D>
 static void launch_dq(const float* Q, const float* K, const float* V, const float* dO,
-                      const float* LSE, const float* Dv, float* dQ, int Nq, int Nk, int BH,
-                      float scale, bool causal, cudaStream_t stream) {
+                      const float* LSE, const float* Dv, float* dQ, int Nq, int Nk, int H,
+                      int B, float scale, bool causal, cudaStream_t stream) {
     const int smem = fa08::dq_shared_floats(D) * (int)sizeof(float);
     static bool done = false;
     opt_in(flash_attention_backward_dq_kernel<D>, smem, done);
-    const dim3 grid((Nq + fa08::Br - 1) / fa08::Br, BH);
+    const dim3 grid((Nq + fa08::Br - 1) / fa08::Br, H, B);  // y, z <= 65535 (checked)
     flash_attention_backward_dq_kernel<D><<<grid, fa08::THREADS, smem, stream>>>(
         Q, K, V, dO, LSE, Dv, dQ, Nq, Nk, scale, causal ? 1 : 0);
     check_launch("dq");
@@ -465,16 +483,16 @@ template <int D>
 static void launch_all(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
                        const torch::Tensor& dO, const torch::Tensor& LSE, const torch::Tensor& Dv,
                        torch::Tensor& dQ, torch::Tensor& dK, torch::Tensor& dV, int Nq, int Nk,
-                       int BH, float scale, bool causal, bool deterministic, cudaStream_t stream) {
+                       int H, int B, float scale, bool causal, bool deterministic, cudaStream_t stream) {
     const float *q = Q.data_ptr<float>(), *k = K.data_ptr<float>(), *v = V.data_ptr<float>();
     const float *dout = dO.data_ptr<float>(), *lse = LSE.data_ptr<float>(), *dv = Dv.data_ptr<float>();
     if (deterministic) {
         launch_dkdv<D, false>(q, k, v, dout, lse, dv, dK.data_ptr<float>(), dV.data_ptr<float>(),
-                              dQ.data_ptr<float>(), Nq, Nk, BH, scale, causal, stream);
-        launch_dq<D>(q, k, v, dout, lse, dv, dQ.data_ptr<float>(), Nq, Nk, BH, scale, causal, stream);
+                              dQ.data_ptr<float>(), Nq, Nk, H, B, scale, causal, stream);
+        launch_dq<D>(q, k, v, dout, lse, dv, dQ.data_ptr<float>(), Nq, Nk, H, B, scale, causal, stream);
     } else {
         launch_dkdv<D, true>(q, k, v, dout, lse, dv, dK.data_ptr<float>(), dV.data_ptr<float>(),
-                             dQ.data_ptr<float>(), Nq, Nk, BH, scale, causal, stream);
+                             dQ.data_ptr<float>(), Nq, Nk, H, B, scale, causal, stream);
     }
 }
 
@@ -497,11 +515,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> flash_attention_backward
     TORCH_CHECK(LSE.size(0) == B && LSE.size(1) == H && LSE.size(2) == Nq,
                 "flash_attention_backward: LSE must be (B, H, Nq)");
     TORCH_CHECK(Nk >= 1 && Nq >= 1, "flash_attention_backward: need Nq, Nk >= 1");
+    // Grids (T, H, B): CUDA caps grid y and z at 65535 ("invalid argument" beyond).
+    TORCH_CHECK_VALUE(H <= 65535 && B <= 65535, "flash_attention_backward: B=", B, ", H=", H,
+                      ": the grids are (T, H, B) and CUDA allows at most 65535 blocks in y and z; "
+                      "split the batch into chunks of at most 65535");
+    fa08_check_aligned("Q", Q);
+    fa08_check_aligned("K", K);
+    fa08_check_aligned("V", V);
+    fa08_check_aligned("dO", dO);
     auto dQ = deterministic ? torch::empty_like(Q) : torch::zeros_like(Q);  // atomics add into 0
     auto dK = torch::empty_like(K);
     auto dV = torch::empty_like(V);
     auto Dv = torch::empty({B, H, Nq}, Q.options());
-    const int BH = (int)(B * H);
+    const int Bi = (int)B, Hi = (int)H;
     const float s = (float)scale;
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
@@ -510,10 +536,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> flash_attention_backward
         O.data_ptr<float>(), dO.data_ptr<float>(), Dv.data_ptr<float>(), rows, (int)d);
     check_launch("preprocess");
     switch (d) {
-        case 16: launch_all<16>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, BH, s, causal, deterministic, stream); break;
-        case 32: launch_all<32>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, BH, s, causal, deterministic, stream); break;
-        case 64: launch_all<64>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, BH, s, causal, deterministic, stream); break;
-        case 128: launch_all<128>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, BH, s, causal, deterministic, stream); break;
+        case 16: launch_all<16>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, Hi, Bi, s, causal, deterministic, stream); break;
+        case 32: launch_all<32>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, Hi, Bi, s, causal, deterministic, stream); break;
+        case 64: launch_all<64>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, Hi, Bi, s, causal, deterministic, stream); break;
+        case 128: launch_all<128>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, Hi, Bi, s, causal, deterministic, stream); break;
         default: TORCH_CHECK(false, "flash_attention_backward: d must be 16, 32, 64 or 128, got ", d);
     }
     return {dQ, dK, dV};

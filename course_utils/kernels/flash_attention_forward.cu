@@ -7,8 +7,11 @@
 //     kernel with NVRTC (which defines __CUDACC_RTC__, so the torch part is skipped).
 //
 // Shapes (row-major, contiguous): Q (B, H, Nq, D), K and V (B, H, Nk, D), O (B, H, Nq, D),
-// LSE (B, H, Nq), all float32. Grid: (Tr, B * H) blocks, Tr = ceil(Nq / Br): block
-// (blockIdx.x, blockIdx.y) owns query tile i = blockIdx.x of the (batch, head) bh = blockIdx.y.
+// LSE (B, H, Nq), all float32. Grid: (Tr, H, B) blocks, Tr = ceil(Nq / Br): block
+// (blockIdx.x, blockIdx.y, blockIdx.z) owns query tile i = blockIdx.x of head h = blockIdx.y of
+// batch b = blockIdx.z, i.e. of the (batch, head) bh = b * H + h = blockIdx.z * gridDim.y +
+// blockIdx.y. (Not (Tr, B * H): grid y and z stop at 65535, and B * H passes that in decode
+// batches; a (Tr, B * H) grid of smaller problems still works, with gridDim.z = 1.)
 // Block: THREADS = 256 threads seen as a TY x TX = 16 x 16 grid; thread (ty, tx) owns
 //   * S rows    r = ty + TY * a  (a < TM = 4)   and S columns c = tx + TX * b  (b < TN = 4);
 //   * O rows    r = ty + TY * a  (the same rows) and O columns  col(tx, q), q < CPT = D / 16;
@@ -26,6 +29,7 @@
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 #include <torch/types.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cstdint>
 #include <tuple>
 #endif
 
@@ -103,7 +107,7 @@ flash_attention_forward_kernel(const float* __restrict__ Q, const float* __restr
     const int tx = threadIdx.x % TX;  // lanes 0..15 and 16..31 of a warp: two rows' groups
     const int ty = threadIdx.x / TX;
     const int i = blockIdx.x;         // query tile
-    const int bh = blockIdx.y;        // batch * H + head
+    const unsigned bh = blockIdx.z * gridDim.y + blockIdx.y;  // batch * H + head (< 2^32)
     const int row0 = i * Br;
     const float* Qbh = Q + (size_t)bh * Nq * D;
     const float* Kbh = K + (size_t)bh * Nk * D;
@@ -264,10 +268,20 @@ FA_INSTANTIATE(128)
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 // ----------------------------------------------------------------------------- torch host side
 
+// load_tile reads Q, K, V as float4s, so each base pointer must be 16-byte aligned. A contiguous
+// view that starts mid-allocation (x.view(-1)[1:].view(...)) may not be, and a misaligned float4
+// load is a sticky CUDA error that ends the process's CUDA context: refuse it here (ValueError).
+static void fa07_check_aligned(const char* name, const torch::Tensor& t) {
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                      "flash_attention_forward: ", name, ".data_ptr() is not 16-byte aligned "
+                      "(storage offset ", t.storage_offset(), " floats) and the kernel loads "
+                      "float4s: call ", name, ".clone() to get an aligned copy");
+}
+
 template <int D>
 static void launch_flash_forward(const torch::Tensor& Q, const torch::Tensor& K,
                                  const torch::Tensor& V, torch::Tensor& O, torch::Tensor& LSE,
-                                 int Nq, int Nk, int BH, float scale, bool causal) {
+                                 int Nq, int Nk, int H, int B, float scale, bool causal) {
     const int smem_bytes = fa07::shared_floats(D) * (int)sizeof(float);
     // Above 48 KiB of dynamic shared memory a kernel must opt in, once per kernel.
     static bool opted_in = false;
@@ -279,7 +293,7 @@ static void launch_flash_forward(const torch::Tensor& Q, const torch::Tensor& K,
                     " bytes of shared memory");
         opted_in = true;
     }
-    const dim3 grid((Nq + fa07::Br - 1) / fa07::Br, BH);
+    const dim3 grid((Nq + fa07::Br - 1) / fa07::Br, H, B);  // y, z <= 65535 each (checked)
     flash_attention_forward_kernel<D>
         <<<grid, fa07::THREADS, smem_bytes, c10::cuda::getCurrentCUDAStream()>>>(
             Q.data_ptr<float>(), K.data_ptr<float>(), V.data_ptr<float>(), O.data_ptr<float>(),
@@ -305,16 +319,24 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention_forward(torch::Tensor Q
     TORCH_CHECK(K.size(3) == d && V.size(3) == d && V.size(2) == Nk,
                 "flash_attention_forward: K and V must be (B, H, Nk, d) with Q's d");
     TORCH_CHECK(Nk >= 1, "flash_attention_forward: need at least one key");
+    // Grid (Tr, H, B): CUDA caps grid y and z at 65535 (a larger launch fails with "invalid
+    // argument"); B * H may be anything up to 65535 * 65535.
+    TORCH_CHECK_VALUE(H <= 65535 && B <= 65535, "flash_attention_forward: B=", B, ", H=", H,
+                      ": the grid is (Tr, H, B) and CUDA allows at most 65535 blocks in y and z; "
+                      "split the batch into chunks of at most 65535");
+    fa07_check_aligned("Q", Q);
+    fa07_check_aligned("K", K);
+    fa07_check_aligned("V", V);
     auto O = torch::empty_like(Q);
     auto LSE = torch::empty({B, H, Nq}, Q.options());
     if (Nq == 0 || B * H == 0) return {O, LSE};
-    const int BH = (int)(B * H);
+    const int Bi = (int)B, Hi = (int)H;
     const float s = (float)scale;
     switch (d) {
-        case 16: launch_flash_forward<16>(Q, K, V, O, LSE, Nq, Nk, BH, s, causal); break;
-        case 32: launch_flash_forward<32>(Q, K, V, O, LSE, Nq, Nk, BH, s, causal); break;
-        case 64: launch_flash_forward<64>(Q, K, V, O, LSE, Nq, Nk, BH, s, causal); break;
-        case 128: launch_flash_forward<128>(Q, K, V, O, LSE, Nq, Nk, BH, s, causal); break;
+        case 16: launch_flash_forward<16>(Q, K, V, O, LSE, Nq, Nk, Hi, Bi, s, causal); break;
+        case 32: launch_flash_forward<32>(Q, K, V, O, LSE, Nq, Nk, Hi, Bi, s, causal); break;
+        case 64: launch_flash_forward<64>(Q, K, V, O, LSE, Nq, Nk, Hi, Bi, s, causal); break;
+        case 128: launch_flash_forward<128>(Q, K, V, O, LSE, Nq, Nk, Hi, Bi, s, causal); break;
         default: TORCH_CHECK(false, "flash_attention_forward: d must be 16, 32, 64 or 128, got ", d);
     }
     return {O, LSE};

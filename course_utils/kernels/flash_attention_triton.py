@@ -11,11 +11,17 @@ Names follow the math of chapters 07 and 08: a program (Triton's word for a CUDA
 tile. ``BLOCK_M`` is **Br**, the number of query rows of a tile, and ``BLOCK_N`` is **Bc**, the
 number of key rows, in every kernel here:
 
-* forward: grid ``(Tr, B*H)``, program ``(i, bh)`` owns the query tile Q_i and streams K_j, V_j;
-* D preprocess: ``D = rowsum(dO * O)`` in float32, grid ``(Tr, B*H)``;
-* dK/dV: grid ``(Tc, B*H)``, program ``(j, bh)`` owns K_j, V_j, dK_j, dV_j and streams Q_i, dO_i;
-* dQ: grid ``(Tr, B*H)``, program ``(i, bh)`` owns Q_i, dO_i, dQ_i and streams K_j, V_j (no
+* forward: grid ``(Tr, H, B)``, program ``(i, h, b)`` owns the query tile Q_i of the (batch,
+  head) ``bh = b * H + h`` and streams K_j, V_j;
+* D preprocess: ``D = rowsum(dO * O)`` in float32, grid ``(Tr, H, B)``;
+* dK/dV: grid ``(Tc, H, B)``, program ``(j, h, b)`` owns K_j, V_j, dK_j, dV_j and streams Q_i, dO_i;
+* dQ: grid ``(Tr, H, B)``, program ``(i, h, b)`` owns Q_i, dO_i, dQ_i and streams K_j, V_j (no
   atomics: every dQ row is summed by one program, in a fixed order, so dQ is deterministic).
+
+Why ``(T, H, B)`` and not ``(T, B*H)``: a CUDA grid has at most 65535 programs along y and z, and
+B * H passes that in decode batches (B = 512, H = 128). Every kernel reads its (batch, head) as
+``bh = program_id(2) * num_programs(1) + program_id(1)`` (:func:`batch_head`), so a ``(T, B*H)``
+grid of a small problem still works too. B and H must each be at most 65535 (checked).
 
 Scores are kept in base 2: ``qk_scale = scale * log2(e)`` is folded into one multiply, so every
 exponential is ``exp2`` (the GPU's native ``ex2`` instruction) and the running max m is in log2
@@ -28,7 +34,9 @@ tiles on the diagonal with the mask. Tiles above the diagonal are never visited.
 so the hot loop carries no per-element mask when N is a multiple of the tile.
 
 Configurations. On a GPU the forward, dK/dV and dQ kernels are autotuned
-(``triton.autotune``, keyed on Nq, Nk, the head dim and causal) over ``FWD_CONFIGS``,
+(``triton.autotune``, keyed on the head dim, causal, and the *buckets* of Nq and Nk: the next
+power of two, :func:`length_bucket`, so a new length re-tunes only when it enters a new bucket;
+the masks always use the real lengths) over ``FWD_CONFIGS``,
 ``DKDV_CONFIGS``, ``DQ_CONFIGS``, pruned by :func:`prune_configs` to the configurations that are
 valid and fit the chip. Edit those lists to change the search. In Triton's interpreter (the
 course's CPU mode) nothing is tuned: ``CPU_CONFIGS`` fixes one small configuration per kernel.
@@ -47,6 +55,7 @@ import itertools
 import math
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -82,7 +91,9 @@ __all__ = [
     "flash_attention_triton",
     "fixed_configs",
     "forward_inner",
+    "batch_head",
     "kernel_source",
+    "length_bucket",
     "prune_configs",
     "source_hash",
     "tile_dot",
@@ -109,6 +120,16 @@ def tile_dot(a, b, acc):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def batch_head():
+    """The (batch, head) index ``bh = b * H + h`` of this program in a ``(T, H, B)`` grid, int64.
+
+    64-bit, because ``bh * N * HEAD_DIM`` can pass 2**31. In a ``(T, B*H)`` grid (num_programs(2)
+    = 1) it is program_id(1), as before.
+    """
+    return tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
 
 
 # =============================================================================================
@@ -196,8 +217,12 @@ def forward_inner(acc, l_i, m_i, q, K, V, qk_scale, offs_m, offs_n, offs_d, lo, 
         if not EVEN_N:
             S = tl.where(cols[None, :] < Nk, S, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(S, 1) * qk_scale)  # qk_scale > 0: max commutes with it
-        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
-        P = tl.exp2(S * qk_scale - m_new[:, None])  # one FMA and one ex2 per score
+        # A row that has seen no key yet (every score so far -inf: bottom-right causal, windows,
+        # padding) has m_new = -inf, and -inf - -inf is NaN: subtract 0 instead, so that
+        # alpha = exp2(-inf) = 0 and P = exp2(-inf) = 0 (the CUDA and Numba kernels do the same).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)  # rescales what was summed under the old max
+        P = tl.exp2(S * qk_scale - m_use[:, None])  # one FMA and one ex2 per score
         l_i = l_i * alpha + tl.sum(P, 1)
         acc = acc * alpha[:, None]
         acc = tile_dot(P.to(v.dtype), v, acc)  # P in the input dtype: tensor cores, fp32 acc
@@ -206,7 +231,7 @@ def forward_inner(acc, l_i, m_i, q, K, V, qk_scale, offs_m, offs_n, offs_d, lo, 
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, O, LSE, qk_scale, Nq, Nk,
+def _forward_kernel(Q, K, V, O, LSE, qk_scale, Nq, Nk, NQ_BUCKET, NK_BUCKET,
                     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -218,7 +243,7 @@ def _forward_kernel(Q, K, V, O, LSE, qk_scale, Nq, Nk,
     if CAUSAL:  # later query tiles see more keys: start them first, so no SM idles at the end
         i = tl.num_programs(0) - 1 - i
     start_m = i * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)  # 64-bit: B * H * N * d can pass 2**31
+    bh = batch_head()  # grid (Tr, H, B); 64-bit: B * H * N * d can pass 2**31
     Q += bh * Nq * HEAD_DIM
     K += bh * Nk * HEAD_DIM
     V += bh * Nk * HEAD_DIM
@@ -244,9 +269,11 @@ def _forward_kernel(Q, K, V, O, LSE, qk_scale, Nq, Nk,
         acc, l_i, m_i = INNER(acc, l_i, m_i, q, K, V, qk_scale, offs_m, offs_n, offs_d, diag_lo,
                               diag_hi, Nk, HEAD_DIM, BLOCK_N, True, EVEN_N)  # the diagonal
 
-    # Every real row sees key 0 (top-left causal), so l_i > 0.
-    acc = acc * (1.0 / l_i)[:, None]
-    lse = (m_i + tl.log2(l_i)) * _LN2  # natural-log units, for the backward pass
+    # With top-left causal every real row sees key 0, so l_i > 0; a row that saw no key (a
+    # custom SPLIT or INNER: bottom-right, windows, padding) has l_i = 0: O = 0, LSE = -inf.
+    seen = l_i > 0.0
+    acc = acc * tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
     o_ptrs = O + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     if EVEN_M:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty))
@@ -263,8 +290,8 @@ def _forward_kernel(Q, K, V, O, LSE, qk_scale, Nq, Nk,
 
 @triton.jit
 def _delta_kernel(O, dO, Dv, Nq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    # D[r] = sum_k dO[r, k] * O[r, k] in fp32, for the BLOCK_M rows of program (i, bh).
-    bh = tl.program_id(1).to(tl.int64)
+    # D[r] = sum_k dO[r, k] * O[r, k] in fp32, for the BLOCK_M rows of program (i, h, b).
+    bh = batch_head()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     ptrs = bh * Nq * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
@@ -302,6 +329,9 @@ def dkdv_inner(dk, dv, k, v, Q, dO, LSE, Dv, qk_scale, offs_n, offs_m, offs_d, l
             do = tl.load(do_ptrs, mask=rows[:, None] < Nq, other=0.0)
             lse2 = tl.load(LSE + rows, mask=rows < Nq, other=float("inf")) * _LOG2E
             Di = tl.load(Dv + rows, mask=rows < Nq, other=0.0)
+        # A row that saw no key in the forward (LSE = -inf, O = 0) has no gradient: +inf makes
+        # its P^T = 0 instead of exp2(S - -inf) = inf (the CUDA kernel's load_rows does the same)
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         sT = tile_dot(k, tl.trans(q), None)  # S^T (BLOCK_N, BLOCK_M): keys x queries, unscaled
         if DIAGONAL:  # key offs_n[c] is seen by query rows[r] iff offs_n[c] <= rows[r]
             sT = tl.where(offs_n[:, None] <= rows[None, :], sT, float("-inf"))
@@ -317,14 +347,14 @@ _DKDV_INNER = dkdv_inner  # (attention_backward's keyword argument shadows the n
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, dO, LSE, Dv, dK, dV, qk_scale, sm_scale, Nq, Nk,
+def _dkdv_kernel(Q, K, V, dO, LSE, Dv, dK, dV, qk_scale, sm_scale, Nq, Nk, NQ_BUCKET, NK_BUCKET,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, INNER: tl.constexpr,
                  FN_HASH: tl.constexpr):
     # Program (j, bh): key rows start_n .. start_n + BLOCK_N - 1 of (batch, head) bh.
     start_n = tl.program_id(0) * BLOCK_N  # causal: early key tiles do the most work, and go first
-    bh = tl.program_id(1).to(tl.int64)
+    bh = batch_head()
     Q += bh * Nq * HEAD_DIM
     dO += bh * Nq * HEAD_DIM
     K += bh * Nk * HEAD_DIM
@@ -396,7 +426,7 @@ def dq_inner(dq, q, do, lse2, Di, K, V, qk_scale, offs_m, offs_n, offs_d, lo, hi
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, dO, LSE, Dv, dQ, qk_scale, sm_scale, Nq, Nk,
+def _dq_kernel(Q, K, V, dO, LSE, Dv, dQ, qk_scale, sm_scale, Nq, Nk, NQ_BUCKET, NK_BUCKET,
                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
@@ -406,7 +436,7 @@ def _dq_kernel(Q, K, V, dO, LSE, Dv, dQ, qk_scale, sm_scale, Nq, Nk,
     if CAUSAL:  # the forward's order: heavy (late) query tiles first
         i = tl.num_programs(0) - 1 - i
     start_m = i * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    bh = batch_head()
     Q += bh * Nq * HEAD_DIM
     dO += bh * Nq * HEAD_DIM
     dQ += bh * Nq * HEAD_DIM
@@ -429,6 +459,7 @@ def _dq_kernel(Q, K, V, dO, LSE, Dv, dQ, qk_scale, sm_scale, Nq, Nk,
         do = tl.load(dO + q_offs, mask=offs_m[:, None] < Nq, other=0.0)
         lse2 = tl.load(LSE + offs_m, mask=offs_m < Nq, other=float("inf")) * _LOG2E
         Di = tl.load(Dv + offs_m, mask=offs_m < Nq, other=0.0)
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # no key seen: P = 0, dQ = 0
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     lo, hi, diag_lo, diag_hi = SPLIT(start_m, Nk, BLOCK_M, BLOCK_N, CAUSAL)
@@ -563,11 +594,27 @@ CONFIGS = {"forward": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}  # by
 _tuned = {}  # kind -> the autotuned kernel (built on first use, GPU only)
 
 
+def length_bucket(n):
+    """The autotuner's key for a sequence length ``n``: the next power of two (``n`` if it is
+    one). Lengths in one bucket share one tuned configuration, so a new length re-tunes only in
+    a new bucket; the kernels still mask with the real length."""
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"length {n}: a sequence length is at least 1")
+    return 1 << (n - 1).bit_length()
+
+
+def _lengths(Nq, Nk):
+    """The kernels' length arguments: ``(Nq, Nk, NQ_BUCKET, NK_BUCKET)``. The buckets are read
+    by the autotuner's key only (unused inside the kernels)."""
+    return Nq, Nk, length_bucket(Nq), length_bucket(Nk)
+
+
 def _autotuned(kind):
     if kind not in _tuned:
         _tuned[kind] = triton.autotune(
             configs=CONFIGS[kind],
-            key=["Nq", "Nk", "HEAD_DIM", "CAUSAL"],  # (the dtype is added by Triton)
+            key=["NQ_BUCKET", "NK_BUCKET", "HEAD_DIM", "CAUSAL"],  # (+ the dtype, by Triton)
             prune_configs_by={"early_config_prune": _early_prune(kind)},
             do_bench=_tuning_bench,
         )(_KERNELS[kind])  # each kernel writes its outputs once (no accumulation in memory),
@@ -657,6 +704,7 @@ def validate_inputs(q, k, v):
                          "head dim with zeros up to the next one)")
     if Nq < 1 or Nk < 1:
         raise ValueError(f"Nq={Nq}, Nk={Nk}: attention needs at least one query and one key")
+    _check_grid(B, H)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_contiguous():
             raise ValueError(f"{name} is not contiguous (strides {t.stride()}): call "
@@ -665,6 +713,13 @@ def validate_inputs(q, k, v):
 
 
 def _check_dtype_and_device(t):
+    if t.device.type not in ("cpu", "cuda"):  # meta (no data), mps, xpu...: Triton cannot run
+        where = ("the CPU (Triton's interpreter is on)" if INTERPRETED
+                 else "a CUDA GPU (device='cuda')")
+        raise ValueError(f"the tensors are on device {str(t.device)!r}, which holds "
+                         + ("no data" if t.device.type == "meta" else "nothing Triton can run on")
+                         + f": the kernels run on {where}; create the tensors there, e.g. "
+                         "with device=course_utils.device()")
     if INTERPRETED:
         if t.is_cuda:
             raise ValueError("the tensors are on a GPU, but Triton runs in its CPU interpreter "
@@ -688,6 +743,28 @@ def _check_dtype_and_device(t):
                             "float32, exact but slow)")
 
 
+def _causal(causal):
+    """``causal`` as a bool; anything else (a string, None, 2, a tensor) is a TypeError: a
+    non-empty string such as "no" would otherwise be silently True."""
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal)
+    if isinstance(causal, int) and causal in (0, 1):  # 0 / 1 as a flag: unambiguous
+        return bool(causal)
+    raise TypeError(f"causal={causal!r} ({type(causal).__name__}): pass True (query i sees "
+                    "keys j <= i) or False (every query sees every key)")
+
+
+MAX_GRID_YZ = 65535  # CUDA's limit on grid y and z
+
+
+def _check_grid(B, H):
+    """The grids are (T, H, B): H and B must each fit grid y / z (65535)."""
+    if B > MAX_GRID_YZ or H > MAX_GRID_YZ:
+        raise ValueError(f"B={B}, H={H}: the kernels launch (T, H, B) grids and a GPU allows at "
+                         f"most {MAX_GRID_YZ} programs along y and z: split the batch (or the "
+                         f"heads) into chunks of at most {MAX_GRID_YZ}")
+
+
 def _scale(scale, d):
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not (math.isfinite(scale) and scale > 0):
@@ -702,7 +779,8 @@ def attention_forward(q, k, v, causal=False, scale=None, *, out=None, config=Non
 
     Args:
         q: ``(B, H, Nq, d)``; k, v: ``(B, H, Nk, d)``; contiguous, one dtype and device.
-        causal: query i sees keys j <= i (top-left aligned, as SDPA's ``is_causal``).
+        causal: query i sees keys j <= i (top-left aligned, as SDPA's ``is_causal``). A bool
+            (or 0 / 1); anything else, e.g. the string "no", is a TypeError.
         scale: scores are ``scale * Q K^T``; default ``1 / sqrt(d)``; must be > 0.
         out: optional ``(O, LSE)`` to write into (shapes and dtypes as returned).
         config: a ``triton.Config`` with BLOCK_M (Br) and BLOCK_N (Bc), to skip autotuning.
@@ -711,6 +789,7 @@ def attention_forward(q, k, v, causal=False, scale=None, *, out=None, config=Non
     """
     B, H, Nq, Nk, d = validate_inputs(q, k, v)
     scale = _scale(scale, d)
+    causal = _causal(causal)
     if out is None:
         O = torch.empty_like(q)
         LSE = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
@@ -720,12 +799,13 @@ def attention_forward(q, k, v, causal=False, scale=None, *, out=None, config=Non
     _check_output("LSE", LSE, (B, H, Nq), torch.float32, q.device)
 
     def grid(meta):
-        return (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)
+        return (triton.cdiv(Nq, meta["BLOCK_M"]), H, B)  # not B * H: y and z stop at 65535
 
     inner, split = inner or forward_inner, split or causal_split
     consts = dict(HEAD_DIM=d, CAUSAL=bool(causal), INNER=inner, SPLIT=split,
                   FN_HASH=source_hash(inner, split))
-    _launch("forward", grid, (q, k, v, O, LSE, scale * LOG2E, Nq, Nk), consts, config, q.dtype)
+    _launch("forward", grid, (q, k, v, O, LSE, scale * LOG2E, *_lengths(Nq, Nk)), consts, config,
+            q.dtype)
     return O, LSE
 
 
@@ -734,7 +814,8 @@ def compute_delta(o, do):
     B, H, Nq, d = o.shape
     _check_output("dO", do, o.shape, o.dtype, o.device)
     Dv = torch.empty(B, H, Nq, dtype=torch.float32, device=o.device)
-    grid = (triton.cdiv(Nq, DELTA_BLOCK_M), B * H)
+    _check_grid(B, H)
+    grid = (triton.cdiv(Nq, DELTA_BLOCK_M), H, B)
     _delta_kernel[grid](o, do, Dv, Nq, HEAD_DIM=d, BLOCK_M=DELTA_BLOCK_M)
     return Dv
 
@@ -753,6 +834,7 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=Non
     """
     B, H, Nq, Nk, d = validate_inputs(q, k, v)
     scale = _scale(scale, d)
+    causal = _causal(causal)
     do = do.contiguous()
     _check_output("O", o, q.shape, q.dtype, q.device)
     _check_output("dO", do, q.shape, q.dtype, q.device)
@@ -769,16 +851,16 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=Non
     qk_scale = scale * LOG2E
 
     def grid_kv(meta):
-        return (triton.cdiv(Nk, meta["BLOCK_N"]), B * H)
+        return (triton.cdiv(Nk, meta["BLOCK_N"]), H, B)
 
     def grid_q(meta):
-        return (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)
+        return (triton.cdiv(Nq, meta["BLOCK_M"]), H, B)
 
     inner, split = dkdv_inner or _DKDV_INNER, split or causal_split
-    _launch("dkdv", grid_kv, (*args, dK, dV, qk_scale, scale, Nq, Nk),
+    _launch("dkdv", grid_kv, (*args, dK, dV, qk_scale, scale, *_lengths(Nq, Nk)),
             dict(HEAD_DIM=d, CAUSAL=bool(causal), INNER=inner, FN_HASH=source_hash(inner)),
             dkdv_config, q.dtype)
-    _launch("dq", grid_q, (*args, dQ, qk_scale, scale, Nq, Nk),
+    _launch("dq", grid_q, (*args, dQ, qk_scale, scale, *_lengths(Nq, Nk)),
             dict(HEAD_DIM=d, CAUSAL=bool(causal), SPLIT=split, FN_HASH=source_hash(split)),
             dq_config, q.dtype)
     return dQ, dK, dV
@@ -826,9 +908,12 @@ def flash_attention_triton(q, k, v, causal=False, scale=None):
 
     q ``(B, H, Nq, d)``, k, v ``(B, H, Nk, d)``: contiguous, d in SUPPORTED_D, float16 or
     bfloat16 on a GPU (float32 too, exact and slow), float32 or float16 in the interpreter.
+    ``causal`` must be a bool (or 0 / 1): a string such as "no" is a TypeError, not True.
     Returns O like q. ``O.backward(dO)`` runs the Triton backward (D, dK/dV, dQ kernels).
+    A row that sees no key (possible only with a custom ``split`` / ``inner``) gets O = 0 and
+    LSE = -inf, as in ``reference.attention``, and zero gradient.
     """
-    return _FlashAttentionTriton.apply(q, k, v, bool(causal), scale)
+    return _FlashAttentionTriton.apply(q, k, v, _causal(causal), scale)
 
 
 def kernel_source(fn):

@@ -38,7 +38,7 @@ def main():
             O1, LSE1 = module.flash_attention_forward(Q, K, V, causal, scale)
             O2 = torch.full_like(Q, math.nan)
             LSE2 = torch.full((B, H, Nq), math.nan, device="cuda")
-            kernel((math.ceil(Nq / BR), B * H), THREADS, Q, K, V, O2, LSE2, Nq, Nk, scale,
+            kernel((math.ceil(Nq / BR), H, B), THREADS, Q, K, V, O2, LSE2, Nq, Nk, scale,
                    int(causal), shared_mem=smem)  # fmt: skip
             torch.cuda.synchronize()
             case = f"B={B}, H={H}, Nq={Nq}, Nk={Nk}, d={d}, causal={causal}"
