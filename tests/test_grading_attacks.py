@@ -46,16 +46,14 @@ NAIVE = textwrap.dedent("""
         if causal:
             keep = torch.ones(S.shape[-2], S.shape[-1], dtype=torch.bool, device=S.device).tril()
             S = S.masked_fill(~keep, -math.inf)
-        m = S.amax(dim=-1, keepdim=True)
-        P = torch.exp(S - m)
-        l = P.sum(dim=-1, keepdim=True)
-        return (P / l) @ V, (m + torch.log(l)).squeeze(-1)
+        return torch.softmax(S, dim=-1) @ V
 """)
 CHECK_NAIVE = 'grader.check("01.naive_attention", naive_attention)'
 
 
-def _softmax_attention(expr: str) -> str:
-    """A naive attention whose P comes from ``expr`` (a library route to the softmax)."""
+def _sdpa_attention(expr: str) -> str:
+    """A naive attention whose O comes from ``expr`` (a library route to SDPA, which chapter
+    01's exercise forbids; its ``torch.softmax`` is allowed)."""
     return textwrap.dedent(f"""
         import math
         import torch
@@ -63,14 +61,7 @@ def _softmax_attention(expr: str) -> str:
 
         def naive_attention(Q, K, V, causal=False, scale=None):
             scale = 1 / math.sqrt(Q.shape[-1]) if scale is None else scale
-            S = scale * Q @ K.transpose(-2, -1)
-            if causal:
-                keep = torch.ones(S.shape[-2], S.shape[-1], dtype=torch.bool).tril()
-                S = S.masked_fill(~keep, -math.inf)
-            m = S.amax(dim=-1, keepdim=True)
-            l = torch.exp(S - m).sum(dim=-1, keepdim=True)
-            P = {expr}
-            return P @ V, (m + torch.log(l)).squeeze(-1)
+            return {expr}
     """)
 
 
@@ -134,8 +125,8 @@ attack("gc_theft", [textwrap.dedent("""
         for obj in gc.get_objects():
             if isinstance(obj, torch.Tensor) and obj.dtype == torch.float64 \\
                     and obj.shape == Q.shape and obj is not Q:
-                return obj.float(), torch.zeros(Q.shape[:-1])
-        return torch.zeros_like(Q), torch.zeros(Q.shape[:-1])
+                return obj.float()
+        return torch.zeros_like(Q)
     """), CHECK_NAIVE], {"01.naive_attention": 0})
 attack("lying_tensor_subclass", [textwrap.dedent("""
     import torch
@@ -147,7 +138,7 @@ attack("lying_tensor_subclass", [textwrap.dedent("""
             return torch.tensor(True) if 'close' in func.__name__ else \\
                 super().__torch_function__(func, types, args, kwargs or {})
     def naive_attention(Q, K, V, causal=False, scale=None):
-        return torch.zeros_like(Q).as_subclass(Liar), torch.zeros(Q.shape[:-1]).as_subclass(Liar)
+        return torch.zeros_like(Q).as_subclass(Liar)
     """), CHECK_NAIVE], {"01.naive_attention": 0})
 attack("monkeypatched_torch_and_checks", [textwrap.dedent("""
     import torch
@@ -159,30 +150,34 @@ attack("monkeypatched_torch_and_checks", [textwrap.dedent("""
     grader._run_case = lambda case, candidate: ("passed", "")
     grader.evaluate = lambda ex, cand, hidden_run: None
     def naive_attention(Q, K, V, causal=False, scale=None):
-        return torch.zeros_like(Q), torch.zeros(Q.shape[:-1])
+        return torch.zeros_like(Q)
     """), CHECK_NAIVE], {"01.naive_attention": 0})
 attack("check_replaced_by_print", [
     MEMORY_WRONG, "grader.check = lambda *a: print('✅ 01.memory_formula: 3/3 cases passed')",
     CHECK_MEMORY], {"01.memory_formula": 0})
 
 # --- library routes to the forbidden operation ------------------------------------------------
+_SDPA_ARGS = "Q, K, V, is_causal=causal, scale=scale"
 for _name, _expr in {
-    "aliased_softmax_private": "torch._softmax(S, -1, False)",
-    "aliased_softmax_ops": "torch.ops.aten._softmax(S, -1, False)",
-    "aliased_softmin": "F.softmin(-S, dim=-1)",
-    "aliased_tensor_softmax_method": "S.softmax(-1)",
+    "aliased_sdpa_functional": f"F.scaled_dot_product_attention({_SDPA_ARGS})",
+    "aliased_sdpa_private": f"torch._C._nn.scaled_dot_product_attention({_SDPA_ARGS})",
+    "aliased_sdpa_ops": f"torch.ops.aten.scaled_dot_product_attention({_SDPA_ARGS})",
+    "aliased_sdpa_flash_cpu":
+        f"torch.ops.aten._scaled_dot_product_flash_attention_for_cpu({_SDPA_ARGS})[0]",
 }.items():
-    attack(_name, [_softmax_attention(_expr), CHECK_NAIVE], {"01.naive_attention": 0})
+    attack(_name, [_sdpa_attention(_expr), CHECK_NAIVE], {"01.naive_attention": 0})
 attack("aliased_sdpa_math", [
     NAIVE + "\n_honest = naive_attention\n"
     "def naive_attention(Q, K, V, causal=False, scale=None):\n"
-    "    O = torch.ops.aten._scaled_dot_product_attention_math(Q, K, V, is_causal=causal,"
-    " scale=scale)[0]\n"
-    "    return O, _honest(Q, K, V, causal, scale)[1]",
+    "    _honest(Q, K, V, causal, scale)\n"
+    "    return torch.ops.aten._scaled_dot_product_attention_math(Q, K, V, is_causal=causal,"
+    " scale=scale)[0]",
     CHECK_NAIVE], {"01.naive_attention": 0})
 attack("course_reference", [
     "from course_utils import reference as r\nfrom functools import partial\n"
-    "naive_attention = partial(r.attention)",
+    "_ref = partial(r.attention)\n"
+    "def naive_attention(Q, K, V, causal=False, scale=None):\n"
+    "    return _ref(Q, K, V, causal=causal, scale=scale)[0].float()",
     CHECK_NAIVE], {"01.naive_attention": 0})
 attack("import_grader_specs", [
     "from course_utils.specs import ch01\nattention_matrix_bytes = ch01.memory_formula",
@@ -231,7 +226,7 @@ attack("out_of_memory_in_check", [
     CHECK_NAIVE], {"01.memory_formula": 2, "01.naive_attention": 0})
 attack("huge_output", [
     "import torch\ndef naive_attention(Q, K, V, causal=False, scale=None):\n"
-    "    return torch.zeros(1 << 31, dtype=torch.uint8), torch.zeros(1)",
+    "    return torch.zeros(1 << 31, dtype=torch.uint8)",
     CHECK_NAIVE, MEMORY, CHECK_MEMORY], {"01.memory_formula": 2, "01.naive_attention": 0})
 attack("fork_bomb_lite", [
     "import os\nfor _ in range(20):\n    if os.fork() == 0:\n        import time\n"
@@ -382,8 +377,8 @@ def test_a_timed_out_or_crashed_exercise_says_why(graded):
 
 def test_forbidden_routes_name_what_was_found(graded):
     reports = graded["reports"]
-    msg = _score(reports["01_aliased_softmax_ops.ipynb"], "01.naive_attention")["message"]
-    assert "forbids" in msg and "_softmax" in msg
+    msg = _score(reports["01_aliased_sdpa_ops.ipynb"], "01.naive_attention")["message"]
+    assert "forbids" in msg and "scaled_dot_product" in msg
     msg = _score(reports["01_course_reference.ipynb"], "01.naive_attention")["message"]
     assert "course_utils.reference.attention" in msg
 

@@ -14,18 +14,24 @@ pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/c
 # ----------------------------------------------------------------------------- naive attention
 
 
-def make_attention(*, subtract_max=True, upcast=False, mask="top-left", own_scale=True,
-                   lse="m + log(l)", out_dtype=None):  # fmt: skip
-    """A naive attention with one of the bugs students make (the defaults are right)."""
+def make_attention(*, softmax="torch", mask="top-left", own_scale=True, default_scale="1/sqrt(d)",
+                   out_dtype=None):  # fmt: skip
+    """A naive attention returning O, with one of the bugs students make (the defaults are right).
+
+    softmax: "torch" (torch.softmax, stable), "exp" (exp(S) / sum(exp(S)) on the whole tensor),
+    "per-row" (the same, hand-rolled one query row at a time), "upcast" (exp(S) in float64).
+    """
 
     def naive_attention(Q, K, V, causal=False, scale=None):
-        if scale is None or not own_scale:
+        if scale is None:
+            d, Nq = Q.shape[-1], Q.shape[-2]
+            scale = {"1/sqrt(d)": 1.0 / math.sqrt(d), "1/d": 1.0 / d, "1": 1.0,
+                     "1/sqrt(Nq)": 1.0 / math.sqrt(Nq)}[default_scale]
+        elif not own_scale:
             scale = 1.0 / math.sqrt(Q.shape[-1])
-        if upcast:
-            Q, K, V = Q.double(), K.double(), V.double()
         Nq, Nk = Q.shape[-2], K.shape[-2]
         S = scale * (Q @ K.transpose(-2, -1))
-        if causal:
+        if causal and mask != "none":
             ones = torch.ones(Nq, Nk, dtype=torch.bool, device=Q.device)
             keep = {
                 "top-left": ones.tril(),
@@ -33,18 +39,29 @@ def make_attention(*, subtract_max=True, upcast=False, mask="top-left", own_scal
                 "bottom-right": ones.tril(Nk - Nq),
             }[mask]
             S = S.masked_fill(~keep, -math.inf)
-        m = S.amax(dim=-1, keepdim=True) if subtract_max else torch.zeros_like(S[..., :1])
-        E = torch.exp(S - m)
-        l = E.sum(dim=-1, keepdim=True)
-        O = (E / l) @ V
-        LSE = {"m + log(l)": m + torch.log(l), "log(l)": torch.log(l)}[lse].squeeze(-1)
-        if upcast:
-            O, LSE = O.float(), LSE.float()
-        if out_dtype is not None:
-            O = O.to(out_dtype)
-        return O, LSE
+        if softmax == "torch":
+            P = torch.softmax(S, dim=-1)
+        elif softmax == "exp":
+            E = torch.exp(S)
+            P = E / E.sum(dim=-1, keepdim=True)
+        elif softmax == "per-row":
+            P = torch.empty_like(S)
+            for i in range(Nq):
+                e = torch.exp(S[..., i, :])
+                P[..., i, :] = e / e.sum(dim=-1, keepdim=True)
+        else:  # "upcast"
+            E = torch.exp(S.double())
+            P = (E / E.sum(dim=-1, keepdim=True)).float()
+        O = P @ V
+        return O if out_dtype is None else O.to(out_dtype)
 
     return naive_attention
+
+
+def visible(fn):
+    """The result of the visible cases alone: what a student sees before grading."""
+    ex = ch01.naive_attention
+    return grader.evaluate(ex, grader.as_candidate(fn, ex), hidden_run=False)
 
 
 def test_naive_attention_right_answer_passes_every_case():
@@ -53,23 +70,42 @@ def test_naive_attention_right_answer_passes_every_case():
     assert ch01.naive_attention.points == 4
 
 
-def test_naive_attention_library_softmax_is_forbidden():
-    def with_softmax(Q, K, V, causal=False, scale=None):
-        P = torch.softmax(scale * Q @ K.transpose(-2, -1), dim=-1)
-        return P @ V, torch.zeros(Q.shape[:-1])
-
-    r = grader.check("01.naive_attention", with_softmax)
-    assert r.status == "forbidden" and "softmax" in r.message
+def test_naive_attention_default_arguments_case_is_visible():
+    case = next(c for c in ch01.naive_attention.cases if c.name.startswith("default arguments"))
+    assert not case.hidden
 
 
-def test_naive_attention_without_the_max_overflows_in_large_logits():
-    r = grader.check("01.naive_attention", make_attention(subtract_max=False))
-    assert r.status == "failed" and "large logits (scores of std 50)" in r.message
-    assert "subtract the row max" in r.message
+def test_naive_attention_sdpa_is_forbidden_and_torch_softmax_is_not():
+    def with_sdpa(Q, K, V, causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=causal,
+                                                                scale=scale)  # fmt: skip
+
+    r = grader.check("01.naive_attention", with_sdpa)
+    assert r.status == "forbidden" and "scaled_dot_product" in r.message
+    assert "softmax" not in ch01.naive_attention.forbidden
 
 
-def test_naive_attention_upcasting_instead_of_the_max_fails_the_hidden_1e4_case():
-    r = grader.check("01.naive_attention", make_attention(subtract_max=False, upcast=True))
+def test_naive_attention_returning_a_pair_is_told_to_return_o_alone():
+    right = make_attention()
+
+    def pair(Q, K, V, causal=False, scale=None):
+        O = right(Q, K, V, causal=causal, scale=scale)
+        return O, torch.zeros(Q.shape[:-1])
+
+    r = grader.check("01.naive_attention", pair)
+    assert r.status == "failed" and r.passed == 0 and "O alone" in r.message
+
+
+@pytest.mark.parametrize("softmax", ["exp", "per-row"])
+def test_naive_attention_overflowing_exp_fails_the_visible_large_logits(softmax):
+    r = visible(make_attention(softmax=softmax))
+    assert r.status == "failed" and r.passed == r.total - 1
+    assert "large logits (scores of std 50)" in r.message and "torch.softmax" in r.message
+    assert "chapter 02" in r.message
+
+
+def test_naive_attention_upcasting_the_exp_fails_the_hidden_1e4_case():
+    r = grader.check("01.naive_attention", make_attention(softmax="upcast"))
     assert r.status == "failed" and r.passed == r.total - 1
     assert "scores of std 10000" in r.message and "overflows even float64" in r.message
 
@@ -79,22 +115,30 @@ def test_naive_attention_upcasting_instead_of_the_max_fails_the_hidden_1e4_case(
     [
         ("strict", "causal, Nq=37, Nk=37", "the diagonal included"),
         ("bottom-right", "causal, Nq=21, Nk=43", "top-left"),
+        ("none", "causal, Nq=37, Nk=37", "j > i"),
     ],
 )
-def test_naive_attention_wrong_causal_masks(mask, case_part, hint_part):
-    r = grader.check("01.naive_attention", make_attention(mask=mask))
+def test_naive_attention_wrong_causal_masks_fail_a_visible_case(mask, case_part, hint_part):
+    r = visible(make_attention(mask=mask))
     assert r.status == "failed" and case_part in r.message and hint_part in r.message
 
 
+def test_naive_attention_bottom_right_fails_only_where_nq_differs_from_nk():
+    r = visible(make_attention(mask="bottom-right"))
+    assert r.passed == r.total - 1  # the same mask as top-left when Nq == Nk
+
+
 def test_naive_attention_hard_coded_scale():
-    r = grader.check("01.naive_attention", make_attention(own_scale=False))
+    r = visible(make_attention(own_scale=False))
     assert r.status == "failed" and "scale=0.375" in r.message
     assert "scale passed in" in r.message
 
 
-def test_naive_attention_lse_without_the_max():
-    r = grader.check("01.naive_attention", make_attention(lse="log(l)"))
-    assert r.status == "failed" and "LSE" in r.message and "m + log(l)" in r.message
+@pytest.mark.parametrize("default_scale", ["1/d", "1", "1/sqrt(Nq)"])
+def test_naive_attention_wrong_default_scale_fails_the_visible_default_case(default_scale):
+    r = visible(make_attention(default_scale=default_scale))
+    assert r.status == "failed" and r.passed == r.total - 1
+    assert "default arguments" in r.message and "1/sqrt(d)" in r.message
 
 
 def test_naive_attention_output_in_the_wrong_dtype():
@@ -110,6 +154,15 @@ def test_naive_attention_ignoring_scale_none_fails_only_the_default_case():
 
     r = grader.check("01.naive_attention", needs_a_scale)
     assert r.passed == r.total - 1 and "default arguments" in r.message
+
+
+def test_naive_attention_refuses_a_numpy_detour():
+    right = make_attention()
+
+    def via_numpy(Q, K, V, causal=False, scale=None):
+        return torch.from_numpy(right(Q, K, V, causal=causal, scale=scale).numpy().copy())
+
+    assert grader.check("01.naive_attention", via_numpy).status == "forbidden"
 
 
 def test_naive_attention_stub_is_not_implemented():
