@@ -691,9 +691,10 @@ def test_flash_cu_host_checks_compile_without_gpu(cpu_mode, capsys):
 @needs_gpu
 @needs_nvcc
 def test_gpu_flash_cu_b_times_h_70000(flash_modules):
-    # B * H = 70000 > 65535: a (Tr, B * H) grid fails to launch ("invalid argument").
+    # B * H = 70000 > 65535: a (Tr, B * H) grid fails to launch ("invalid argument"); a
+    # (Tr, H, B) grid needs only B, H <= 65535 each.
     fwd, bwd = flash_modules
-    for B, H in ((70000, 1), (35000, 2)):
+    for B, H in ((700, 100), (35000, 2)):
         Q, K, V, dO = (torch.randn(B, H, 8, 16, device="cuda") for _ in range(4))
         for causal in (False, True):
             _flash_check(fwd, bwd, Q, K, V, dO, causal, f"B={B}, H={H}, N=8, d=16, {causal=}")
@@ -746,3 +747,17 @@ def test_gpu_flash_cu_misaligned_view_is_a_clear_value_error(flash_modules):
     O2, _ = fwd.flash_attention_forward(bad.clone(), good, good, False, 0.25)
     torch.cuda.synchronize()
     assert torch.isfinite(O2).all()
+
+
+@needs_gpu
+@needs_nvcc
+def test_gpu_flash_cu_errors_with_numbers_raise_not_crash(flash_modules):
+    # A TORCH_CHECK message that streams a raw number segfaulted on the H100 machine (torch
+    # 2.11.0+cu130, g++ 13); the kernels' messages format numbers with std::to_string.
+    fwd, bwd = flash_modules
+    Q = torch.zeros(1, 1, 4, 48, device="cuda")
+    with pytest.raises(RuntimeError, match="d must be 16, 32, 64 or 128, got 48"):
+        fwd.flash_attention_forward(Q, Q, Q, False, 0.25)
+    lse = torch.zeros(1, 1, 4, device="cuda")
+    with pytest.raises(RuntimeError, match="got 48"):
+        bwd.flash_attention_backward(Q, Q, Q, Q, lse, Q, False, 0.25, True)

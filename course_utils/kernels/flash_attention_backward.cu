@@ -30,6 +30,10 @@
 #include <torch/types.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cstdint>
+// Numbers in TORCH_CHECK messages go through std::to_string: on the H100 machine the course is
+// validated on (torch 2.11.0+cu130, g++ 13), a message that streams a raw int or float into
+// TORCH_CHECK crashes the process (segfault) instead of raising, in any load_inline extension.
+#include <string>
 #include <tuple>
 #endif
 
@@ -432,7 +436,8 @@ static void opt_in(Kernel kernel, int smem_bytes, bool& done) {
     if (done) return;
     TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      smem_bytes) == cudaSuccess,
-                "flash_attention_backward: cannot opt into ", smem_bytes, " bytes of shared memory");
+                "flash_attention_backward: cannot opt into ", std::to_string(smem_bytes),
+                " bytes of shared memory");
     done = true;
 }
 
@@ -443,7 +448,8 @@ static void opt_in(Kernel kernel, int smem_bytes, bool& done) {
 static void fa08_check_aligned(const char* name, const torch::Tensor& t) {
     TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
                       "flash_attention_backward: ", name, ".data_ptr() is not 16-byte aligned "
-                      "(storage offset ", t.storage_offset(), " floats) and the kernel loads "
+                      "(storage offset ", std::to_string(t.storage_offset()),
+                      " floats) and the kernel loads "
                       "float4s: call ", name, ".clone() to get an aligned copy");
 }
 
@@ -516,7 +522,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> flash_attention_backward
                 "flash_attention_backward: LSE must be (B, H, Nq)");
     TORCH_CHECK(Nk >= 1 && Nq >= 1, "flash_attention_backward: need Nq, Nk >= 1");
     // Grids (T, H, B): CUDA caps grid y and z at 65535 ("invalid argument" beyond).
-    TORCH_CHECK_VALUE(H <= 65535 && B <= 65535, "flash_attention_backward: B=", B, ", H=", H,
+    TORCH_CHECK_VALUE(H <= 65535 && B <= 65535, "flash_attention_backward: B=", std::to_string(B),
+                      ", H=", std::to_string(H),
                       ": the grids are (T, H, B) and CUDA allows at most 65535 blocks in y and z; "
                       "split the batch into chunks of at most 65535");
     fa08_check_aligned("Q", Q);
@@ -540,7 +547,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> flash_attention_backward
         case 32: launch_all<32>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, Hi, Bi, s, causal, deterministic, stream); break;
         case 64: launch_all<64>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, Hi, Bi, s, causal, deterministic, stream); break;
         case 128: launch_all<128>(Q, K, V, dO, LSE, Dv, dQ, dK, dV, Nq, Nk, Hi, Bi, s, causal, deterministic, stream); break;
-        default: TORCH_CHECK(false, "flash_attention_backward: d must be 16, 32, 64 or 128, got ", d);
+        default: TORCH_CHECK(false, "flash_attention_backward: d must be 16, 32, 64 or 128, got ",
+                             std::to_string(d));
     }
     return {dQ, dK, dV};
 }

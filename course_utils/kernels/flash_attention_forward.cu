@@ -30,6 +30,10 @@
 #include <torch/types.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cstdint>
+// Numbers in TORCH_CHECK messages go through std::to_string: on the H100 machine the course is
+// validated on (torch 2.11.0+cu130, g++ 13), a message that streams a raw int or float into
+// TORCH_CHECK crashes the process (segfault) instead of raising, in any load_inline extension.
+#include <string>
 #include <tuple>
 #endif
 
@@ -274,7 +278,8 @@ FA_INSTANTIATE(128)
 static void fa07_check_aligned(const char* name, const torch::Tensor& t) {
     TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
                       "flash_attention_forward: ", name, ".data_ptr() is not 16-byte aligned "
-                      "(storage offset ", t.storage_offset(), " floats) and the kernel loads "
+                      "(storage offset ", std::to_string(t.storage_offset()),
+                      " floats) and the kernel loads "
                       "float4s: call ", name, ".clone() to get an aligned copy");
 }
 
@@ -289,7 +294,7 @@ static void launch_flash_forward(const torch::Tensor& Q, const torch::Tensor& K,
         TORCH_CHECK(cudaFuncSetAttribute(flash_attention_forward_kernel<D>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          smem_bytes) == cudaSuccess,
-                    "flash_attention_forward: cannot opt into ", smem_bytes,
+                    "flash_attention_forward: cannot opt into ", std::to_string(smem_bytes),
                     " bytes of shared memory");
         opted_in = true;
     }
@@ -321,7 +326,8 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention_forward(torch::Tensor Q
     TORCH_CHECK(Nk >= 1, "flash_attention_forward: need at least one key");
     // Grid (Tr, H, B): CUDA caps grid y and z at 65535 (a larger launch fails with "invalid
     // argument"); B * H may be anything up to 65535 * 65535.
-    TORCH_CHECK_VALUE(H <= 65535 && B <= 65535, "flash_attention_forward: B=", B, ", H=", H,
+    TORCH_CHECK_VALUE(H <= 65535 && B <= 65535, "flash_attention_forward: B=", std::to_string(B),
+                      ", H=", std::to_string(H),
                       ": the grid is (Tr, H, B) and CUDA allows at most 65535 blocks in y and z; "
                       "split the batch into chunks of at most 65535");
     fa07_check_aligned("Q", Q);
@@ -337,7 +343,8 @@ std::tuple<torch::Tensor, torch::Tensor> flash_attention_forward(torch::Tensor Q
         case 32: launch_flash_forward<32>(Q, K, V, O, LSE, Nq, Nk, Hi, Bi, s, causal); break;
         case 64: launch_flash_forward<64>(Q, K, V, O, LSE, Nq, Nk, Hi, Bi, s, causal); break;
         case 128: launch_flash_forward<128>(Q, K, V, O, LSE, Nq, Nk, Hi, Bi, s, causal); break;
-        default: TORCH_CHECK(false, "flash_attention_forward: d must be 16, 32, 64 or 128, got ", d);
+        default: TORCH_CHECK(false, "flash_attention_forward: d must be 16, 32, 64 or 128, got ",
+                             std::to_string(d));
     }
     return {O, LSE};
 }
