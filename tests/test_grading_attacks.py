@@ -44,16 +44,19 @@ NAIVE = textwrap.dedent("""
         scale = 1 / math.sqrt(Q.shape[-1]) if scale is None else scale
         S = scale * Q @ K.transpose(-2, -1)
         if causal:
-            keep = torch.ones(S.shape[-2], S.shape[-1], dtype=torch.bool, device=S.device).tril()
+            Nq, Nk = S.shape[-2], S.shape[-1]
+            keep = torch.ones(Nq, Nk, dtype=torch.bool, device=S.device).tril(Nk - Nq)
             S = S.masked_fill(~keep, -math.inf)
-        return torch.softmax(S, dim=-1) @ V
+        return torch.softmax(S, dim=-1).nan_to_num(0.0) @ V
 """)
 CHECK_NAIVE = 'grader.check("01.naive_attention", naive_attention)'
 
 
 def _sdpa_attention(expr: str) -> str:
     """A naive attention whose O comes from ``expr`` (a library route to SDPA, which chapter
-    01's exercise forbids; its ``torch.softmax`` is allowed)."""
+    01's exercise forbids; its ``torch.softmax`` is allowed). ``expr`` may use ``bias``, the
+    exercise's bottom-right causal mask as an additive float mask (None without causal), so that
+    the answer is right when it is not blocked."""
     return textwrap.dedent(f"""
         import math
         import torch
@@ -61,7 +64,11 @@ def _sdpa_attention(expr: str) -> str:
 
         def naive_attention(Q, K, V, causal=False, scale=None):
             scale = 1 / math.sqrt(Q.shape[-1]) if scale is None else scale
-            return {expr}
+            Nq, Nk = Q.shape[-2], K.shape[-2]
+            keep = torch.ones(Nq, Nk, dtype=torch.bool, device=Q.device).tril(Nk - Nq)
+            bias = torch.zeros(Nq, Nk, device=Q.device).masked_fill(~keep, -math.inf)
+            bias = bias if causal else None
+            return torch.nan_to_num({expr}, 0.0)
     """)
 
 
@@ -157,7 +164,7 @@ attack("check_replaced_by_print", [
     CHECK_MEMORY], {"01.memory_formula": 0})
 
 # --- library routes to the forbidden operation ------------------------------------------------
-_SDPA_ARGS = "Q, K, V, is_causal=causal, scale=scale"
+_SDPA_ARGS = "Q, K, V, attn_mask=bias, scale=scale"
 for _name, _expr in {
     "aliased_sdpa_functional": f"F.scaled_dot_product_attention({_SDPA_ARGS})",
     "aliased_sdpa_private": f"torch._C._nn.scaled_dot_product_attention({_SDPA_ARGS})",
@@ -170,14 +177,22 @@ attack("aliased_sdpa_math", [
     NAIVE + "\n_honest = naive_attention\n"
     "def naive_attention(Q, K, V, causal=False, scale=None):\n"
     "    _honest(Q, K, V, causal, scale)\n"
-    "    return torch.ops.aten._scaled_dot_product_attention_math(Q, K, V, is_causal=causal,"
-    " scale=scale)[0]",
+    "    Nq, Nk = Q.shape[-2], K.shape[-2]\n"
+    "    keep = torch.ones(Nq, Nk, dtype=torch.bool, device=Q.device).tril(Nk - Nq)\n"
+    "    bias = torch.zeros(Nq, Nk, device=Q.device).masked_fill(~keep, -math.inf)\n"
+    "    bias = bias if causal else None\n"
+    "    return torch.ops.aten._scaled_dot_product_attention_math(Q, K, V, attn_mask=bias,"
+    " scale=scale)[0].nan_to_num(0.0)",
     CHECK_NAIVE], {"01.naive_attention": 0})
 attack("course_reference", [
     "from course_utils import reference as r\nfrom functools import partial\n"
     "_ref = partial(r.attention)\n"
+    "import torch\n"
     "def naive_attention(Q, K, V, causal=False, scale=None):\n"
-    "    return _ref(Q, K, V, causal=causal, scale=scale)[0].float()",
+    "    Nq, Nk = Q.shape[-2], K.shape[-2]\n"
+    "    keep = torch.ones(Nq, Nk, dtype=torch.bool, device=Q.device).tril(Nk - Nq)\n"
+    "    keep = keep if causal else None\n"
+    "    return _ref(Q, K, V, mask=keep, scale=scale)[0].float()",
     CHECK_NAIVE], {"01.naive_attention": 0})
 attack("import_grader_specs", [
     "from course_utils.specs import ch01\nattention_matrix_bytes = ch01.memory_formula",

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from course_utils import grader
+from course_utils import grader, reference
 from course_utils.specs import ch01
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
@@ -14,12 +14,15 @@ pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/c
 # ----------------------------------------------------------------------------- naive attention
 
 
-def make_attention(*, softmax="torch", mask="top-left", own_scale=True, default_scale="1/sqrt(d)",
-                   out_dtype=None):  # fmt: skip
+def make_attention(*, softmax="torch", mask="bottom-right", empty_rows="zero", own_scale=True,
+                   default_scale="1/sqrt(d)", out_dtype=None):  # fmt: skip
     """A naive attention returning O, with one of the bugs students make (the defaults are right).
 
     softmax: "torch" (torch.softmax, stable), "exp" (exp(S) / sum(exp(S)) on the whole tensor),
     "per-row" (the same, hand-rolled one query row at a time), "upcast" (exp(S) in float64).
+    mask: "bottom-right" (right), "top-left" (SDPA's is_causal), "strict" (the diagonal lost),
+    "none". empty_rows: "zero" (right: a row that sees no key gives O = 0) or "nan" (left as
+    the softmax's 0/0).
     """
 
     def naive_attention(Q, K, V, causal=False, scale=None):
@@ -34,9 +37,9 @@ def make_attention(*, softmax="torch", mask="top-left", own_scale=True, default_
         if causal and mask != "none":
             ones = torch.ones(Nq, Nk, dtype=torch.bool, device=Q.device)
             keep = {
-                "top-left": ones.tril(),
-                "strict": ones.tril(-1),  # j < i: the diagonal is lost
                 "bottom-right": ones.tril(Nk - Nq),
+                "strict": ones.tril(Nk - Nq - 1),  # j < i + Nk - Nq: the diagonal is lost
+                "top-left": ones.tril(),
             }[mask]
             S = S.masked_fill(~keep, -math.inf)
         if softmax == "torch":
@@ -52,10 +55,36 @@ def make_attention(*, softmax="torch", mask="top-left", own_scale=True, default_
         else:  # "upcast"
             E = torch.exp(S.double())
             P = (E / E.sum(dim=-1, keepdim=True)).float()
+        if empty_rows == "zero":
+            sees_a_key = (S > -math.inf).any(dim=-1, keepdim=True)
+            P = torch.where(sees_a_key, P, 0.0)
         O = P @ V
         return O if out_dtype is None else O.to(out_dtype)
 
     return naive_attention
+
+
+# The lecture's code (notebooks/01_attention_as_classification.ipynb, cells 10, 31 and 35),
+# copied as a student could: right in every way but the alignment of the causal mask.
+def lecture_attention(Q, K, V, mask=None, scale=None):
+    if scale is None:
+        scale = 1.0 / math.sqrt(Q.shape[-1])
+    S = (scale * Q) @ K.transpose(-2, -1)
+    if mask is not None:
+        S = S.masked_fill(~mask, -math.inf)
+    P = torch.softmax(S, dim=-1)
+    P.nan_to_num_(0.0)
+    O = P @ V
+    return O, S, P
+
+
+def lecture_causal_mask(Nq, Nk, device=None):
+    return torch.ones(Nq, Nk, dtype=torch.bool, device=device).tril()
+
+
+def lecture_attention_O(q, k, v, causal=False, scale=None):
+    mask = lecture_causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
+    return lecture_attention(q, k, v, mask=mask, scale=scale)[0]
 
 
 def visible(fn):
@@ -114,8 +143,8 @@ def test_naive_attention_upcasting_the_exp_fails_the_hidden_1e4_case():
     "mask, case_part, hint_part",
     [
         ("strict", "causal, Nq=37, Nk=37", "the diagonal included"),
-        ("bottom-right", "causal, Nq=21, Nk=43", "top-left"),
-        ("none", "causal, Nq=37, Nk=37", "j > i"),
+        ("top-left", "causal (bottom-right), Nq=21, Nk=43", "offset Nk - Nq = 22"),
+        ("none", "causal, Nq=37, Nk=37", "j <= i + (Nk - Nq)"),
     ],
 )
 def test_naive_attention_wrong_causal_masks_fail_a_visible_case(mask, case_part, hint_part):
@@ -123,9 +152,47 @@ def test_naive_attention_wrong_causal_masks_fail_a_visible_case(mask, case_part,
     assert r.status == "failed" and case_part in r.message and hint_part in r.message
 
 
-def test_naive_attention_bottom_right_fails_only_where_nq_differs_from_nk():
-    r = visible(make_attention(mask="bottom-right"))
-    assert r.passed == r.total - 1  # the same mask as top-left when Nq == Nk
+def test_naive_attention_top_left_fails_exactly_the_causal_cases_where_nq_differs_from_nk():
+    r = visible(make_attention(mask="top-left"))
+    assert r.passed == r.total - 3  # the same mask as bottom-right when Nq == Nk
+    assert "Nq=43, Nk=21" in r.message and "Nq=1, Nk=37" in r.message  # also failing
+
+
+def test_the_lectures_top_left_attention_fails_a_visible_case():
+    r = visible(lecture_attention_O)
+    assert r.status == "failed" and r.passed == r.total - 3
+    assert "causal (bottom-right), Nq=21, Nk=43" in r.message
+    assert "top-left mask" in r.message and "offset Nk - Nq = 22" in r.message
+    r = grader.check("01.naive_attention", lecture_attention_O)  # hidden cases too
+    assert r.status == "failed" and r.score < ch01.naive_attention.points
+
+
+def test_naive_attention_nan_in_rows_that_see_no_key_fails_a_visible_case():
+    r = visible(make_attention(empty_rows="nan"))
+    assert r.status == "failed" and r.passed == r.total - 1
+    assert "Nq=43, Nk=21" in r.message and "rows 0-21 see no key" in r.message
+    assert "are NaN, at [0, :, 0:22, :]" in r.message
+    assert "see no key at all" in r.message and "must be 0, not NaN" in r.message
+
+
+def test_naive_attention_the_decode_step_sees_every_key():
+    case = next(c for c in ch01.naive_attention.cases if "decode step" in c.name)
+    assert not case.hidden and "Nq=1, Nk=37" in case.name
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 37, 16), torch.randn(1, 2, 37, 16)
+    O = ch01.expected_attention(q, k, v, True, 0.25)
+    assert torch.allclose(O, ch01.expected_attention(q, k, v, False, 0.25))  # all keys seen
+
+
+def test_expected_attention_is_bottom_right_and_zero_where_no_key_is_seen():
+    q, k, v = torch.randn(2, 3, 9, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    assert ch01.keys_seen(9, 5, True) == [0, 0, 0, 0, 1, 2, 3, 4, 5]
+    assert ch01.keys_seen(3, 5, True) == [3, 4, 5] and ch01.keys_seen(3, 5, False) == [5] * 3
+    O = ch01.expected_attention(q, k, v, True, 0.3)
+    keep = torch.ones(9, 5, dtype=torch.bool).tril(5 - 9)
+    O_mask = reference.attention(q, k, v, mask=keep, scale=0.3)[0]  # O = 0 where no key
+    assert torch.allclose(O, O_mask, atol=1e-12) and (O[..., :4, :] == 0).all()
+    O_plain = ch01.expected_attention(q, k, v, False, 0.3)
+    assert torch.allclose(O_plain, reference.attention(q, k, v, scale=0.3)[0], atol=1e-12)
 
 
 def test_naive_attention_hard_coded_scale():

@@ -2,10 +2,14 @@
 
 - ``01.naive_attention``: ``naive_attention(Q, K, V, causal=False, scale=None) -> O`` on
   ``(B, H, Nq, d)`` queries and ``(B, H, Nk, d)`` keys and values (float32, Nq != Nk allowed),
-  materialising S and P, with a top-left causal mask (SDPA's ``is_causal``) and any scale.
+  materialising S and P, with a causal mask aligned **bottom-right** (query i keeps key j iff
+  j <= i + Nk - Nq: the convention of KV-cache decoding and FlashAttention >= 2.1; the lecture
+  teaches the top-left one) and any scale. A row that sees no key (Nq > Nk) must give O = 0.
   ``torch.softmax`` is allowed (it is stable: the large-logit cases need that; chapter 02 shows
-  why); SDPA is forbidden and the code must stay in torch. A wrong default scale, a bottom-right
-  mask, no mask and an ``exp(S) / sum(exp(S))`` softmax each fail a visible case.
+  why); SDPA is forbidden and the code must stay in torch. The expected O is computed one query
+  row at a time in float64 (``expected_attention``), slicing out the keys each row sees. The
+  top-left mask, NaN in the rows that see no key, a wrong default scale, no mask and an
+  ``exp(S) / sum(exp(S))`` softmax each fail a visible case, with a hint naming the cause.
 - ``01.split_merge_heads``: the pair ``(split_heads, merge_heads)``:
   ``split_heads(X, H)`` maps ``(B, N, H*d)`` to ``(B, H, N, d)`` and ``merge_heads(O)`` maps
   ``(B, H, N, d)`` back to a contiguous ``(B, N, H*d)``; graded as one candidate, torch only.
@@ -15,7 +19,8 @@
   of S and P together.
 
 Every case draws fresh random inputs; the attention cases are the course's standard edge cases
-(``checks.attention_cases``) with hints written for a naive, untiled implementation.
+(``checks.attention_cases``, their top-left causal ones replaced by bottom-right ones) with hints
+written for a naive, untiled implementation.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ from ..checks import (
     CheckFailure,
     assert_unchanged,
     attention_cases,
-    check_attention,
     compare,
     random_qkv,
     snapshot,
@@ -47,11 +51,36 @@ from ..runtime import device
 
 naive_attention = Exercise(
     "01.naive_attention",
-    "Naive attention: O, causal (top-left), any scale, Nq != Nk",
+    "Naive attention: O, causal aligned bottom-right, any scale, Nq != Nk",
     points=4,
     forbidden=("scaled_dot_product_attention",),
     torch_only=True,
 )
+
+
+def keys_seen(Nq: int, Nk: int, causal: bool) -> list[int]:
+    """How many keys each query row sees: bottom-right causal alignment lets query ``i`` (of Nq)
+    see keys ``0 ... i + Nk - Nq``, i.e. the first ``i + 1 + Nk - Nq`` of them (none when that is
+    <= 0, all Nk for the last query); without causal every row sees all Nk keys."""
+    if not causal:
+        return [Nk] * Nq
+    return [min(Nk, max(0, i + 1 + Nk - Nq)) for i in range(Nq)]
+
+
+def expected_attention(q, k, v, causal: bool, scale: float):
+    """The float64 ``O`` of the exercise, computed one query row at a time (the definition, not
+    an efficient route): row ``i`` slices out the keys it sees, weighs them by
+    ``exp(s - max s) / sum``, and averages their values; a row that sees no key stays 0."""
+    q64, k64, v64 = (t.detach().to(torch.float64) for t in (q, k, v))
+    O = torch.zeros(q64.shape[:-1] + v64.shape[-1:], dtype=torch.float64, device=q64.device)
+    for i, n in enumerate(keys_seen(q64.shape[-2], k64.shape[-2], causal)):
+        if n == 0:
+            continue  # nothing to attend to: O[i] = 0
+        s = scale * (k64[..., :n, :] * q64[..., i, None, :]).sum(dim=-1)  # (B, H, n)
+        w = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+        O[..., i, :] = (w[..., None] * v64[..., :n, :]).sum(dim=-2) / w.sum(dim=-1)[..., None]
+    return O
+
 
 HINT_PLAIN = (
     "S = scale * Q K^T (use K.transpose(-2, -1)), P = the softmax of each row of S "
@@ -74,13 +103,9 @@ HINT_ONE_QUERY = (
     "the keys; a softmax over dim=-2 gives P = 1 everywhere."
 )
 HINT_CAUSAL = (
-    "causal: query i sees keys j <= i, the diagonal included. Set S[i, j] = -inf where j > i "
-    "before the softmax (torch.ones(Nq, Nk, dtype=torch.bool).tril() is the keep mask); "
-    "a mask of j < i leaves row 0 with no key at all (NaN)."
-)
-HINT_CAUSAL_RECT = (
-    "causal with Nq != Nk is aligned top-left, as SDPA's is_causal: query i sees keys j <= i "
-    "(keep = torch.ones(Nq, Nk, dtype=torch.bool).tril()), not j <= i + Nk - Nq (bottom-right)."
+    "causal: query i keeps key j iff j <= i + (Nk - Nq); with Nq = Nk that is j <= i, the "
+    "diagonal included. Set the other scores to -inf before the softmax; a mask of j < i leaves "
+    "row 0 with no key at all."
 )
 HINT_SCALE = (
     "the scale argument is not 1/sqrt(d) in this case: use S = scale * Q K^T with the scale "
@@ -101,10 +126,45 @@ HINT_DEFAULT = (
 )
 
 
+def hint_bottom_right(Nq: int, Nk: int) -> str:
+    """The causal hint for Nq != Nk, with the case's own offset."""
+    return (f"causal with Nq != Nk is aligned bottom-right here: query i keeps key j iff "
+            f"j <= i + (Nk - Nq), the offset Nk - Nq = {Nk - Nq} shifting the diagonal, so the "
+            f"last query (i = {Nq - 1}) sees every key. Top-left (j <= i, SDPA's is_causal, the "
+            f"lecture's causal_mask) is the other convention.")  # fmt: skip
+
+
+def hint_top_left(Nq: int, Nk: int) -> str:
+    """The hint for an O that matches the top-left mask exactly."""
+    return (f"your O is what the top-left mask gives (query i keeps j <= i: SDPA's is_causal, "
+            f"the lecture's causal_mask). Here the mask is aligned bottom-right: shift the "
+            f"diagonal by the offset Nk - Nq = {Nk - Nq} and keep j <= i + (Nk - Nq), so that "
+            f"the last query sees all {Nk} keys, as a decoder with a KV cache needs.")  # fmt: skip
+
+
+def hint_no_key(Nq: int, Nk: int) -> str:
+    """The hint for a NaN (or inf) in the rows that see no key."""
+    return (f"with Nq > Nk, the first Nq - Nk = {Nq - Nk} query rows see no key at all "
+            f"(i + Nk - Nq < 0): their scores are all -inf and the softmax is 0/0 = NaN "
+            f"(torch.softmax gives NaN there). A row that sees no key attends to nothing: its "
+            f"O row must be 0, not NaN (turn those NaN of P into 0, or zero the rows whose mask "
+            f"keeps no key).")  # fmt: skip
+
+
+HINT_DECODE = (
+    "a decode step: one new query (Nq = 1) against a cache of Nk keys. Bottom-right, it is the "
+    "last token and sees all Nk keys (j <= 0 + Nk - 1); top-left would let it see key 0 only."
+)
+
+
 def _hint_for(case: AttentionCase) -> str:
     """A hint written for a naive (untiled) implementation, chosen by what the case stresses."""
     if case.causal:
-        return HINT_CAUSAL_RECT if case.Nq != case.Nk else HINT_CAUSAL
+        if case.Nq == case.Nk:
+            return HINT_CAUSAL
+        if case.Nq == 1:
+            return HINT_DECODE
+        return hint_bottom_right(case.Nq, case.Nk)
     if case.scale is not None:
         return HINT_SCALE
     if case.logit_scale > 1:
@@ -126,29 +186,88 @@ def _describe(case: AttentionCase) -> str:
     if case.logit_scale > 1:
         parts.append(f"large logits (scores of std {case.logit_scale:g})")
     if case.causal:
-        parts.append("causal")
+        parts.append("causal" + (" (bottom-right)" if case.Nq != case.Nk else ""))
     if case.scale is not None:
         parts.append(f"scale={case.scale:g} (not 1/sqrt(d)={1 / math.sqrt(case.d):.4g})")
     if case.B * case.H > 1:
         parts.append(f"B={case.B}, H={case.H}")
     parts.append(f"Nq={case.Nq}, Nk={case.Nk}, d={case.d}")
-    if case.Nq == 1 or case.Nk == 1:
+    if case.causal and case.Nq == 1 and case.Nk > 1:
+        parts.append("a decode step: the one query sees every key")
+    elif case.Nq == 1 or case.Nk == 1:
         parts.append("a single query" if case.Nq == 1 else "a single key")
     elif case.Nq != case.Nk:
         parts.append("fewer queries than keys" if case.Nq < case.Nk else "more queries than keys")
+    if case.causal and case.Nq > case.Nk:
+        empty = case.Nq - case.Nk
+        parts.append("row 0 sees no key" if empty == 1 else f"rows 0-{empty - 1} see no key")
     return ", ".join(parts)
 
 
+def _scale_for(case: AttentionCase, mode: str) -> float:
+    if mode == "random":
+        return float(torch.empty(()).uniform_(0.5, 1.5)) / math.sqrt(case.d)
+    return case.scale if case.scale is not None else 1.0 / math.sqrt(case.d)
+
+
+def _diagnose(case: AttentionCase, O, q, k, v, scale: float, atol: float, rtol: float):
+    """A sharper hint for a failed causal case: NaN in the rows that see no key, or the
+    top-left mask; None when neither explains the failure."""
+    if not (isinstance(O, torch.Tensor) and case.causal and O.shape == q.shape):
+        return None
+    O64 = O.detach().to(torch.float64)
+    empty = case.Nq - case.Nk
+    if empty > 0 and not torch.isfinite(O64[..., :empty, :]).all():
+        return hint_no_key(case.Nq, case.Nk)
+    if case.Nq != case.Nk:
+        top_left = reference.attention(q, k, v, causal=True, scale=scale)[0]
+        if ((O64 - top_left).abs() <= atol + rtol * top_left.abs()).all():
+            return hint_top_left(case.Nq, case.Nk)
+    return None
+
+
+def check_case(fn, case: AttentionCase, scale: str = "default"):
+    """One call of ``fn`` on fresh inputs for ``case``, against :func:`expected_attention`."""
+    q, k, v = random_qkv(case, torch.float32, device())
+    s = _scale_for(case, scale)
+    O_ref = expected_attention(q, k, v, case.causal, s)
+    max_score = float((q.double() @ k.double().mT).abs().amax()) * abs(s)
+    atol, rtol = tolerance(torch.float32, max_score)
+    snap = snapshot(q, k, v, names=("Q", "K", "V"))
+    O = fn(q, k, v, causal=case.causal, scale=s)
+    assert_unchanged(snap, case=case.name)
+    if isinstance(O, (tuple, list)):
+        raise CheckFailure(case.name, f"the function returned {len(O)} values, not O alone",
+                           "return only O, of shape (B, H, Nq, d)")  # fmt: skip
+    try:
+        compare("O", O, O_ref, case=case.name, atol=atol, rtol=rtol, hint=case.hint,
+                dtype=torch.float32)  # fmt: skip
+    except CheckFailure as failure:
+        failure.hint = _diagnose(case, O, q, k, v, s, atol, rtol) or failure.hint
+        raise
+
+
 def _attention_case(case: AttentionCase, scale: str = "default"):
-    def run(fn):
-        check_attention(fn, cases=[case], device=device(), scale=scale, verbose=False,
-                        returns_lse=False)  # fmt: skip
-
-    return run
+    return lambda fn: check_case(fn, case, scale)
 
 
-for _c in attention_cases(sizes="small"):
-    _c = dataclasses.replace(_c, name=_describe(_c), hint=_hint_for(_c))
+def _make(B, H, Nq, Nk, d, causal=False, logit_scale=1.0, scale=None, hint=None):
+    case = AttentionCase("", B, H, Nq, Nk, d, causal=causal, logit_scale=logit_scale,
+                         scale=scale)  # fmt: skip
+    return dataclasses.replace(case, name=_describe(case), hint=hint or _hint_for(case))
+
+
+# The course's standard cases without their causal ones (those are top-left there), then the
+# causal cases of this exercise: square, Nq < Nk, Nq > Nk with rows that see no key, a decode step.
+_VISIBLE = [_make(c.B, c.H, c.Nq, c.Nk, c.d, logit_scale=c.logit_scale, scale=c.scale)
+            for c in attention_cases(sizes="small") if not c.causal]  # fmt: skip
+_VISIBLE += [
+    _make(1, 1, 37, 37, 16, causal=True),
+    _make(1, 1, 21, 43, 16, causal=True),
+    _make(1, 2, 43, 21, 16, causal=True),
+    _make(1, 2, 1, 37, 16, causal=True),
+]
+for _c in _VISIBLE:
     naive_attention.case(_c.name)(_attention_case(_c))
 
 
@@ -158,7 +277,7 @@ def _default_arguments(fn):
     case = AttentionCase("default arguments: naive_attention(Q, K, V), B=1, H=2, Nq=12, Nk=20, "
                          "d=16", 1, 2, 12, 20, 16)
     q, k, v = random_qkv(case, torch.float32, device())
-    O_ref = reference.attention(q, k, v)[0]
+    O_ref = expected_attention(q, k, v, False, 1.0 / math.sqrt(case.d))
     snap = snapshot(q, k, v, names=("Q", "K", "V"))
     result = fn(q, k, v)
     assert_unchanged(snap, case=case.name)
@@ -177,16 +296,12 @@ def _random_shapes(fn):
         B, H = random.randint(1, 3), random.randint(1, 4)
         Nq, Nk = random.randint(1, 40), random.randint(1, 40)
         d, causal = random.choice((8, 16, 24, 32)), random.random() < 0.5
-        case = AttentionCase("", B, H, Nq, Nk, d, causal=causal)
-        case = dataclasses.replace(case, name=_describe(case) + " (random)", hint=_hint_for(case))
-        check_attention(fn, cases=[case], device=device(), scale="random", verbose=False,
-                        returns_lse=False)  # fmt: skip
+        case = _make(B, H, Nq, Nk, d, causal=causal)
+        check_case(fn, dataclasses.replace(case, name=case.name + " (random)"), "random")
 
 
 def _fixed(B, H, Nq, Nk, d, causal=False, logit_scale=1.0, hint=None, scale="default"):
-    case = AttentionCase("", B, H, Nq, Nk, d, causal=causal, logit_scale=logit_scale)
-    case = dataclasses.replace(case, name=_describe(case), hint=hint or _hint_for(case))
-    return _attention_case(case, scale)
+    return _attention_case(_make(B, H, Nq, Nk, d, causal, logit_scale, hint=hint), scale)
 
 
 naive_attention.case("length 1: Nq = Nk = 1", hidden=True)(
@@ -194,11 +309,20 @@ naive_attention.case("length 1: Nq = Nk = 1", hidden=True)(
 )
 naive_attention.case("causal, length 1", hidden=True)(_fixed(1, 1, 1, 1, 8, causal=True))
 naive_attention.case("Nq != Nk, several heads", hidden=True)(_fixed(2, 2, 5, 29, 16))
-naive_attention.case("causal, Nq > Nk (rows i >= Nk see every key)", hidden=True)(
-    _fixed(1, 2, 29, 7, 16, causal=True)
+naive_attention.case("causal, Nq > Nk, several heads (rows 0-21 see no key)", hidden=True)(
+    _fixed(2, 2, 29, 7, 16, causal=True)
+)
+naive_attention.case("causal, Nq = Nk + 1 (only row 0 sees no key)", hidden=True)(
+    _fixed(1, 2, 17, 16, 8, causal=True)
+)
+naive_attention.case("causal, Nq = 2, Nk = 40 (two decode steps)", hidden=True)(
+    _fixed(2, 1, 2, 40, 16, causal=True)
 )
 naive_attention.case("large logits (scores of std 1e4)", hidden=True)(
     _fixed(1, 2, 24, 24, 16, logit_scale=1e4, hint=HINT_HUGE)
+)
+naive_attention.case("large logits, causal bottom-right (Nq=9, Nk=30)", hidden=True)(
+    _fixed(1, 2, 9, 30, 16, causal=True, logit_scale=50.0)
 )
 naive_attention.case("scale not 1/sqrt(d), causal, several heads", hidden=True)(
     _fixed(2, 2, 19, 19, 32, causal=True, scale="random", hint=HINT_SCALE)
