@@ -36,7 +36,11 @@ def matrix_map(values, title: str = "", cell_width: int | None = None) -> str:
 
 def lines(x, series: dict, *, xlabel: str, ylabel: str, title: str = "",
           logx: bool = False, logy: bool = False, ax=None):
-    """Plot several named series against ``x``; returns the matplotlib Axes."""
+    """Plot several named series against ``x``; returns the matplotlib Axes.
+
+    A linear y axis starts at 0 (bar heights and line heights then compare as ratios); a
+    logarithmic one (``logy=True``) cannot.
+    """
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -47,6 +51,8 @@ def lines(x, series: dict, *, xlabel: str, ylabel: str, title: str = "",
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
+    else:  # a linear axis starts at zero, so that heights compare as ratios
+        ax.set_ylim(bottom=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
