@@ -76,14 +76,20 @@ def _window_split_probe(starts, lengths, windows, out, SPLIT: tl.constexpr,
     tl.store(out + 4 * p + 3, hi)
 
 
+def _run_probe(probe, columns, **consts):
+    """Launch ``probe`` with one program per row of the int32 ``columns`` and a poisoned
+    (rows, 4) output; the four numbers each program stored, as a list of 4-tuples."""
+    rows = len(columns[0])
+    inputs = [torch.tensor(list(c), dtype=torch.int32, device=device()) for c in columns]
+    out = torch.full((rows, 4), -(2**31), dtype=torch.int32, device=device())
+    probe[(rows,)](*inputs, out, **consts)
+    return [tuple(int(x) for x in row) for row in out.cpu()]
+
+
 def window_split_bounds(split, starts, lengths, windows, block_m, block_n):
     """Run ``split(start_m, Nk, WINDOW, BLOCK_M, BLOCK_N)`` for each triple: a list of 4-tuples."""
-    as_t = lambda xs: torch.tensor(list(xs), dtype=torch.int32, device=device())  # noqa: E731
-    out = torch.full((len(starts), 4), -(2**31), dtype=torch.int32, device=device())
-    _window_split_probe[(len(starts),)](as_t(starts), as_t(lengths), as_t(windows), out,
-                                        SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
-                                        FN_HASH=fat.source_hash(split))
-    return [tuple(int(x) for x in row) for row in out.cpu()]
+    return _run_probe(_window_split_probe, (starts, lengths, windows), SPLIT=split,
+                      BLOCK_M=block_m, BLOCK_N=block_n, FN_HASH=fat.source_hash(split))
 
 
 @triton.jit
@@ -102,13 +108,8 @@ def _split_probe(starts, lengths, out, SPLIT: tl.constexpr, BLOCK_M: tl.constexp
 
 def split_bounds(split, starts, lengths, block_m, block_n, causal):
     """Run the lecture's ``causal_split``-like ``split`` for each (start_m, Nk): 4-tuples."""
-    starts_t = torch.tensor(starts, dtype=torch.int32, device=device())
-    lengths_t = torch.tensor(lengths, dtype=torch.int32, device=device())
-    out = torch.full((len(starts), 4), -(2**31), dtype=torch.int32, device=device())
-    _split_probe[(len(starts),)](starts_t, lengths_t, out, SPLIT=split, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, CAUSAL=bool(causal),
-                                 FN_HASH=fat.source_hash(split))
-    return [tuple(int(x) for x in row) for row in out.cpu()]
+    return _run_probe(_split_probe, (starts, lengths), SPLIT=split, BLOCK_M=block_m,
+                      BLOCK_N=block_n, CAUSAL=bool(causal), FN_HASH=fat.source_hash(split))
 
 
 # ----------------------------------------------------------------------------- 09.window_inner
