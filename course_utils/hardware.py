@@ -146,6 +146,7 @@ def ncu_metrics(code: str, kernel: str, metrics: dict[str, str] | None = None,
         raise RuntimeError("Nsight Compute (ncu) is not on PATH: install the CUDA toolkit's ncu, "
                            "or read the recorded counts")
     command = [ncu, "--launch-count", "1", "--kernel-name", f"regex:{kernel}",
+               "--print-units", "base",  # bytes as bytes, not "MB" or "GB" with the unit dropped
                "--metrics", ",".join(metrics.values()), sys.executable, "-c", code]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ))
