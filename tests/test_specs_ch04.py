@@ -6,6 +6,7 @@ import pytest
 from numba import cuda, float32
 
 from course_utils import grader
+from course_utils.checks import CheckFailure
 from course_utils.harness import ch04 as harness
 from course_utils.runtime import on_gpu
 from course_utils.specs import ch04
@@ -227,3 +228,214 @@ def test_cuda_placeholder_is_not_implemented():
     stub = CUDA_TEMPLATE.replace("BODY", "    // YOUR CODE HERE")
     assert grader.check("04.cuda_tiled_qk", stub).status == "not implemented"
     assert ch04.cuda_tiled_qk.points == 3
+
+
+# ----------------------------------------------------------------------------- 04.register_qk
+
+BR, BC, BK, TM, TN, RT_THREADS = (harness.BR, harness.BC, harness.BK, harness.TM, harness.TN,
+                                  harness.RT_THREADS)  # fmt: skip
+
+
+def _register_kernel(*, fragments=True, guard_store=True, guard_loads=True,
+                     raw_barrier=True, war_barrier=True, transposed=True, scaled=True,
+                     cooperative=True):  # fmt: skip
+    """The register-tiled S = scale * Q K^T of the exercise, with one of the usual bugs on."""
+
+    @cuda.jit
+    def kernel(Q, K, S, scale):
+        Nq, d = Q.shape
+        Nk = K.shape[0]
+        t = cuda.threadIdx.x
+        qt, kt = t // (BC // TN), t % (BC // TN)
+        i0, j0 = cuda.blockIdx.y * BR, cuda.blockIdx.x * BC
+        Qs = cuda.shared.array((BK, BR), float32)  # Qs[c, r] = Q[i0 + r, k0 + c]
+        Ks = cuda.shared.array((BK, BC), float32)  # Ks[c, r] = K[j0 + r, k0 + c]
+        acc = cuda.local.array((TM, TN), float32)
+        qf = cuda.local.array(TM, float32)
+        kf = cuda.local.array(TN, float32)
+        for a in range(TM):
+            for b in range(TN):
+                acc[a, b] = float32(0.0)
+        for k0 in range(0, d, BK):
+            first, step = (t, RT_THREADS) if cooperative else (0, 1)
+            for e in range(first, BR * BK, step):
+                r, c = e // BK, e % BK
+                if guard_loads:
+                    inside = i0 + r < Nq and k0 + c < d
+                    Qs[c, r] = Q[i0 + r, k0 + c] if inside else float32(0.0)
+                else:
+                    Qs[c, r] = Q[i0 + r, k0 + c]
+            for e in range(first, BC * BK, step):
+                r, c = e // BK, e % BK
+                if not transposed:  # the lecture's B[k, n] read: K taken as d x Nk
+                    inside = k0 + c < d and j0 + r < Nk
+                    Ks[c, r] = K[k0 + c, j0 + r] if inside else float32(0.0)
+                elif guard_loads:
+                    inside = j0 + r < Nk and k0 + c < d
+                    Ks[c, r] = K[j0 + r, k0 + c] if inside else float32(0.0)
+                else:
+                    Ks[c, r] = K[j0 + r, k0 + c]
+            if raw_barrier:
+                cuda.syncthreads()
+            for c in range(BK):
+                for a in range(TM):
+                    qf[a] = Qs[c, qt * TM + a]
+                for b in range(TN):
+                    kf[b] = Ks[c, kt * TN + b]
+                for a in range(TM):
+                    for b in range(TN):
+                        if fragments:
+                            acc[a, b] += qf[a] * kf[b]
+                        else:  # re-reads the tiles for every product
+                            acc[a, b] += Qs[c, qt * TM + a] * Ks[c, kt * TN + b]
+            if war_barrier:
+                cuda.syncthreads()
+        for a in range(TM):
+            for b in range(TN):
+                i, j = i0 + qt * TM + a, j0 + kt * TN + b
+                if not guard_store or (i < Nq and j < Nk):
+                    S[i, j] = acc[a, b] * scale if scaled else acc[a, b]
+
+    return kernel
+
+
+def _strided_kernel():
+    """Each thread computes TM * TN elements of S one at a time, strided over the block tile,
+    each a dot product read straight from the shared tiles: right values, no register tiling."""
+
+    @cuda.jit
+    def kernel(Q, K, S, scale):
+        Nq, d = Q.shape
+        Nk = K.shape[0]
+        t = cuda.threadIdx.x
+        i0, j0 = cuda.blockIdx.y * BR, cuda.blockIdx.x * BC
+        Qs = cuda.shared.array((BK, BR), float32)
+        Ks = cuda.shared.array((BK, BC), float32)
+        acc = cuda.local.array(TM * TN, float32)
+        for n in range(TM * TN):
+            acc[n] = float32(0.0)
+        for k0 in range(0, d, BK):
+            for e in range(t, BR * BK, RT_THREADS):
+                r, c = e // BK, e % BK
+                Qs[c, r] = Q[i0 + r, k0 + c] if i0 + r < Nq and k0 + c < d else float32(0.0)
+            for e in range(t, BC * BK, RT_THREADS):
+                r, c = e // BK, e % BK
+                Ks[c, r] = K[j0 + r, k0 + c] if j0 + r < Nk and k0 + c < d else float32(0.0)
+            cuda.syncthreads()
+            for n in range(TM * TN):
+                e = t + n * RT_THREADS
+                for c in range(BK):
+                    acc[n] += Qs[c, e // BC] * Ks[c, e % BC]
+            cuda.syncthreads()
+        for n in range(TM * TN):
+            e = t + n * RT_THREADS
+            i, j = i0 + e // BC, j0 + e % BC
+            if i < Nq and j < Nk:
+                S[i, j] = acc[n] * scale
+
+    return kernel
+
+
+def _one_output_kernel():
+    """Exercise 1's idea at this launch: one element of S per thread (most of S unwritten)."""
+
+    @cuda.jit
+    def kernel(Q, K, S, scale):
+        Nq, d = Q.shape
+        Nk = K.shape[0]
+        t = cuda.threadIdx.x
+        i, j = cuda.blockIdx.y * BR + t // BC, cuda.blockIdx.x * BC + t % BC
+        if i < Nq and j < Nk:
+            acc = float32(0.0)
+            for c in range(d):
+                acc += Q[i, c] * K[j, c]
+            S[i, j] = acc * scale
+
+    return kernel
+
+
+traced_only = pytest.mark.skipif(on_gpu(), reason="the traced cases need the simulator")
+
+
+def test_register_qk_passes_when_right():
+    r = grader.check("04.register_qk", _register_kernel())
+    assert r.status == "passed" and r.hidden_run and r.score == ch04.register_qk.points
+
+
+def test_register_qk_visible_cases_cross_every_tile_edge():
+    visible = [c.name for c in ch04.register_qk.cases if not c.hidden]
+    Nq, Nk, d = (int(x) for x in visible[0].split(":")[0].split(" x "))
+    assert Nq > BR and Nk > BC and d > BK  # more than one tile in every dimension
+    assert Nq % BR and Nk % BC and d % BK and Nq != Nk  # and a partial one
+    assert "1 x" in visible[1]  # length 1
+
+
+@traced_only
+def test_register_qk_without_fragments_fails_the_register_case():
+    r = grader.check("04.register_qk", _register_kernel(fragments=False))
+    assert r.status == "failed" and "shared-memory loads" in r.message, r.message
+    assert f"TM + TN = {TM + TN} per kk" in r.message and "fragments" in r.message
+    assert r.passed == r.total - 1  # the values are right: only the traced count tells
+
+
+@traced_only
+def test_register_qk_strided_elements_fail_the_micro_tile():
+    r = grader.check("04.register_qk", _strided_kernel())
+    assert r.status == "failed" and "must form a TM x TN micro-tile" in r.message, r.message
+    assert r.passed == r.total - 1  # the values are right: only the traced stores tell
+
+
+def test_register_qk_one_output_per_thread_fails_visibly():
+    r = grader.check("04.register_qk", _one_output_kernel())
+    assert r.status == "failed" and not r.message.startswith("(hidden case)")
+    assert "NaN" in r.message and "micro-tile" in r.message, r.message
+
+
+def test_register_qk_missing_guards_are_named():
+    simulated = not on_gpu()
+    for bug in ({"guard_store": False}, {"guard_loads": False}):
+        r = grader.check("04.register_qk", _register_kernel(**bug))
+        assert r.status == "failed" and not r.message.startswith("(hidden case)"), r.message
+        assert "out of bounds" in r.message or not simulated, r.message
+        assert "only when i < Nq and j < Nk" in r.message or not simulated
+
+
+@traced_only
+def test_register_qk_missing_barriers_are_caught():
+    # The simulator's values may or may not come out wrong (it depends on how it schedules the
+    # threads); the traced barrier case names the missing barrier whatever they are.
+    barrier_case = next(c for c in ch04.register_qk.cases if c.name.startswith("barriers"))
+    for bug, hazard in (({"war_barrier": False}, "(WAR)"), ({"raw_barrier": False}, "(RAW)")):
+        kernel = _register_kernel(**bug)
+        r = grader.check("04.register_qk", kernel)
+        assert r.status == "failed", r.message
+        with pytest.raises(CheckFailure) as failure:
+            barrier_case.run(grader.as_candidate(kernel, ch04.register_qk))
+        message = str(failure.value)
+        assert hazard in message and "no barrier between" in message, message
+
+
+def test_register_qk_product_with_k_not_k_transposed_fails():
+    r = grader.check("04.register_qk", _register_kernel(transposed=False))
+    assert r.status == "failed" and not r.message.startswith("(hidden case)")
+    assert "row j of K" in r.message or "K is Nk x d" in r.message, r.message
+
+
+def test_register_qk_missing_scale_is_named():
+    r = grader.check("04.register_qk", _register_kernel(scaled=False))
+    assert r.status == "failed" and "multiply the accumulators by scale" in r.message
+
+
+@traced_only
+def test_register_qk_whole_tile_per_thread_fails_the_global_reads():
+    r = grader.check("04.register_qk", _register_kernel(cooperative=False))
+    assert r.status == "failed" and "times from global memory" in r.message, r.message
+    assert "cooperatively" in r.message
+
+
+def test_register_qk_stub_is_not_implemented():
+    @cuda.jit
+    def stub(Q, K, S, scale):
+        raise NotImplementedError("replace this line with your code")
+
+    assert grader.check("04.register_qk", stub).status == "not implemented"

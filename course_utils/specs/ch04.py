@@ -13,14 +13,25 @@ K's rows, not its columns, and the inner product reads it transposed.
 - ``04.global_reads``: ``global_reads(Nq, Nk, d, Br, Bc)``, the elements of Q and K loaded from
   global memory by a tiled kernel whose blocks each compute a Br x Bc tile of S (guarded loads
   outside the matrices read nothing). The reference enumerates every block and every k step.
+- ``04.register_qk``: the register-tiled Numba kernel ``qk_register_kernel(Q, K, S, scale)``,
+  S = scale * Q Kᵀ for any sizes, launched as ``qk_register_kernel[grid, RT_THREADS](Q, K, S,
+  scale)``, ``grid = (ceil(Nk / BC), ceil(Nq / BR))``: each block computes a BR x BC tile of S,
+  each thread a TM x TN micro-tile (constants in ``harness.ch04``). Its outputs are compared here
+  with a float64 reference; in the simulator three traced launches (``harness.ch04:
+  traced_register_qk``, in the student's process) measure what the exercise names: at most
+  TM + TN shared-memory loads per thread per kk and TM x TN elements of S stored by each thread
+  of a full block; each element of Q and K loaded once per block; no shared element touched by
+  two threads between two barriers (a missing barrier shows here whatever order the simulator
+  ran the threads in).
 - ``04.cuda_tiled_qk``: the same kernel in CUDA C++ from a blank body (indices, the two shared
   tiles, loads, barriers, the inner product, the guarded store). Without a GPU it is compiled
   (nvcc or NVRTC: errors and resources are reported) and scores nothing (``needs gpu``); on a GPU
   it is compiled and launched in the student's process (``harness.ch04:launch_cuda``) on shapes
   that are not multiples of the tile, and S is compared here against float64.
 
-A missing ``syncthreads`` usually still passes in the simulator, which schedules threads
-differently from a GPU: these checks catch wrong guards and wrong indexing, not races.
+A missing ``syncthreads`` usually still passes ``04.tiled_qk`` in the simulator, which schedules
+threads differently from a GPU: its checks catch wrong guards and wrong indexing, not races.
+``04.register_qk``'s traced barrier case does catch them.
 """
 
 from __future__ import annotations
@@ -32,7 +43,18 @@ import torch
 
 from ..checks import CheckFailure, assert_unchanged, check_guard, compare, guarded, snapshot
 from ..grader import Exercise, NeedsGPU, invoke
-from ..harness.ch04 import CUDA_KERNEL, CUDA_TILE, TILE, matmul_tolerance
+from ..harness.ch04 import (
+    BC,
+    BK,
+    BR,
+    CUDA_KERNEL,
+    CUDA_TILE,
+    RT_THREADS,
+    TILE,
+    TM,
+    TN,
+    matmul_tolerance,
+)
 from ..runtime import device, kernel_array, on_gpu, pick, synchronize
 from . import compiled_resources, require_implemented, source_of
 
@@ -207,6 +229,313 @@ global_reads.case("one query", hidden=True)(_reads_case(1, 300, 64, 64, 64))
 global_reads.case("4096^2 x 128, 128 x 64", hidden=True)(_reads_case(4096, 4096, 128, 128, 64))
 global_reads.case("1000 x 3000 x 777, 16 x 48", hidden=True)(_reads_case(1000, 3000, 777, 16, 48))
 
+# ----------------------------------------------------------------------------- register tiling
+
+register_qk = Exercise(
+    "04.register_qk",
+    "Register-tiled S = scale · Q Kᵀ: a TM x TN micro-tile per thread (Numba)",
+    points=4,
+)
+
+HINT_RT_BOUNDS = (
+    "K is Nk x d (key j is row j: K[j, c]), not d x Nk as the lecture's B. Load Q[i0 + r, k0 + c] "
+    "only when i0 + r < Nq and k0 + c < d, K[j0 + r, k0 + c] only when j0 + r < Nk and k0 + c < d "
+    "(0 into the tile otherwise); store S[i, j] only when i < Nq and j < Nk"
+)
+HINT_RT_UNWRITTEN = (
+    f"a block of RT_THREADS = {RT_THREADS} threads covers BR x BC = {BR} x {BC} elements of S: "
+    f"each thread stores all TM x TN = {TM} x {TN} of its micro-tile, rows i0 + qt * TM + a and "
+    "columns j0 + kt * TN + b, with qt = t // (BC // TN), kt = t % (BC // TN)"
+)
+HINT_RT_VALUES = (
+    "S[i, j] = scale * sum over c of Q[i, c] * K[j, c]: row j of K, not column j. Load the K tile "
+    "from K's rows (element (r, c) of the tile is K[j0 + r, k0 + c]) and read key j0 + kt * TN + b "
+    "of it; loop k0 over all of d, a last partial step included, with 0 (not the previous "
+    "step's values) where a tile lies outside Q or K. Values that change from run to run: a "
+    "missing barrier (the traced barrier case names it)"
+)
+HINT_RT_RAW = "cuda.syncthreads() after the loads, before the fragments read the tiles (RAW)"
+HINT_RT_WAR = (
+    "cuda.syncthreads() at the end of each k step, after the products and before the next "
+    "step's loads overwrite the tiles that other threads may still be reading (WAR)"
+)
+HINT_RT_SCALE = "S = scale * Q Kᵀ: multiply the accumulators by scale when storing them"
+HINT_RT_FRAGMENTS = (
+    "per kk, copy the TM values of Q and the TN values of K that the micro-tile needs into "
+    "cuda.local.array fragments once, then do the TM x TN products from the fragments only "
+    "(acc[a, b] += q[a] * k[b]): a tile read inside the a, b loop costs 2 shared loads per FMA, "
+    "register tiling TM + TN loads for TM * TN FMAs"
+)
+
+
+def _rt_tolerance(d: int, scale: float) -> tuple[float, float]:
+    atol, rtol = matmul_tolerance(d)
+    return atol * abs(scale), rtol
+
+
+def _rt_compare(S, Q, K, scale, case, hint=None) -> None:
+    """S against scale * Q Kᵀ in float64, with a hint that names what the numbers suggest."""
+    expected = _reference(Q, K) * scale
+    atol, rtol = _rt_tolerance(Q.shape[1], scale)
+    if hint is None:
+        S64 = S.double()
+        if torch.isnan(S64).any():
+            hint = HINT_RT_UNWRITTEN
+        elif scale != 1 and torch.allclose(S64, expected / scale, atol=atol, rtol=rtol):
+            hint = HINT_RT_SCALE
+        else:
+            hint = HINT_RT_VALUES
+    compare("S", S, expected, case=case, atol=atol, rtol=rtol, poisoned=True, hint=hint)
+
+
+def _rt_grid(Nq: int, Nk: int) -> tuple[int, int]:
+    return math.ceil(Nk / BC), math.ceil(Nq / BR)  # x -> keys (columns of S), y -> queries
+
+
+def _rt_case(Nq: int, Nk: int, d: int, scale: float | None = None):
+    def run(kernel):
+        sc = 1 / math.sqrt(d) if scale is None else scale
+        case = (f"Nq x Nk x d = {Nq} x {Nk} x {d}, scale = {sc:.4g} (BR x BC = {BR} x {BC}, "
+                f"BK = {BK}, TM x TN = {TM} x {TN})")  # fmt: skip
+        require_implemented(kernel)
+        Q, K = _inputs(Nq, Nk, d)
+        S, buffer = guarded((Nq, Nk))
+        snap = snapshot(Q, K, names=("Q", "K"))
+        try:
+            kernel[_rt_grid(Nq, Nk), RT_THREADS](kernel_array(Q), kernel_array(K),
+                                                 kernel_array(S), sc)  # fmt: skip
+            synchronize()
+        except IndexError as exc:  # the simulator checks every index; a GPU would not
+            raise CheckFailure(case, f"a thread indexed out of bounds: {exc}",
+                               HINT_RT_BOUNDS) from None  # fmt: skip
+        assert_unchanged(snap, case=case)
+        check_guard(buffer, Nq * Nk, name="S", case=case, hint=HINT_RT_BOUNDS)
+        _rt_compare(S, Q, K, sc, case)
+
+    return run
+
+
+def _traced(kernel, Nq: int, Nk: int, d: int, what: str, check_s: bool = True):
+    """(case name, measurements, S's check) of one traced launch; S is checked first unless
+    ``check_s`` is False (then the caller runs the returned check when it is ready)."""
+    case = f"{what}: traced {Nq} x {Nk} x {d} launch, {math.prod(_rt_grid(Nq, Nk))} blocks"
+    require_implemented(kernel)
+    Q, K = torch.randn(Nq, d), torch.randn(Nk, d)
+    scale = 1 / math.sqrt(d)
+    try:
+        got = invoke(kernel, "course_utils.harness.ch04:traced_register_qk", Q, K, scale)
+    except IndexError as exc:
+        raise CheckFailure(case, f"a thread indexed out of bounds: {exc}", HINT_RT_BOUNDS) from None
+
+    def check():
+        _rt_compare(got["S"], Q, K, scale, case)
+
+    if check_s:
+        check()
+    return case, got, check
+
+
+def _block(by: int, bx: int) -> str:
+    return f"block (blockIdx.y, blockIdx.x) = ({by}, {bx})"
+
+
+def _full_blocks(Nq: int, Nk: int):
+    """(blockIdx.y, blockIdx.x) of every block whose BR x BC tile lies wholly inside S."""
+    return [(by, bx) for by in range(Nq // BR) for bx in range(Nk // BC)]
+
+
+def _register_tiling_case(Nq: int, Nk: int, d: int):
+    def run(kernel):
+        case, got, _ = _traced(kernel, Nq, Nk, d, "register tiling")
+        stores = got["s_stores"]  # (block y, block x, thread, i, j) per element stored
+        keys = stores[:, 3] * Nk + stores[:, 4]
+        counts = torch.bincount(keys, minlength=Nq * Nk) if len(keys) else torch.zeros(1)
+        if counts.max() > 1:
+            twice = int((counts > 1).nonzero()[0])
+            raise CheckFailure(
+                case,
+                f"S[{twice // Nk}, {twice % Nk}] was stored {int(counts.max())} times: "
+                "every element of S belongs to one thread's micro-tile",
+                HINT_RT_UNWRITTEN,
+            )
+        for by, bx in _full_blocks(Nq, Nk):
+            for t in range(RT_THREADS):
+                mine = stores[(stores[:, 0] == by) & (stores[:, 1] == bx) & (stores[:, 2] == t)]
+                rows, cols = mine[:, 3].unique().tolist(), mine[:, 4].unique().tolist()
+                if len(mine) != TM * TN or len(rows) != TM or len(cols) != TN:
+                    where = f"rows {rows}, columns {cols}" if len(mine) else "nothing"
+                    hint = HINT_RT_UNWRITTEN
+                    if len(mine) <= 1:
+                        hint = ("one output per thread is exercise 1's kernel; here each thread "
+                                "accumulates a TM x TN micro-tile in cuda.local.array((TM, TN), "
+                                "float32) and stores all of it: " + HINT_RT_UNWRITTEN)  # fmt: skip
+                    elif len(mine) == TM * TN:
+                        hint = ("its elements must form a TM x TN micro-tile (TM queries x TN "
+                                "keys), so that per kk one fragment of TM values of Q and one of "
+                                "TN values of K feed all TM * TN products")  # fmt: skip
+                    raise CheckFailure(
+                        case,
+                        f"thread {t} of {_block(by, bx)}, a full "
+                        f"tile, stored {len(mine)} element(s) of S ({where}); each thread owns a "
+                        f"TM x TN = {TM} x {TN} micro-tile: {TM * TN} elements, {TM} rows x "
+                        f"{TN} columns",
+                        hint,
+                    )
+        steps = math.ceil(d / BK)
+        budget = steps * BK * (TM + TN)  # TM + TN fragment loads per kk
+        loads = got["shared_loads"]
+        if int(loads.max()) == 0:
+            raise CheckFailure(case, "no thread read shared memory",
+                               "stage a Q tile and a K tile in cuda.shared.array per k step, "
+                               "then read the fragments from them")  # fmt: skip
+        worst = int(loads.max())
+        if worst > budget:
+            by, bx, t = (int(x) for x in (loads == worst).nonzero()[0])
+            lines = "; ".join(f"{x['array']} at line {x['line']} `{x['source']}`: {x['most']}"
+                              for x in got["shared_lines"])  # fmt: skip
+            raise CheckFailure(
+                case,
+                f"thread {t} of {_block(by, bx)} made {worst} shared-memory loads in {steps} "
+                f"k steps of BK = {BK}: {worst / (steps * BK):.1f} per kk for TM * TN = "
+                f"{TM * TN} FMAs ({worst / (steps * BK * TM * TN):.2f} per FMA). Register "
+                f"tiling needs TM + TN = {TM + TN} per kk ({(TM + TN) / (TM * TN):.2f} per FMA; "
+                f"{budget} in all). Shared loads per thread, by instruction: {lines}",
+                HINT_RT_FRAGMENTS,
+            )
+
+    return run
+
+
+def _rt_expected_loads(Nq: int, Nk: int, d: int):
+    """Per block (y, x): the elements of Q and of K its tiles hold, each to be loaded once."""
+    gy, gx = math.ceil(Nq / BR), math.ceil(Nk / BC)
+    q = {(by, bx): min(BR, Nq - by * BR) * d for by in range(gy) for bx in range(gx)}
+    k = {(by, bx): min(BC, Nk - bx * BC) * d for by in range(gy) for bx in range(gx)}
+    return q, k
+
+
+def _global_reads_case(Nq: int, Nk: int, d: int):
+    def run(kernel):
+        case, got, _ = _traced(kernel, Nq, Nk, d, "global reads")
+        want_q, want_k = _rt_expected_loads(Nq, Nk, d)
+        for name, rows, want, block_size in (("Q", got["q_loads"], want_q, BR),
+                                             ("K", got["k_loads"], want_k, BC)):  # fmt: skip
+            total, expected = len(rows), sum(want.values())
+            for (by, bx), n in sorted(want.items()):
+                mine = rows[(rows[:, 0] == by) & (rows[:, 1] == bx)][:, 3:]
+                first = (by if name == "Q" else bx) * block_size
+                outside = mine[(mine[:, 0] < first) | (mine[:, 0] >= first + block_size)]
+                if len(outside):
+                    r, c = outside[0].tolist()
+                    raise CheckFailure(
+                        case,
+                        f"{_block(by, bx)} loaded {name}[{r}, {c}], which is not in its tile "
+                        f"(rows {first} to {first + block_size - 1} of {name})",
+                        HINT_RT_VALUES,
+                    )
+                elements, times = mine.unique(dim=0, return_counts=True) if len(mine) else (
+                    mine, torch.zeros(0, dtype=torch.int64))  # fmt: skip
+                if len(times) and int(times.max()) > 1:
+                    r, c = elements[int(times.argmax())].tolist()
+                    raise CheckFailure(
+                        case,
+                        f"{_block(by, bx)} loaded {name}[{r}, {c}] {int(times.max())} times "
+                        f"from global memory ({len(mine)} loads of {name} for {n} elements; "
+                        f"{name} read {total} times in all, {expected} with each element "
+                        "loaded once per block)",
+                        f"the block's threads share the tile: load it cooperatively, each "
+                        f"element once (e in range(t, {block_size} * BK, RT_THREADS)), then every "
+                        "thread reads what it needs from shared memory",
+                    )
+                if len(mine) != n:
+                    raise CheckFailure(
+                        case,
+                        f"{_block(by, bx)} loaded {len(mine)} elements of {name}; its tile "
+                        f"holds {n} elements of {name} over all k steps",
+                        HINT_RT_BOUNDS,
+                    )
+            if total != expected:  # cannot happen after the per-block checks; kept as the sum
+                raise CheckFailure(case, f"{name} read {total} times, expected {expected}",
+                                   HINT_RT_VALUES)  # fmt: skip
+        total = len(got["q_loads"]) + len(got["k_loads"])
+        expected = enumerated_global_reads(Nq, Nk, d, BR, BC)
+        if total != expected:
+            raise CheckFailure(case, f"{total} global reads, expected {expected}", HINT_RT_VALUES)
+
+    return run
+
+
+def _barriers_case(Nq: int, Nk: int, d: int):
+    def run(kernel):
+        # a race explains wrong values: it is named before S is compared
+        case, got, check_s = _traced(kernel, Nq, Nk, d, "barriers", check_s=False)
+        if int(got["shared_loads"].max()) == 0:
+            raise CheckFailure(
+                case,
+                "no thread read shared memory",
+                "stage a Q tile and a K tile in cuda.shared.array per k step",
+            )
+        passed = got["barriers"]  # (grid y, grid x, threads)
+        low, high = int(passed.min()), int(passed.max())
+        if low != high:
+            by, bx, t = (int(x) for x in (passed == low).nonzero()[0])
+            by2, bx2, t2 = (int(x) for x in (passed == high).nonzero()[0])
+            raise CheckFailure(
+                case,
+                f"thread {t} of {_block(by, bx)} passed {low} barriers, thread {t2} of "
+                f"{_block(by2, bx2)} {high}",
+                "every thread of a block must reach every cuda.syncthreads(): no early return "
+                "and no barrier inside an `if` that depends on the thread (outside the "
+                "matrices a thread loads 0 and skips only its store)",
+            )
+        if got["races"]:
+            x = got["race_examples"][0]
+            raw = x["epoch"] == 0  # before the first barrier: the loads and the reads meet
+            what = "read" if x["other_kind"] == "load" else "stored"
+            raise CheckFailure(
+                case,
+                f"{x['array']}[{', '.join(map(str, x['element']))}] of {_block(*x['block'])} is "
+                f"stored by "
+                f"thread {x['store_thread']} (line {x['store_line']}: `{x['store_source']}`) and "
+                f"{what} by thread {x['other_thread']} (line {x['other_line']}: "
+                f"`{x['other_source']}`) with no barrier between them, after {x['epoch']} "
+                f"barrier(s); {got['races']} shared element(s) race like this. The simulator "
+                "may still give the right S; a GPU does not promise it",
+                HINT_RT_RAW if raw else HINT_RT_WAR,
+            )
+        check_s()
+
+    return run
+
+
+# The shapes come from the tile sizes (on a GPU: 64 x 64 x 8, 8 x 4; here 16 x 16 x 4, 4 x 2), so
+# that every visible case crosses tile edges: Nq and Nk not multiples of BR, BC, d not of BK.
+register_qk.case(f"{2 * BR + 5} x {BC + 5} x {2 * BK + 3}: partial tiles in Nq, Nk and d")(
+    _rt_case(2 * BR + 5, BC + 5, 2 * BK + 3)
+)
+register_qk.case(f"one query: 1 x {BC + 3} x 1, scale = 2")(_rt_case(1, BC + 3, 1, scale=2.0))
+if not on_gpu():  # tracing needs the simulator
+    register_qk.case("TM + TN shared loads per kk, a TM x TN micro-tile per thread (traced)")(
+        _register_tiling_case(BR + 3, BC + 5, BK + 3)
+    )
+    register_qk.case("each element of Q and K loaded once per block (traced)")(
+        _global_reads_case(2 * BR + 1, BC + 7, 2 * BK + 1)
+    )
+    register_qk.case("barriers: no shared element raced between two barriers (traced)")(
+        _barriers_case(BR + 7, 2 * BC + 1, 2 * BK + 2)
+    )
+register_qk.case("1 x 1 x 1", hidden=True)(_rt_case(1, 1, 1))
+register_qk.case(f"one key: {BR + 2} x 1 x {BK + 1}", hidden=True)(_rt_case(BR + 2, 1, BK + 1))
+register_qk.case("exact multiples", hidden=True)(_rt_case(2 * BR, BC, 2 * BK))
+register_qk.case("many queries, 2 keys", hidden=True)(_rt_case(3 * BR + 1, 2, 5))
+register_qk.case("3 queries, many keys, d = 3 BK + 1", hidden=True)(
+    _rt_case(3, 2 * BC + 9, 3 * BK + 1)
+)
+register_qk.case("larger, not multiples", hidden=True)(
+    _rt_case(*pick(gpu=(1000, 777, 129), cpu=(35, 50, 13)))
+)
+
+
 # ----------------------------------------------------------------------------- CUDA C++ Q K^T
 
 cuda_tiled_qk = Exercise(
@@ -284,5 +613,6 @@ __all__ = [
     "cuda_tiled_qk",
     "enumerated_global_reads",
     "global_reads",
+    "register_qk",
     "tiled_qk",
 ]
