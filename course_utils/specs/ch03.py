@@ -4,14 +4,23 @@
   of HBM traffic of an elementwise add, a ReLU, a matmul or a row softmax.
 - ``03.bound``: ``roofline(intensity, peak_flops, bandwidth)`` -> ``(attainable, "memory" |
   "compute")``, the roofline model and its ridge point.
-- ``03.waves``: ``wave_quantization(M, N, tile_m, tile_n, sms)`` -> ``(tiles, waves,
-  efficiency)``, tile and wave quantization of a tiled matmul.
+- ``03.next_wave``: ``next_wave(n, tile_m, tile_n, sms, blocks_per_sm)`` -> ``(N, waves at n,
+  waves at N)``, the first square size above n where a tiled matmul needs one more wave.
+- ``03.efficient_size``: ``efficient_size(n_min, target, tile_m, tile_n, sms, blocks_per_sm)``,
+  the smallest square size >= n_min whose tile x wave efficiency reaches the target.
+- ``03.layernorm_bytes``: ``layernorm_bytes(rows, cols, itemsize)`` -> ``(eager, fused)``, the
+  HBM bytes of the exercise's eager LayerNorm (one kernel per op) and of one fused kernel.
+- ``03.in_flight``: ``in_flight(bandwidth, latency, sms, threads_per_sm, bytes_per_load)`` ->
+  ``(bytes in flight, bytes per SM, whole loads per thread)``, Little's law.
 - ``03.fused_kernel``: a guarded Numba kernel ``fused_kernel(x, y, n)`` computing
   ``y = sin(x)**2 + 2 * cos(x) * x`` in one pass; one case counts its global accesses (the
   memory tracer, running the kernel's Python function in the simulator): each ``x[i]`` read
   once, each ``y[i]`` written once.
 
-The first three are pure Python and run on fresh random shapes every call; the kernel runs on a
+The predictions are graded on several GPUs (SM counts), tiles, blocks per SM, shapes and
+targets, against the grader's own brute-force models (every size tried, tiles handed out a wave
+at a time, the eager LayerNorm op by op); a wrong answer gets the reasoning step it likely
+missed. The first two are pure Python on fresh random shapes every call; the kernel runs on a
 few hundred elements (simulator) with a NaN-poisoned output and a guard region behind it.
 """
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import math
 import random
+from fractions import Fraction
 
 import torch
 
@@ -142,7 +152,7 @@ arithmetic_intensity.case("matmul, a skinny one (N = 1)", hidden=True)(
 
 # ----------------------------------------------------------------------------- roofline
 
-bound = Exercise("03.bound", "Memory or compute bound? The roofline", points=2)
+bound = Exercise("03.bound", "Memory or compute bound? The roofline", points=1)
 
 BOUND_HINT = (
     "attainable = min(peak_flops, intensity * bandwidth); the ridge point is "
@@ -207,80 +217,421 @@ def _ridge(fn):
 
 
 # ----------------------------------------------------------------------------- waves
+#
+# The grader's model of a tiled matmul, written as a simulation: the tiles of C are handed out
+# to the block slots (sms * blocks_per_sm of them) a wave at a time, and the sizes asked about
+# are found by trying every N in turn. The exercises ask for predictions; nothing here is the
+# one-line formula a student writes.
 
-waves = Exercise("03.waves", "Tile and wave quantization of a matmul", points=3)
+
+def _tile_count(M: int, N: int, tile_m: int, tile_n: int) -> int:
+    """Blocks launched for an M x N output: one per tile start, edge tiles included."""
+    return len(range(0, M, tile_m)) * len(range(0, N, tile_n))
 
 
-def exact_waves(M: int, N: int, tile_m: int, tile_n: int, sms: int) -> tuple[int, int, float]:
-    """(tiles, waves, efficiency), by handing the tiles out to the SMs a wave at a time."""
-    edges_m = [min(tile_m, M - r) for r in range(0, M, tile_m)]
-    edges_n = [min(tile_n, N - c) for c in range(0, N, tile_n)]
-    work = [a * b for a in edges_m for b in edges_n]  # useful elements of every tile
-    waves, left = 0, len(work)
-    while left > 0:  # each wave runs one tile on every SM that still has one
-        left -= min(sms, left)
+def _waves_of(tiles: int, slots: int) -> int:
+    """Waves needed to run `tiles` blocks on `slots` block slots, handing out a wave at a time."""
+    waves = 0
+    while tiles > 0:
+        tiles -= slots
         waves += 1
-    slots = waves * sms * tile_m * tile_n  # what the SMs could have computed in that time
-    return len(work), waves, sum(work) / slots
+    return waves
 
 
-def _waves_hint(M, N, tile_m, tile_n, sms, got) -> str:
-    tiles, n_waves, eff = exact_waves(M, N, tile_m, tile_n, sms)
-    g_tiles, g_waves, g_eff = got
-    if g_tiles != tiles:
-        if g_tiles == (M // tile_m) * (N // tile_n) or g_tiles == (M * N) // (tile_m * tile_n):
-            return ("a partial tile at the edge still needs a whole block: "
-                    "tiles = ceil(M / tile_m) * ceil(N / tile_n)")
-        return "tiles = ceil(M / tile_m) * ceil(N / tile_n)"
-    if g_waves != n_waves:
-        return "a partly filled wave still takes a whole wave: waves = ceil(tiles / sms)"
-    if _close(g_eff, tiles / (n_waves * sms)):
-        return ("that is the wave efficiency alone; multiply by the tile efficiency "
-                "M*N / (tiles * tile_m * tile_n): padded tiles do useless work too")
-    if _close(g_eff, (M * N) / (tiles * tile_m * tile_n)):
-        return ("that is the tile efficiency alone; multiply by the wave efficiency "
-                "tiles / (waves * sms): idle SMs in the last wave are wasted too")
-    return "efficiency = M*N / (waves * sms * tile_m * tile_n), a number in (0, 1]"
+def _square(N, tile_m, tile_n, sms, blocks_per_sm, *, edges=True, slots_per_sm=True):
+    """(tiles, waves) of an N x N output; the keyword flags model the usual slips."""
+    tiles = _tile_count(N, N, tile_m, tile_n) if edges else (N // tile_m) * (N // tile_n)
+    slots = sms * blocks_per_sm if slots_per_sm else sms
+    return tiles, _waves_of(tiles, slots)
 
 
-def _check_waves(fn, M, N, tile_m, tile_n, sms, case):
-    got = fn(M, N, tile_m, tile_n, sms)
+def exact_next_wave(n, tile_m, tile_n, sms, blocks_per_sm, **slip) -> tuple[int, int, int]:
+    """(first N > n needing more waves than n, waves at n, waves at that N), by trying each N."""
+    before = _square(n, tile_m, tile_n, sms, blocks_per_sm, **slip)[1]
+    N = n + 1
+    while _square(N, tile_m, tile_n, sms, blocks_per_sm, **slip)[1] <= before:
+        N += 1
+    return N, before, _square(N, tile_m, tile_n, sms, blocks_per_sm, **slip)[1]
+
+
+def _first_more_tiles(n, tile_m, tile_n) -> int:
+    N = n + 1
+    while _tile_count(N, N, tile_m, tile_n) == _tile_count(n, n, tile_m, tile_n):
+        N += 1
+    return N
+
+
+next_wave = Exercise("03.next_wave", "Predict where a matmul loses a wave", points=2)
+
+WAVE_IS_SLOTS = ("a wave is sms * blocks_per_sm tiles: every SM runs blocks_per_sm blocks at "
+                 "the same time")
+EDGE_TILES = ("the edge tiles count as whole tiles: N = 2049 with 128-wide tiles launches 17 "
+              "tiles per row, the 17th computing one column")
+PARTIAL_WAVE = ("a partly filled wave takes as long as a full one: 1 tile more than a whole "
+                "number of waves costs one more wave")
+MORE_TILES = ("one more row of tiles is not always one more wave: the waves grow only when the "
+              "tiles no longer fit in the waves there were (tiles > waves * slots)")
+
+
+def _as_ints(got, n: int, case: str, what: str) -> tuple[int, ...]:
     try:
-        g_tiles, g_waves, g_eff = got
-        got = (int(g_tiles), int(g_waves), float(g_eff))
+        values = tuple(got)
+        if len(values) != n or any(int(v) != v for v in values):
+            raise ValueError
+        return tuple(int(v) for v in values)
     except (TypeError, ValueError):
-        raise CheckFailure(
-            case, f"expected (tiles, waves, efficiency), got {got!r}", None
-        ) from None
-    want = exact_waves(M, N, tile_m, tile_n, sms)
-    if got[:2] != want[:2] or not _close(got[2], want[2]):
-        raise CheckFailure(
-            case, f"got (tiles, waves, efficiency) = ({got[0]}, {got[1]}, {got[2]:.6g}), "
-            f"expected ({want[0]}, {want[1]}, {want[2]:.6g})",
-            _waves_hint(M, N, tile_m, tile_n, sms, got))
+        raise CheckFailure(case, f"expected {what} (whole numbers), got {got!r}", None) from None
 
 
-def _waves_case(shape=None, tile=(128, 128), sms=132, random_shape=False):
+def _next_wave_hint(n, tm, tn, sms, bps, got) -> str:
+    if got == exact_next_wave(n, tm, tn, sms, bps, slots_per_sm=False):
+        return WAVE_IS_SLOTS
+    if got == exact_next_wave(n, tm, tn, sms, bps, edges=False):
+        return EDGE_TILES
+    want = exact_next_wave(n, tm, tn, sms, bps)
+    slots = sms * bps
+    if got[1] != want[1]:
+        tiles = _tile_count(n, n, tm, tn)
+        if got[1] == tiles // slots:
+            return PARTIAL_WAVE
+        return (f"count the waves at N = {n}: {tiles} tiles, handed out {slots} at a time "
+                f"({sms} SMs x {bps} blocks per SM)")
+    if got[0] == _first_more_tiles(n, tm, tn) and got[0] != want[0]:
+        return MORE_TILES
+    return ("try the sizes one by one: for each N > n count the tiles (edge tiles whole) and the "
+            "waves (slots = sms * blocks_per_sm); stop at the first N with more waves than n")
+
+
+def _check_next_wave(fn, n, tile, sms, bps, case):
+    got = _as_ints(fn(n, tile[0], tile[1], sms, bps), 3, case,
+                   "(N, waves at n, waves at N)")  # fmt: skip
+    want = exact_next_wave(n, tile[0], tile[1], sms, bps)
+    if got != want:
+        raise CheckFailure(
+            case, f"got (N, waves before, waves after) = {got}, expected {want}",
+            _next_wave_hint(n, tile[0], tile[1], sms, bps, got))
+
+
+def _next_wave_case(n, tile, sms, bps, gpu=""):
     def run(fn):
-        if random_shape:
-            M, N = random.randint(1, 20000), random.randint(1, 20000)
-            t = random.choice([(64, 64), (128, 128), (128, 256), (256, 128)])
-            s = random.choice([108, 114, 132])
-        else:
-            (M, N), t, s = shape, tile, sms
-        _check_waves(fn, M, N, t[0], t[1], s, f"M x N = {M} x {N}, tile {t[0]}x{t[1]}, {s} SMs")
+        _check_next_wave(fn, n, tile, sms, bps, f"n = {n}, {tile[0]}x{tile[1]} tiles, {sms} SMs"
+                         f"{gpu}, {bps} block(s) per SM")  # fmt: skip
 
     return run
 
 
-waves.case("1536 x 1408: exactly 132 tiles, one full wave")(_waves_case((1536, 1408)))
-waves.case("1537 x 1408: one row more, a second wave")(_waves_case((1537, 1408)))
-waves.case("1792 x 1792 with 256x128 tiles on 108 SMs")(
-    _waves_case((1792, 1792), (256, 128), 108)
-)
-waves.case("a tiny matmul: 1 x 1", hidden=True)(_waves_case((1, 1)))
+_GPUS = [(132, " (H100)"), (108, " (A100)"), (58, " (L4)"), (114, " (H100 PCIe)"),
+         (78, " (H20)"), (170, " (RTX 5090)")]  # fmt: skip
+_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (128, 256), (256, 128), (96, 128)]
+
+
+def _random_next_wave(fn):
+    sms, gpu = random.choice(_GPUS)
+    tile, bps = random.choice(_TILES), random.randint(1, 4)
+    n = random.randint(256, 6000)
+    _check_next_wave(fn, n, tile, sms, bps, f"n = {n}, {tile[0]}x{tile[1]} tiles, {sms} SMs{gpu}"
+                     f", {bps} block(s) per SM")  # fmt: skip
+
+
+next_wave.case("n = 2048, 128x128 tiles, H100 (132 SMs), 1 block per SM")(
+    _next_wave_case(2048, (128, 128), 132, 1, " (H100)"))
+next_wave.case("n = 2048, 128x128 tiles, A100 (108 SMs), 1 block per SM")(
+    _next_wave_case(2048, (128, 128), 108, 1, " (A100)"))
+next_wave.case("n = 2048, 128x128 tiles, L4 (58 SMs), 1 block per SM")(
+    _next_wave_case(2048, (128, 128), 58, 1, " (L4)"))
+next_wave.case("n = 1000, 128x64 tiles, H100, 2 blocks per SM")(
+    _next_wave_case(1000, (128, 64), 132, 2, " (H100)"))
+next_wave.case("n = 2100 (not a multiple of the tile), 256x128 tiles, A100", hidden=True)(
+    _next_wave_case(2100, (256, 128), 108, 1, " (A100)"))
+next_wave.case("n = 1, 64x64 tiles, H100, 3 blocks per SM", hidden=True)(
+    _next_wave_case(1, (64, 64), 132, 3, " (H100)"))
 for _i in range(3):
-    waves.case(f"random shape {_i + 1}", hidden=True)(_waves_case(random_shape=True))
+    next_wave.case(f"random GPU, tile and size {_i + 1}", hidden=True)(_random_next_wave)
+
+# ---------------------------------------------------------------- the smallest efficient size
+
+
+def exact_efficiency(N, tile_m, tile_n, sms, blocks_per_sm) -> Fraction:
+    """Useful multiply-adds over the ones the occupied block slots could have done, exactly."""
+    tiles, waves = _square(N, tile_m, tile_n, sms, blocks_per_sm)
+    capacity = waves * sms * blocks_per_sm * tile_m * tile_n  # outputs the slots could compute
+    return Fraction(N * N, capacity)
+
+
+def exact_efficient_size(n_min, target, tile_m, tile_n, sms, blocks_per_sm, *,
+                         measure=None, limit=10**6) -> int:  # fmt: skip
+    """The first N >= n_min whose efficiency (or `measure(N)`) reaches target, by trying each N."""
+    measure = measure or (lambda N: exact_efficiency(N, tile_m, tile_n, sms, blocks_per_sm))
+    goal = Fraction(target)
+    for N in range(n_min, n_min + limit):
+        if measure(N) >= goal:
+            return N
+    return -1  # no size within limit: the cases never ask for one
+
+
+efficient_size = Exercise("03.efficient_size", "Predict the smallest efficient size", points=2)
+
+EFFICIENCY_HINT = ("efficiency = useful outputs / outputs the occupied slots could compute: N*N "
+                   "over waves * (sms * blocks_per_sm) * tile_m * tile_n")
+
+
+def _efficient_size_hint(n_min, target, tm, tn, sms, bps, got: int) -> str:
+    def slip(measure):
+        return exact_efficient_size(n_min, target, tm, tn, sms, bps, measure=measure)
+
+    def wave_only(N):
+        tiles, waves = _square(N, tm, tn, sms, bps)
+        return Fraction(tiles, waves * sms * bps)
+
+    def tile_only(N):
+        return Fraction(N * N, _tile_count(N, N, tm, tn) * tm * tn)
+
+    if got == slip(wave_only):
+        return ("that size fills the waves, but its edge tiles are mostly padding: multiply the "
+                "wave efficiency by the tile efficiency N*N / (tiles * tile_m * tile_n)")
+    if got == slip(tile_only):
+        return ("that size fills its tiles, but the last wave leaves slots idle: multiply by the "
+                "wave efficiency tiles / (waves * sms * blocks_per_sm)")
+    if got == exact_efficient_size(n_min, target, tm, tn, sms, 1) and bps > 1:
+        return WAVE_IS_SLOTS
+    if got == exact_efficient_size(n_min + 1, target, tm, tn, sms, bps):
+        return f"n_min itself counts: the smallest N >= n_min (here {n_min} already qualifies)"
+    if got < n_min:
+        return f"the answer is at least n_min = {n_min}"
+    return EFFICIENCY_HINT + "; try N = n_min, n_min + 1, ... until it reaches the target"
+
+
+def _check_efficient_size(fn, n_min, target, tile, sms, bps, case):
+    got = _as_ints((fn(n_min, target, tile[0], tile[1], sms, bps),), 1, case, "a size N")[0]
+    want = exact_efficient_size(n_min, target, tile[0], tile[1], sms, bps)
+    if got != want:
+        eff = float(exact_efficiency(got, *tile, sms, bps)) if got >= 1 else float("nan")
+        raise CheckFailure(
+            case, f"got N = {got} (efficiency {eff:.4f}), expected N = {want} (efficiency "
+            f"{float(exact_efficiency(want, *tile, sms, bps)):.4f}) for target {target}",
+            _efficient_size_hint(n_min, target, tile[0], tile[1], sms, bps, got))
+
+
+def _efficient_case(n_min, target, tile, sms, bps, gpu=""):
+    def run(fn):
+        _check_efficient_size(fn, n_min, target, tile, sms, bps,
+                              f"n_min = {n_min}, target {target}, {tile[0]}x{tile[1]} tiles, "
+                              f"{sms} SMs{gpu}, {bps} block(s) per SM")  # fmt: skip
+
+    return run
+
+
+def _random_efficient(fn):
+    sms, gpu = random.choice(_GPUS)
+    tile, bps = random.choice(_TILES), random.randint(1, 3)
+    n_min, target = random.randint(500, 5000), round(random.uniform(0.8, 0.97), 3)
+    _check_efficient_size(fn, n_min, target, tile, sms, bps,
+                          f"n_min = {n_min}, target {target}, {tile[0]}x{tile[1]} tiles, "
+                          f"{sms} SMs{gpu}, {bps} block(s) per SM")  # fmt: skip
+
+
+efficient_size.case("n_min = 2049, 95 %, 128x128 tiles, H100, 1 block per SM")(
+    _efficient_case(2049, 0.95, (128, 128), 132, 1, " (H100)"))
+efficient_size.case("n_min = 2049, 80 %, 128x128 tiles, H100, 1 block per SM")(
+    _efficient_case(2049, 0.8, (128, 128), 132, 1, " (H100)"))
+efficient_size.case("n_min = 3000, 90 %, 256x128 tiles, A100, 1 block per SM")(
+    _efficient_case(3000, 0.9, (256, 128), 108, 1, " (A100)"))
+efficient_size.case("n_min = 1000, 95 %, 64x64 tiles, L4, 2 blocks per SM")(
+    _efficient_case(1000, 0.95, (64, 64), 58, 2, " (L4)"))
+efficient_size.case("n_min = 2048 already qualifies (H100, 128x128, 1 block per SM)")(
+    _efficient_case(2048, 0.95, (128, 128), 132, 1, " (H100)"))
+for _i in range(3):
+    efficient_size.case(f"random GPU, tile and target {_i + 1}", hidden=True)(_random_efficient)
+
+# ----------------------------------------------------------------------------- LayerNorm bytes
+#
+# The eager LayerNorm of the exercise, op by op: (tensors read, tensor written), each a shape
+# symbol: "x" is (rows, cols), "r" is (rows, 1), "c" is (cols,). Every op reads each distinct
+# input once and writes its output once (the counting rule the exercise states).
+EAGER_LAYERNORM = [
+    (["x"], "r"),  # mean = x.mean(-1, keepdim=True)
+    (["x", "r"], "x"),  # xc = x - mean
+    (["x"], "x"),  # sq = xc * xc (one distinct input)
+    (["x"], "r"),  # var = sq.mean(-1, keepdim=True)
+    (["r"], "r"),  # v = var + eps
+    (["r"], "r"),  # rstd = torch.rsqrt(v)
+    (["x", "r"], "x"),  # xhat = xc * rstd
+    (["x", "c"], "x"),  # yg = xhat * gamma
+    (["x", "c"], "x"),  # y = yg + beta
+]
+FUSED_LAYERNORM = [(["x", "c", "c"], "x")]  # reads x, gamma, beta; writes y
+
+
+def exact_layernorm_bytes(rows, cols, itemsize, ops=None) -> int:
+    size = {"x": rows * cols, "r": rows, "c": cols}
+    elements = sum(size[t] for reads, write in (ops or EAGER_LAYERNORM) for t in (*reads, write))
+    return elements * itemsize
+
+
+layernorm_bytes = Exercise("03.layernorm_bytes", "Predict the bytes of an eager and a fused "
+                           "LayerNorm", points=2)  # fmt: skip
+
+LAYERNORM_HINT = ("go through the eager code line by line: each line is one kernel, reading each "
+                  "distinct input tensor once and writing its output once; add the sizes")
+
+
+def _layernorm_hint(rows, cols, itemsize, got) -> str:
+    eager, fused = exact_layernorm_bytes(rows, cols, itemsize), \
+        exact_layernorm_bytes(rows, cols, itemsize, FUSED_LAYERNORM)
+    g_eager, g_fused = got
+    R, C, RC = rows * itemsize, cols * itemsize, rows * cols * itemsize
+    if (g_eager, g_fused) == (eager * 8, fused * 8):
+        return "bytes, not bits: itemsize is already in bytes (2 for bf16, 4 for float32)"
+    if g_eager != eager:
+        if g_eager == eager + RC:
+            return ("sq = xc * xc reads one tensor: xc is read once (its two operands are the "
+                    "same memory, the second load hits the cache)")
+        if g_eager == eager - 8 * R:
+            return ("count the small (rows, 1) tensors too: mean, var, var + eps and rstd are "
+                    "written and read again, rows elements each")
+        if g_eager == eager - 2 * C:
+            return "count gamma and beta (cols elements each), read by the last two kernels"
+        if g_eager == eager / itemsize:
+            return "bytes, not elements: multiply by itemsize"
+        return LAYERNORM_HINT
+    if g_fused != fused:
+        if g_fused == fused - 2 * C:
+            return "the fused kernel reads gamma and beta too (cols elements each)"
+        if g_fused in (fused + 2 * R, fused + 4 * R):
+            return ("the fused kernel keeps mean and rstd in registers: it reads x, gamma and "
+                    "beta and writes y, nothing else")
+        if g_fused == fused / itemsize:
+            return "bytes, not elements: multiply by itemsize"
+        return "the fused kernel reads x, gamma and beta once and writes y once"
+    return LAYERNORM_HINT
+
+
+def _check_layernorm(fn, rows, cols, itemsize, case):
+    got = fn(rows, cols, itemsize)
+    try:
+        g_eager, g_fused = got
+        got = (_as_float(g_eager, case), _as_float(g_fused, case))
+    except (TypeError, ValueError):
+        raise CheckFailure(case, f"expected (eager bytes, fused bytes), got {got!r}",
+                           None) from None  # fmt: skip
+    want = (exact_layernorm_bytes(rows, cols, itemsize),
+            exact_layernorm_bytes(rows, cols, itemsize, FUSED_LAYERNORM))  # fmt: skip
+    if got != want:
+        raise CheckFailure(case, f"got (eager, fused) = ({got[0]:.0f}, {got[1]:.0f}) bytes, "
+                           f"expected ({want[0]}, {want[1]})",
+                           _layernorm_hint(rows, cols, itemsize, got))  # fmt: skip
+
+
+def _layernorm_case(rows, cols, itemsize):
+    def run(fn):
+        _check_layernorm(fn, rows, cols, itemsize, f"x of {rows} x {cols}, itemsize {itemsize}")
+
+    return run
+
+
+def _random_layernorm(fn):
+    rows, cols = random.randint(2, 50000), random.randint(2, 16384)
+    itemsize = random.choice([2, 4, 8])
+    _check_layernorm(fn, rows, cols, itemsize, f"x of {rows} x {cols}, itemsize {itemsize}")
+
+
+layernorm_bytes.case("x of 4096 x 1024, float32")(_layernorm_case(4096, 1024, 4))
+layernorm_bytes.case("x of 8192 x 768, bfloat16")(_layernorm_case(8192, 768, 2))
+layernorm_bytes.case("x of 3 x 5000, float64")(_layernorm_case(3, 5000, 8))
+layernorm_bytes.case("one row: x of 1 x 4096, bfloat16", hidden=True)(
+    _layernorm_case(1, 4096, 2))
+for _i in range(2):
+    layernorm_bytes.case(f"random shape and dtype {_i + 1}", hidden=True)(_random_layernorm)
+
+# ----------------------------------------------------------------------------- Little's law
+
+in_flight = Exercise("03.in_flight", "Bytes in flight for a bandwidth (Little's law)", points=2)
+
+LITTLE = ("Little's law: the bytes in flight = bandwidth x latency (every byte requested spends "
+          "one latency on the way, and bandwidth bytes arrive per second)")
+
+
+def exact_in_flight(bandwidth, latency, sms, threads_per_sm, bytes_per_load):
+    """(bytes in flight, per SM, whole loads per thread), the last by counting up."""
+    total = Fraction(bandwidth) * Fraction(latency)  # bytes that arrive during one latency
+    per_sm = total / sms
+    loads = 1
+    while loads * threads_per_sm * bytes_per_load < per_sm:
+        loads += 1
+    return total, per_sm, loads
+
+
+def _in_flight_hint(args, got) -> str:
+    bandwidth, latency, sms, threads, nbytes = args
+    total, per_sm, loads = exact_in_flight(*args)
+    g_total, g_per_sm, g_loads = got
+    if not _close(g_total, float(total)):
+        if _close(g_total, float(total) * 8):
+            return "bytes, not bits: bandwidth is in bytes per second already"
+        if _close(g_total, float(total) * 1e-9) or _close(g_total, float(total) * 1e9):
+            return "latency is given in seconds already (700e-9 for 700 ns): do not rescale it"
+        return LITTLE
+    if not _close(g_per_sm, float(per_sm)):
+        if _close(g_per_sm, float(total)):
+            return "per SM: the bytes in flight are shared by all sms SMs"
+        return "bytes per SM = bytes in flight / sms"
+    if g_loads == math.floor(per_sm / (threads * nbytes)):
+        return "round up: a thread cannot have part of a load in flight, and fewer falls short"
+    if g_loads == math.ceil(per_sm / threads):
+        return "loads, not bytes: each load moves bytes_per_load bytes"
+    return ("loads per thread = the smallest whole number of loads that, on every resident "
+            "thread of an SM, covers the SM's bytes in flight")
+
+
+def _check_in_flight(fn, args, case):
+    got = fn(*args)
+    try:
+        g_total, g_per_sm, g_loads = got
+        got = (_as_float(g_total, case), _as_float(g_per_sm, case), g_loads)
+        if int(g_loads) != g_loads:
+            raise ValueError
+        got = (*got[:2], int(g_loads))
+    except (TypeError, ValueError):
+        raise CheckFailure(case, "expected (bytes in flight, bytes per SM, whole loads per "
+                           f"thread), got {got!r}", None) from None  # fmt: skip
+    total, per_sm, loads = exact_in_flight(*args)
+    if not (_close(got[0], float(total)) and _close(got[1], float(per_sm)) and got[2] == loads):
+        raise CheckFailure(
+            case, f"got ({got[0]:.6g}, {got[1]:.6g}, {got[2]}), expected ({float(total):.6g}, "
+            f"{float(per_sm):.6g}, {loads})", _in_flight_hint(args, got))
+
+
+def _in_flight_case(bandwidth, latency_ns, sms, threads, nbytes, gpu=""):
+    def run(fn):
+        args = (bandwidth, latency_ns * 1e-9, sms, threads, nbytes)
+        _check_in_flight(fn, args, f"{bandwidth / 1e12:g} TB/s, {latency_ns:g} ns, {sms} SMs"
+                         f"{gpu}, {threads} threads per SM, {nbytes}-byte loads")  # fmt: skip
+
+    return run
+
+
+def _random_in_flight(fn):
+    while True:  # keep away from a whole number of loads, where rounding would decide
+        sms, gpu = random.choice(_GPUS)
+        bandwidth = random.uniform(0.3, 8) * 1e12
+        latency_ns = random.uniform(300, 1200)
+        threads, nbytes = random.choice([1024, 1536, 2048]), random.choice([4, 8, 16])
+        ratio = bandwidth * latency_ns * 1e-9 / (sms * threads * nbytes)
+        if abs(ratio - round(ratio)) > 1e-3:
+            break
+    _in_flight_case(bandwidth, latency_ns, sms, threads, nbytes, gpu)(fn)
+
+
+in_flight.case("3 TB/s, 700 ns, H100: 2048 threads per SM, 4-byte loads")(
+    _in_flight_case(3e12, 700, 132, 2048, 4, " (H100)"))
+in_flight.case("3 TB/s, 700 ns, H100: 1024 threads per SM, 16-byte loads")(
+    _in_flight_case(3e12, 700, 132, 1024, 16, " (H100)"))
+in_flight.case("2 TB/s, 600 ns, A100: 2048 threads per SM, 4-byte loads")(
+    _in_flight_case(2e12, 600, 108, 2048, 4, " (A100)"))
+in_flight.case("0.3 TB/s, 500 ns, L4: 1536 threads per SM, 4-byte loads", hidden=True)(
+    _in_flight_case(0.3e12, 500, 58, 1536, 4, " (L4)"))
+for _i in range(2):
+    in_flight.case(f"random GPU, bandwidth and latency {_i + 1}", hidden=True)(_random_in_flight)
 
 # ----------------------------------------------------------------------------- fused kernel
 
@@ -370,4 +721,12 @@ fused_kernel.case("n = 256 (exactly two blocks)")(_fused_case(256, 128))
 fused_kernel.case("n = 1", hidden=True)(_fused_case(1, 64))
 fused_kernel.case("n = 257, 32 threads per block", hidden=True)(_fused_case(257, 32))
 
-__all__ = ["arithmetic_intensity", "bound", "waves", "fused_kernel"]
+__all__ = [
+    "arithmetic_intensity",
+    "bound",
+    "next_wave",
+    "efficient_size",
+    "layernorm_bytes",
+    "in_flight",
+    "fused_kernel",
+]
