@@ -196,6 +196,44 @@ __device__ __forceinline__ void micro_tile(int t, int (&rows)[2], int (&cols)[2]
     }
 }
 
+// Shared by steps 4 to 7. One value of kk: the thread's 8 values of A's column kk (two float4s
+// of the transposed tile, at rows[0] and rows[1]) and 8 of B's row kk (at cols[0], cols[1]):
+// 4 float4 shared loads feed 64 FMAs.
+__device__ __forceinline__ void fma_step(const float* As_kk, const float* Bs_kk,
+                                         const int (&rows)[2], const int (&cols)[2],
+                                         float (&acc)[r2::TM][r2::TN]) {
+    float a[r2::TM], b[r2::TN];
+    #pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const float4 av = *reinterpret_cast<const float4*>(As_kk + rows[s]);
+        const float4 bv = *reinterpret_cast<const float4*>(Bs_kk + cols[s]);
+        a[4 * s + 0] = av.x; a[4 * s + 1] = av.y; a[4 * s + 2] = av.z; a[4 * s + 3] = av.w;
+        b[4 * s + 0] = bv.x; b[4 * s + 1] = bv.y; b[4 * s + 2] = bv.z; b[4 * s + 3] = bv.w;
+    }
+    #pragma unroll
+    for (int i = 0; i < r2::TM; ++i) {
+        #pragma unroll
+        for (int j = 0; j < r2::TN; ++j) acc[i][j] += a[i] * b[j];
+    }
+}
+
+// The thread's micro-tile -> C: row i of acc is C row m0 + rows[i / 4] + i % 4, columns
+// n0 + cols[s] .. +3 hold acc[i][4 s .. 4 s + 3]; float4 stores where the rows allow them.
+__device__ __forceinline__ void store_micro_tile(float* C, int M, int N, int m0, int n0,
+                                                 const int (&rows)[2], const int (&cols)[2],
+                                                 const float (&acc)[r2::TM][r2::TN]) {
+    const bool c_vec = N % 4 == 0 && aligned16(C);
+    #pragma unroll
+    for (int i = 0; i < r2::TM; ++i) {
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            store4(C, M, N, m0 + rows[i / 4] + i % 4, n0 + cols[s],
+                   make_float4(acc[i][4 * s], acc[i][4 * s + 1], acc[i][4 * s + 2], acc[i][4 * s + 3]),
+                   c_vec);
+        }
+    }
+}
+
 template <bool STRIPS>
 __global__ void __launch_bounds__(r2::THREADS)
 sgemm_vec4(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C,
@@ -223,33 +261,10 @@ sgemm_vec4(const float* __restrict__ A, const float* __restrict__ B, float* __re
         *reinterpret_cast<float4*>(&Bs[b_r][b_c]) = load4(B, K, N, k0 + b_r, n0 + b_c, b_vec);
         __syncthreads();  // RAW
         #pragma unroll
-        for (int kk = 0; kk < BK; ++kk) {
-            float a[TM], b[TN];
-            #pragma unroll
-            for (int s = 0; s < 2; ++s) {  // 4 float4 shared loads feed 64 FMAs
-                const float4 av = *reinterpret_cast<const float4*>(&As[kk][rows[s]]);
-                const float4 bv = *reinterpret_cast<const float4*>(&Bs[kk][cols[s]]);
-                a[4 * s + 0] = av.x; a[4 * s + 1] = av.y; a[4 * s + 2] = av.z; a[4 * s + 3] = av.w;
-                b[4 * s + 0] = bv.x; b[4 * s + 1] = bv.y; b[4 * s + 2] = bv.z; b[4 * s + 3] = bv.w;
-            }
-            #pragma unroll
-            for (int i = 0; i < TM; ++i) {
-                #pragma unroll
-                for (int j = 0; j < TN; ++j) acc[i][j] += a[i] * b[j];
-            }
-        }
+        for (int kk = 0; kk < BK; ++kk) fma_step(&As[kk][0], &Bs[kk][0], rows, cols, acc);
         __syncthreads();  // WAR
     }
-    const bool c_vec = N % 4 == 0 && aligned16(C);
-    #pragma unroll
-    for (int i = 0; i < TM; ++i) {
-        #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            store4(C, M, N, m0 + rows[i / 4] + i % 4, n0 + cols[s],
-                   make_float4(acc[i][4 * s], acc[i][4 * s + 1], acc[i][4 * s + 2], acc[i][4 * s + 3]),
-                   c_vec);
-        }
-    }
+    store_micro_tile(C, M, N, m0, n0, rows, cols, acc);
 }
 
 // ------------------------------------------------------------------ step 6: prefetch through registers
@@ -289,32 +304,9 @@ sgemm_prefetch(const float* __restrict__ A, const float* __restrict__ B, float* 
             vb = load4(B, K, N, k0 + BK + b_r, n0 + b_c, b_vec);
         }
         #pragma unroll
-        for (int kk = 0; kk < BK; ++kk) {
-            float a[TM], b[TN];
-            #pragma unroll
-            for (int s = 0; s < 2; ++s) {
-                const float4 av = *reinterpret_cast<const float4*>(&As[buf][kk][rows[s]]);
-                const float4 bv = *reinterpret_cast<const float4*>(&Bs[buf][kk][cols[s]]);
-                a[4 * s + 0] = av.x; a[4 * s + 1] = av.y; a[4 * s + 2] = av.z; a[4 * s + 3] = av.w;
-                b[4 * s + 0] = bv.x; b[4 * s + 1] = bv.y; b[4 * s + 2] = bv.z; b[4 * s + 3] = bv.w;
-            }
-            #pragma unroll
-            for (int i = 0; i < TM; ++i) {
-                #pragma unroll
-                for (int j = 0; j < TN; ++j) acc[i][j] += a[i] * b[j];
-            }
-        }
+        for (int kk = 0; kk < BK; ++kk) fma_step(&As[buf][kk][0], &Bs[buf][kk][0], rows, cols, acc);
     }
-    const bool c_vec = N % 4 == 0 && aligned16(C);
-    #pragma unroll
-    for (int i = 0; i < TM; ++i) {
-        #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            store4(C, M, N, m0 + rows[i / 4] + i % 4, n0 + cols[s],
-                   make_float4(acc[i][4 * s], acc[i][4 * s + 1], acc[i][4 * s + 2], acc[i][4 * s + 3]),
-                   c_vec);
-        }
-    }
+    store_micro_tile(C, M, N, m0, n0, rows, cols, acc);
 }
 
 // ------------------------------------------------------------------ step 7: cp.async pipeline
@@ -442,16 +434,7 @@ sgemm_pipeline(const float* __restrict__ A, const float* __restrict__ B, float* 
         }
     }
     cp_async_wait<0>();  // no copy may still write shared memory when the block exits
-    const bool c_vec = N % 4 == 0 && aligned16(C);
-    #pragma unroll
-    for (int i = 0; i < TM; ++i) {
-        #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            store4(C, M, N, m0 + rows[i / 4] + i % 4, n0 + cols[s],
-                   make_float4(acc[i][4 * s], acc[i][4 * s + 1], acc[i][4 * s + 2], acc[i][4 * s + 3]),
-                   c_vec);
-        }
-    }
+    store_micro_tile(C, M, N, m0, n0, rows, cols, acc);
 }
 
 #ifdef __CUDACC_RTC__
