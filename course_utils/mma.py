@@ -195,3 +195,87 @@ def lane_map(which: str) -> str:
     lines = [f"{which} ({shape[0]} x {shape[1]}), each cell lane:value", header]
     lines += [f"{r:>3}  " + " ".join(f"{s:>{width}}" for s in row) for r, row in enumerate(owner)]
     return "\n".join(lines)
+
+
+def warp_attention_forward(Q, K, V, *, scale=None, Bc: int = 64, causal: bool = False,
+                           q0: int = 0):
+    """One warp's FlashAttention-2 forward for 16 query rows, step by step as the tensor-core
+    kernel does it, on this model: the blueprint of chapter 10's CUDA kernel, runnable on a CPU.
+
+    Q (16, d) are query rows q0 .. q0+15; K, V (N, d); d a multiple of 16; float32 arrays (the
+    tensor-core operands are rounded to bf16 on the way in, as on the GPU). Per key tile of Bc:
+
+    1. S = Q K^T: for each 16-wide slice of d and each 8 keys, one mma with Q's A fragment and
+       K's rows as the B fragment (what ldmatrix of K's rows gives);
+    2. mask keys past N (and, if causal, keys after the query), take each row's max over the
+       lane's values, then over its group of 4 lanes (two shuffles);
+    3. rescale l and the O fragments by exp(m_old - m_new), P = exp(S - m_new) in the C fragments;
+    4. O += P V: two C fragments of P are one A fragment (no data moves), V's rows with .trans
+       are the B fragment.
+
+    Returns (O (16, d) float32, LSE (16,) float32), with LSE = -inf and O = 0 for a row that sees
+    no key.
+    """
+    Q, K, V = (np.asarray(x, dtype=np.float32) for x in (Q, K, V))
+    if Q.ndim != 2 or Q.shape[0] != 16 or Q.shape[1] % 16:
+        raise ValueError(f"Q must be 16 x d with d a multiple of 16, got shape {Q.shape}")
+    d = Q.shape[1]
+    if K.ndim != 2 or K.shape[1] != d or V.shape != K.shape:
+        raise ValueError(f"K and V must be N x {d} with the same shape, got {K.shape}, {V.shape}")
+    if Bc <= 0 or Bc % 16:
+        raise ValueError(f"Bc must be a positive multiple of 16, got {Bc}")
+    N = K.shape[0]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    lanes = np.arange(LANES)
+    rows = [lanes // 4, lanes // 4 + 8]  # the two rows of C a lane holds (values 0,1 | 2,3)
+    cols = 2 * (lanes % 4)                          # its first column within an 8-wide n-tile
+    q_frag = [fragments(Q[:, c:c + 16], "A") for c in range(0, d, 16)]
+    m = np.full((2, LANES), -np.inf, dtype=np.float32)   # running max of the lane's two rows
+    l = np.zeros((2, LANES), dtype=np.float32)           # running sum (the lane's share, then all)
+    o_frag = [np.zeros((LANES, C_VALUES), np.float32) for _ in range(d // 8)]
+    for j0 in range(0, N, Bc):
+        keys = np.zeros((Bc, d), np.float32)
+        vals = np.zeros((Bc, d), np.float32)
+        n = min(Bc, N - j0)
+        keys[:n], vals[:n] = K[j0:j0 + n], V[j0:j0 + n]
+        s_frag = []
+        for nt in range(Bc // 8):                      # 1. S = Q K^T, 8 keys at a time
+            acc = np.zeros((LANES, C_VALUES), np.float32)
+            for kc, c in enumerate(range(0, d, 16)):
+                k_b = fragments(keys[nt * 8:nt * 8 + 8, c:c + 16].T, "B")  # K's rows: ldmatrix
+                acc = mma_m16n8k16(q_frag[kc], k_b, acc)
+            s_frag.append(acc * np.float32(scale))
+        S = np.stack(s_frag)                           # (Bc/8, 32 lanes, 4 values)
+        key = (j0 + np.arange(Bc // 8)[:, None, None] * 8 + cols[None, :, None]
+               + np.array([0, 1, 0, 1]))  # the key of each (n-tile, lane, value)
+        row = q0 + np.stack([rows[0], rows[0], rows[1], rows[1]], axis=1)[None]
+        visible = key < N
+        if causal:
+            visible = visible & (key <= row)
+        S = np.where(visible, S, -np.inf)              # 2. masks are selects
+        m_new = []
+        for h in range(2):                             # the lane's row g (h = 0) and g + 8 (h = 1)
+            mine = S[:, :, 2 * h:2 * h + 2].max(axis=(0, 2))
+            m_new.append(np.maximum(m[h], quad_allreduce(mine)))
+        m_new = np.stack(m_new)
+        safe = np.where(np.isinf(m_new), 0.0, m_new)   # a row with no key yet: subtract 0
+        alpha = np.exp(m - safe)                        # 3. rescale what came before
+        P = np.exp(S - np.repeat(safe.T, 2, axis=1)[None])
+        l = l * alpha + np.stack([P[:, :, 0:2].sum(axis=(0, 2)), P[:, :, 2:4].sum(axis=(0, 2))])
+        factor = np.repeat(alpha.T, 2, axis=1)          # (32, 4): values 0,1 use row g, 2,3 row g+8
+        o_frag = [o * factor for o in o_frag]
+        for kc in range(Bc // 16):                     # 4. O += P V, 16 keys at a time
+            p_a = to_bf16(c_to_a(P[2 * kc], P[2 * kc + 1]))
+            for nd in range(d // 8):
+                v_b = fragments(vals[kc * 16:kc * 16 + 16, nd * 8:nd * 8 + 8], "B")
+                o_frag[nd] = mma_m16n8k16(p_a, v_b, o_frag[nd])
+        m = m_new
+    l_row = np.stack([quad_allreduce(l[h], np.add) for h in range(2)])  # the group's four shares
+    O = np.concatenate([gather(o, "C") for o in o_frag], axis=1)
+    l_of_row, m_of_row = np.zeros(16, np.float32), np.zeros(16, np.float32)
+    for h in range(2):
+        l_of_row[rows[h]], m_of_row[rows[h]] = l_row[h], m[h]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        O = np.where(l_of_row[:, None] > 0, O / l_of_row[:, None], 0.0).astype(np.float32)
+        lse = np.where(l_of_row > 0, m_of_row + np.log(l_of_row), -np.inf).astype(np.float32)
+    return O, lse
