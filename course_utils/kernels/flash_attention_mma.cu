@@ -1,0 +1,320 @@
+// FlashAttention-2 forward on tensor cores (mma.sync.m16n8k16, bf16 in, fp32 accumulate), for
+// chapter 10. STATUS: a first version, compiled for sm_80/sm_90 on a CPU machine; NOT YET RUN ON
+// A GPU. Its blueprint, course_utils.mma.warp_attention_forward, is checked against float64 on the
+// CPU model of the same instructions; tests/test_flash_mma.py checks this kernel on a GPU.
+//
+// Shapes (row-major, contiguous): Q (B, H, Nq, D), K and V (B, H, Nk, D), bf16; O (B, H, Nq, D)
+// bf16; LSE (B, H, Nq) float32 (natural log). D is 64 or 128. Causal is top-left aligned, as in
+// chapter 07 (key c is masked for query r when c > r).
+//
+// Grid (Tr, H, B), Tr = ceil(Nq / BR). Block: 4 warps; warp w owns query rows row0 + 16w .. +15.
+//   * Q: the block's BR x D tile goes through shared memory once; each warp keeps its 16 x D
+//     slice in registers as D / 16 A fragments (ldmatrix.x4).
+//   * K, V: tiles of BC keys, copied with cp.async into two shared buffers (tile j+1 is copied
+//     while tile j is used).
+//   * S = Q K^T: per 16 of D and 16 keys, one ldmatrix.x4 of K's rows gives the B fragments of two
+//     8-key n-tiles; S lives in BC / 8 C fragments (4 fp32 per lane).
+//   * softmax: a lane holds 2 values of each of 2 rows (g and g + 8) per n-tile; a row's max and
+//     sum are completed over its 4 lanes with __shfl_xor_sync(…, 1) and (…, 2).
+//   * O += P V: two C fragments of P are one A fragment (converted to bf16 in registers, no trip
+//     through shared memory); ldmatrix.x4.trans of V's rows gives the B fragments.
+// Shared tiles are swizzled: the 16-byte chunk c of row r is stored at chunk c ^ (r % 8), so the
+// 8 rows an ldmatrix phase reads (same chunk c, 8 consecutive rows) fall in 8 different bank
+// groups instead of one (rows are 128 or 256 bytes long, a multiple of the 128-byte bank width).
+
+#if !defined(__CUDACC_RTC__)
+#include <torch/types.h>
+#include <c10/cuda/CUDAStream.h>
+#include <string>
+#include <vector>
+#endif
+#include <cuda_bf16.h>
+
+namespace fa_mma {
+
+constexpr int WARPS = 4, THREADS = 32 * WARPS;
+constexpr int BR = 16 * WARPS;  // query rows per block
+constexpr int BC = 64;          // keys per tile
+constexpr float LOG2E = 1.4426950408889634f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Element (r, c) of a [rows][D] bf16 tile in the swizzled layout.
+template <int D>
+__device__ __forceinline__ int swizzle(int r, int c) {
+    return r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// d (4 fp32) += a (8 bf16 in 4 registers) @ b (4 bf16 in 2 registers): one warp-wide instruction
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo -> the lower 16 bits
+    return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// Copy rows [row0, row0 + ROWS) of a (rows x D) bf16 matrix into a swizzled shared tile with
+// cp.async, zeros past the last row. Every thread of the block takes part.
+template <int D, int ROWS>
+__device__ __forceinline__ void copy_tile(__nv_bfloat16* tile, const __nv_bfloat16* X, int row0,
+                                          int rows) {
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+    #pragma unroll
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {
+        const int r = e / CHUNKS, c = e % CHUNKS;
+        const bool in = row0 + r < rows;
+        const __nv_bfloat16* src = X + (size_t)(in ? row0 + r : 0) * D + c * 8;
+        cp_async16(tile + swizzle<D>(r, c * 8), src, in ? 16 : 0);
+    }
+}
+
+template <int D>
+__global__ void __launch_bounds__(THREADS)
+flash_attention_mma_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K,
+                           const __nv_bfloat16* __restrict__ V, __nv_bfloat16* __restrict__ O,
+                           float* __restrict__ LSE, int Nq, int Nk, float scale, int causal) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // BR x D
+    __nv_bfloat16* Ks = Qs + BR * D;                                   // 2 buffers of BC x D
+    __nv_bfloat16* Vs = Ks + 2 * BC * D;                               // 2 buffers of BC x D
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;  // the lane's group (row) and place in it (columns)
+    const size_t bh = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
+    const int row0 = blockIdx.x * BR;
+    const __nv_bfloat16* Qb = Q + bh * Nq * D;
+    const __nv_bfloat16* Kb = K + bh * Nk * D;
+    const __nv_bfloat16* Vb = V + bh * Nk * D;
+
+    // key tiles this block needs: all, or (causal) those up to its last query row
+    const int last_row = min(row0 + BR, Nq) - 1;
+    const int n_tiles = causal ? min((Nk + BC - 1) / BC, last_row / BC + 1) : (Nk + BC - 1) / BC;
+
+    copy_tile<D, BR>(Qs, Qb, row0, Nq);
+    cp_async_commit();
+    if (n_tiles > 0) {
+        copy_tile<D, BC>(Ks, Kb, 0, Nk);
+        copy_tile<D, BC>(Vs, Vb, 0, Nk);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // Q has landed (this thread's copies) ...
+    __syncthreads();     // ... and everyone's
+
+    unsigned q[D / 16][4];  // the warp's 16 x D slice of Q as D / 16 A fragments
+    {
+        const int j = lane / 8, r = lane % 8;  // lane l points at row r of quarter j
+        #pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            const int row = warp * 16 + (j % 2) * 8 + r, col = kc * 16 + (j / 2) * 8;
+            ldmatrix_x4(q[kc], Qs + swizzle<D>(row, col));
+        }
+    }
+
+    float o[D / 8][4];  // O: D / 8 C fragments
+    #pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+    float m[2] = {neg_inf(), neg_inf()};  // running max of rows g and g + 8 (log2 units)
+    float l[2] = {0.0f, 0.0f};            // the lane's share of their running sums
+    const float scale_log2 = scale * LOG2E;
+    const int my_row[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
+
+    for (int jt = 0; jt < n_tiles; ++jt) {
+        const int buf = jt % 2;
+        if (jt + 1 < n_tiles) {  // tile j+1 flies while tile j is used
+            copy_tile<D, BC>(Ks + (1 - buf) * BC * D, Kb, (jt + 1) * BC, Nk);
+            copy_tile<D, BC>(Vs + (1 - buf) * BC * D, Vb, (jt + 1) * BC, Nk);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // tile j has landed ...
+        __syncthreads();     // ... for every thread (RAW)
+        const __nv_bfloat16* Kt = Ks + buf * BC * D;
+        const __nv_bfloat16* Vt = Vs + buf * BC * D;
+
+        float s[BC / 8][4];  // S = Q K^T for this tile: BC / 8 C fragments
+        #pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        {
+            const int j = lane / 8, r = lane % 8;
+            #pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                #pragma unroll
+                for (int np = 0; np < BC / 16; ++np) {  // 16 keys: n-tiles 2np and 2np + 1
+                    unsigned b[4];
+                    ldmatrix_x4(b, Kt + swizzle<D>(np * 16 + (j / 2) * 8 + r, kc * 16 + (j % 2) * 8));
+                    mma_bf16(s[2 * np], q[kc], b[0], b[1]);
+                    mma_bf16(s[2 * np + 1], q[kc], b[2], b[3]);
+                }
+            }
+        }
+
+        // scale, mask (a select, not a branch per element), row max over the 4 lanes of a group
+        const int key0 = jt * BC;
+        const bool needs_mask = key0 + BC > Nk || (causal && key0 + BC - 1 > row0 + warp * 16);
+        float m_new[2] = {m[0], m[1]};
+        #pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float x = s[nt][i] * scale_log2;
+                if (needs_mask) {
+                    const int key = key0 + nt * 8 + 2 * t + (i & 1);
+                    if (key >= Nk || (causal && key > my_row[i / 2])) x = neg_inf();
+                }
+                s[nt][i] = x;
+                m_new[i / 2] = fmaxf(m_new[i / 2], x);
+            }
+        }
+        float alpha[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(0xffffffffu, m_new[h], 1));
+            m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(0xffffffffu, m_new[h], 2));
+            const float safe = m_new[h] == neg_inf() ? 0.0f : m_new[h];  // no key yet: subtract 0
+            alpha[h] = exp2f(m[h] - safe);
+            l[h] *= alpha[h];
+            m[h] = m_new[h];
+        }
+        #pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            o[nd][0] *= alpha[0]; o[nd][1] *= alpha[0];
+            o[nd][2] *= alpha[1]; o[nd][3] *= alpha[1];
+        }
+        #pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float safe = m[i / 2] == neg_inf() ? 0.0f : m[i / 2];
+                s[nt][i] = exp2f(s[nt][i] - safe);  // P, still in the C fragments of S
+                l[i / 2] += s[nt][i];
+            }
+        }
+
+        // O += P V: 16 keys at a time, P's two C fragments become one A fragment in registers
+        {
+            const int j = lane / 8, r = lane % 8;
+            #pragma unroll
+            for (int kc = 0; kc < BC / 16; ++kc) {
+                const unsigned p[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]),
+                                       pack_bf16(s[2 * kc][2], s[2 * kc][3]),
+                                       pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                                       pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+                #pragma unroll
+                for (int nd = 0; nd < D / 16; ++nd) {  // 16 of D: n-tiles 2nd and 2nd + 1
+                    unsigned b[4];
+                    ldmatrix_x4_trans(b, Vt + swizzle<D>(kc * 16 + (j % 2) * 8 + r, nd * 16 + (j / 2) * 8));
+                    mma_bf16(o[2 * nd], p, b[0], b[1]);
+                    mma_bf16(o[2 * nd + 1], p, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // WAR: the next iteration's copies overwrite the buffer read here
+    }
+    cp_async_wait<0>();  // no copy may still be writing shared memory when the block ends
+
+    // finish: the row sums over the 4 lanes of each group, O / l, LSE (natural log)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = my_row[h];
+        if (row >= Nq) continue;
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // a row that saw no key: O = 0
+        __nv_bfloat16* out = O + (bh * Nq + row) * D;
+        #pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            *reinterpret_cast<unsigned*>(out + nd * 8 + 2 * t) =
+                pack_bf16(o[nd][2 * h] * inv, o[nd][2 * h + 1] * inv);
+        }
+        if (t == 0) {
+            LSE[bh * Nq + row] = l[h] > 0.0f ? (m[h] + log2f(l[h])) / LOG2E : neg_inf();
+        }
+    }
+}
+
+}  // namespace fa_mma
+
+#if !defined(__CUDACC_RTC__)
+template <int D>
+static void launch_flash_mma(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
+                             torch::Tensor& O, torch::Tensor& LSE, int Nq, int Nk, int H, int B,
+                             float scale, bool causal) {
+    using namespace fa_mma;
+    constexpr int SMEM = (BR * D + 4 * BC * D) * 2;  // Q tile, two K and two V buffers, bf16
+    auto kernel = flash_attention_mma_kernel<D>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    dim3 grid((Nq + BR - 1) / BR, H, B);
+    kernel<<<grid, THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const __nv_bfloat16*>(Q.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(K.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(V.data_ptr()),
+        reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(), Nq, Nk, scale,
+        causal ? 1 : 0);
+    const cudaError_t err = cudaGetLastError();
+    TORCH_CHECK(err == cudaSuccess, "flash_attention_mma: launch failed: ", cudaGetErrorString(err));
+}
+
+// O, LSE = attention(Q, K, V) on tensor cores. Q (B, H, Nq, D), K and V (B, H, Nk, D): bf16,
+// contiguous, on one GPU, D = 64 or 128.
+std::vector<torch::Tensor> flash_attention_mma(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
+                                               bool causal) {
+    for (const auto* X : {&Q, &K, &V}) {
+        TORCH_CHECK(X->is_cuda(), "flash_attention_mma: Q, K and V must be CUDA tensors");
+        TORCH_CHECK(X->scalar_type() == torch::kBFloat16,
+                    "flash_attention_mma: Q, K and V must be bfloat16 (call .bfloat16())");
+        TORCH_CHECK(X->dim() == 4, "flash_attention_mma: Q, K and V must be 4D (B, H, N, D)");
+        TORCH_CHECK(X->is_contiguous(), "flash_attention_mma: Q, K and V must be contiguous "
+                    "(call .contiguous())");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(X->data_ptr()) % 16 == 0,
+                    "flash_attention_mma: Q, K and V must start on a 16-byte boundary (a view "
+                    "that starts mid-row is not: call .clone())");
+    }
+    TORCH_CHECK(Q.device() == K.device() && Q.device() == V.device(),
+                "flash_attention_mma: Q, K and V must be on the same GPU");
+    TORCH_CHECK(K.sizes() == V.sizes(), "flash_attention_mma: K and V must have the same shape");
+    TORCH_CHECK(Q.size(0) == K.size(0) && Q.size(1) == K.size(1) && Q.size(3) == K.size(3),
+                "flash_attention_mma: Q and K must agree in B, H and D");
+    const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2), D = Q.size(3);
+    TORCH_CHECK(D == 64 || D == 128, "flash_attention_mma: head dim D must be 64 or 128, got ",
+                std::to_string(D));
+    TORCH_CHECK(B <= 65535 && H <= 65535, "flash_attention_mma: B and H must be at most 65535 "
+                "(grid y and z); split the batch");
+    auto O = torch::empty_like(Q);
+    auto LSE = torch::empty({B, H, Nq}, Q.options().dtype(torch::kFloat32));
+    if (B == 0 || H == 0 || Nq == 0) return {O, LSE};
+    if (Nk == 0) return {O.zero_(), LSE.fill_(-INFINITY)};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    if (D == 64) launch_flash_mma<64>(Q, K, V, O, LSE, Nq, Nk, H, B, scale, causal);
+    else launch_flash_mma<128>(Q, K, V, O, LSE, Nq, Nk, H, B, scale, causal);
+    return {O, LSE};
+}
+#endif

@@ -1,0 +1,79 @@
+"""Chapter 10's tensor-core FlashAttention forward (course_utils/kernels/flash_attention_mma.cu).
+
+On a CPU: the source compiles for sm_90 and sm_80 with nvcc and with NVRTC, without spills. On a
+GPU: the kernel against the float64 reference on edge cases (N = 1, lengths that are not a
+multiple of the tiles, Nq != Nk, causal, large logits, D = 64 and 128, several heads), with the
+allocator's memory filled with NaN first so that an unwritten element shows, and its errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from course_utils import cuda as C
+from course_utils import reference, runtime
+
+SOURCE = Path(__file__).resolve().parents[1] / "course_utils" / "kernels" / "flash_attention_mma.cu"
+needs_gpu = pytest.mark.skipif(not runtime.on_gpu(), reason="needs a CUDA GPU (sm_80 or newer)")
+
+
+@pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_compiles_without_spills(arch):
+    report = C.resource_usage(SOURCE, arch=arch)
+    assert sorted(r.name for r in report) == ["fa_mma::flash_attention_mma_kernel<128>",
+                                              "fa_mma::flash_attention_mma_kernel<64>"]
+    assert all(r.spills == 0 for r in report), report
+
+
+_module = None
+
+
+def _load():
+    global _module
+    if _module is None:
+        _module = C.load_cuda(SOURCE, ["flash_attention_mma"], name="flash_attention_mma")
+    return _module
+
+
+def _poison_allocator(nbytes=1 << 26):
+    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del junk  # the caching allocator hands this NaN-filled block out again
+
+
+@needs_gpu
+@pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
+    (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0), (1, 2, 130, 130, 128, True, 1.0),
+    (1, 1, 64, 200, 128, False, 1.0), (1, 1, 300, 300, 64, True, 1.0),
+    (1, 2, 129, 65, 128, False, 20.0), (2, 1, 513, 513, 128, True, 1.0)])
+def test_matches_float64(B, H, Nq, Nk, D, causal, big):
+    Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
+    K = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
+    V = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
+    _poison_allocator()
+    O, lse = _load().flash_attention_mma(Q, K, V, causal)
+    O_ref, lse_ref = reference.attention(Q, K, V, causal=causal)
+    seen = torch.isfinite(lse_ref)
+    assert torch.isfinite(O).all(), "an element of O was never written (NaN from the poison)"
+    torch.testing.assert_close(O.double(), O_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double()[seen], lse_ref[seen], atol=1e-2 * big, rtol=1e-3)
+    assert torch.isneginf(lse[~seen]).all()
+
+
+@needs_gpu
+def test_bad_input_says_what_is_wrong():
+    f = _load().flash_attention_mma
+    Q = torch.randn(1, 1, 8, 64, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        f(Q.float(), Q.float(), Q.float(), False)
+    with pytest.raises(RuntimeError, match="head dim D must be 64 or 128, got 32"):
+        q = Q[..., :32].contiguous()
+        f(q, q, q, False)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        f(Q.transpose(2, 3), Q, Q, False)
+    with pytest.raises(RuntimeError, match="agree in B, H and D"):
+        K = torch.randn(1, 2, 8, 64, device="cuda").bfloat16()
+        f(Q, K, K, False)
