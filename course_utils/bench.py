@@ -4,8 +4,8 @@
   first (compilation, autotuning, caches), then many runs timed with CUDA events, reporting
   the median. On the CPU it falls back to ``time.perf_counter`` and, for slow simulator runs,
   times as few calls as it can.
-* :func:`attention_flops` counts FLOPs with the convention of the FlashAttention papers (see
-  ANCHORS.md): forward ``4 * B * H * Nq * Nk * d``, causal x 0.5, backward 2.5 x forward.
+* :func:`attention_flops` counts FLOPs with the convention of the FlashAttention papers:
+  forward ``4 * B * H * Nq * Nk * d``, causal x 0.5, backward 2.5 x forward.
 * :func:`tflops`, :func:`gbps` turn a count and a time into throughput.
 * :func:`table` prints a plain text table with the ratio of every row to a baseline measured in
   the same run (machines are shared and noisy: compare ratios, never absolute numbers).
@@ -103,7 +103,7 @@ def time_fn(fn, *args, warmup=None, rep=None, flush_l2=False, **kwargs):
 
 
 def attention_flops(B, H, Nq, Nk, d, causal=False, mode="fwd"):
-    """FLOPs of attention with the FlashAttention papers' convention (ANCHORS.md).
+    """FLOPs of attention with the FlashAttention papers' convention.
 
     Forward: ``4 * B * H * Nq * Nk * d`` (two matrix products, ``S = Q K^T`` and ``O = P V``,
     each ``2 * Nq * Nk * d`` multiply-adds counted as 2 FLOPs; the softmax is not counted).

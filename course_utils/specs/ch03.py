@@ -206,7 +206,7 @@ bound.case("just above the ridge", hidden=True)(_bound_case("above"))
 
 @bound.case("the H100 anchors: ReLU fp32, bf16 matmul 8192^3")
 def _h100(fn):
-    peak, bw = 750e12, 3.0e12  # bf16 matmul and copy bandwidth measured on the H100 (ANCHORS)
+    peak, bw = 750e12, 3.0e12  # bf16 matmul and copy bandwidth measured on the H100
     _check_roofline(fn, 1 / 8, peak, bw, "ReLU fp32 (1/8 FLOP/byte) on the H100 anchors")
     _check_roofline(fn, 8192 / 3, peak, bw, "bf16 matmul 8192^3 on the H100 anchors")
 
