@@ -279,3 +279,33 @@ def warp_attention_forward(Q, K, V, *, scale=None, Bc: int = 64, causal: bool = 
         O = np.where(l_of_row[:, None] > 0, O / l_of_row[:, None], 0.0).astype(np.float32)
         lse = np.where(l_of_row > 0, m_of_row + np.log(l_of_row), -np.inf).astype(np.float32)
     return O, lse
+
+
+def shared_wavefronts(byte_addresses, width: int = 16) -> int:
+    """Passes shared memory needs to serve one phase of accesses (bank conflicts included).
+
+    byte_addresses: where each access of the phase starts (an ldmatrix phase is 8 rows of 16
+    bytes); width: bytes per access. Shared memory has 32 banks of 4 bytes; a pass serves one
+    4-byte word per bank, so the count is the largest number of *distinct* words any bank must
+    deliver. 1 means conflict-free.
+    """
+    if width % 4 or width <= 0:
+        raise ValueError(f"width must be a positive multiple of 4 bytes, got {width}")
+    words_of_bank: dict[int, set[int]] = {}
+    for address in byte_addresses:
+        if address % width:
+            raise ValueError(f"address {address} is not aligned to the access width {width}")
+        for word in range(address // 4, (address + width) // 4):
+            words_of_bank.setdefault(word % 32, set()).add(word)
+    return max((len(w) for w in words_of_bank.values()), default=0)
+
+
+def swizzled_offset(row: int, col: int, row_elements: int, element_bytes: int = 2) -> int:
+    """Byte offset of element (row, col) of a shared tile whose 16-byte chunks are swizzled:
+    chunk c of row r is stored at chunk c XOR (r mod 8). Rows must hold at least 8 chunks."""
+    per_chunk = 16 // element_bytes
+    if row_elements % per_chunk or row_elements // per_chunk < 8:
+        raise ValueError(f"a swizzled row needs a multiple of 8 chunks of 16 bytes, got "
+                         f"{row_elements} elements of {element_bytes} bytes")
+    chunk = (col // per_chunk) ^ (row % 8)
+    return (row * row_elements + chunk * per_chunk + col % per_chunk) * element_bytes

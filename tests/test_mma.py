@@ -216,3 +216,23 @@ def test_warp_attention_rows_without_keys_give_zero():
     Q, K, V = (rng.standard_normal(s).astype(np.float32) for s in ((16, 32), (8, 32), (8, 32)))
     O, lse = mma.warp_attention_forward(Q, K, V, causal=True, q0=-4)  # rows 0..3 see no key
     assert np.all(O[:4] == 0) and np.all(np.isneginf(lse[:4])) and np.all(np.isfinite(lse[4:]))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_swizzle_removes_the_ldmatrix_bank_conflict(D):
+    # one ldmatrix phase: 8 consecutive rows, the same 16-byte chunk c of each
+    for c in range(D // 8):
+        plain = [(r * D + c * 8) * 2 for r in range(8)]
+        swizzled = [mma.swizzled_offset(r, c * 8, D) for r in range(8)]
+        assert mma.shared_wavefronts(plain) == 8  # rows of 128 or 256 bytes: one bank group
+        assert mma.shared_wavefronts(swizzled) == 1
+    # the swizzle is a permutation of each row's chunks: nothing lands on top of anything
+    offsets = {mma.swizzled_offset(r, col, D) for r in range(16) for col in range(D)}
+    assert len(offsets) == 16 * D
+
+
+def test_shared_wavefronts_counts_distinct_words():
+    assert mma.shared_wavefronts([0, 0, 0]) == 1        # a broadcast is one pass
+    assert mma.shared_wavefronts([0, 128], width=4) == 2  # same bank, two words
+    with pytest.raises(ValueError, match="not aligned"):
+        mma.shared_wavefronts([8])
