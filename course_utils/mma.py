@@ -309,3 +309,76 @@ def swizzled_offset(row: int, col: int, row_elements: int, element_bytes: int = 
                          f"{row_elements} elements of {element_bytes} bytes")
     chunk = (col // per_chunk) ^ (row % 8)
     return (row * row_elements + chunk * per_chunk + col % per_chunk) * element_bytes
+
+
+def _tile_rows(X, start: int, count: int) -> np.ndarray:
+    """Rows start .. start+count-1 of X, zero rows past its end (a ragged last tile)."""
+    part = X[start:start + count]
+    return np.concatenate([part, np.zeros((count - len(part),) + X.shape[1:], X.dtype)])
+
+
+def warp_attention_backward_kv(Q, K, V, dO, lse, delta, *, scale=None, Bq: int = 16,
+                               causal: bool = False, k0: int = 0):
+    """One warp's share of the FlashAttention-2 backward on the CPU model: dK and dV for 16 keys.
+
+    K, V (16, d) are keys k0 .. k0+15; Q, dO (Nq, d); lse (Nq,) the forward's natural-log LSE;
+    delta (Nq,) = rowsum(dO * O). The warp walks over the queries Bq at a time and, with the keys
+    as the rows of every product, keeps everything in the layouts mma.sync gives it:
+
+    1. S^T = K Q^T (16 keys x Bq): A = K's fragment, B = Q's rows (as ldmatrix gives them);
+    2. P^T = exp(S^T - LSE of each column's query), masked (a query sees key c when c <= q);
+    3. dV += P^T dO: P^T's C fragments are the A fragment, dO's rows with .trans are B;
+    4. dP^T = V dO^T: A = V's fragment, B = dO's rows; dS^T = P^T * (dP^T - delta);
+    5. dK += dS^T Q * scale: dS^T's C fragments are the A fragment, Q's rows with .trans are B.
+
+    Returns (dK (16, d), dV (16, d)) float32. dQ needs dS with the queries as rows: chapter 10
+    computes it in a second pass (or with atomics), as chapter 08 does.
+    """
+    Q, K, V, dO = (np.asarray(x, dtype=np.float32) for x in (Q, K, V, dO))
+    lse, delta = (np.asarray(x, dtype=np.float32) for x in (lse, delta))
+    d = K.shape[1]
+    if K.shape != (16, d) or V.shape != (16, d) or d % 16:
+        raise ValueError(f"K and V must be 16 x d, d a multiple of 16, got {K.shape}, {V.shape}")
+    if Q.ndim != 2 or Q.shape[1] != d or dO.shape != Q.shape:
+        raise ValueError(f"Q and dO must be Nq x {d}, one shape, got {Q.shape}, {dO.shape}")
+    if lse.shape != (Q.shape[0],) or delta.shape != (Q.shape[0],):
+        raise ValueError(f"lse and delta must have shape ({Q.shape[0]},)")
+    if Bq <= 0 or Bq % 16:
+        raise ValueError(f"Bq must be a positive multiple of 16, got {Bq}")
+    Nq = Q.shape[0]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    lanes = np.arange(LANES)
+    key_of = k0 + np.stack([lanes // 4, lanes // 4, lanes // 4 + 8, lanes // 4 + 8], axis=1)
+    k_frag = [fragments(K[:, c:c + 16], "A") for c in range(0, d, 16)]
+    v_frag = [fragments(V[:, c:c + 16], "A") for c in range(0, d, 16)]
+    dk = [np.zeros((LANES, C_VALUES), np.float32) for _ in range(d // 8)]
+    dv = [np.zeros((LANES, C_VALUES), np.float32) for _ in range(d // 8)]
+    zero = np.zeros((LANES, C_VALUES), np.float32)
+    for q0 in range(0, Nq, Bq):
+        n = min(Bq, Nq - q0)
+        q_t, do_t, lse_t, delta_t = (_tile_rows(X, q0, Bq) for X in (Q, dO, lse, delta))
+        pT, dsT = [], []
+        for nt in range(Bq // 8):                      # 8 queries = the columns of one n-tile
+            s = zero
+            dp = zero
+            for kc, c in enumerate(range(0, d, 16)):   # 1. and 4.: queries' rows as B
+                cols = slice(c, c + 16)
+                s = mma_m16n8k16(k_frag[kc], fragments(q_t[nt * 8:nt * 8 + 8, cols].T, "B"), s)
+                dp = mma_m16n8k16(v_frag[kc], fragments(do_t[nt * 8:nt * 8 + 8, cols].T, "B"), dp)
+            col = nt * 8 + 2 * (lanes % 4)[:, None] + np.array([0, 1, 0, 1])  # query in the tile
+            query = q0 + col
+            visible = (col < n) & ((key_of <= query) if causal else True)
+            lse_c = np.where(col < n, lse_t[np.minimum(col, Bq - 1)], 0.0)
+            p = np.where(visible, np.exp(s * np.float32(scale) - lse_c), 0.0).astype(np.float32)
+            pT.append(p)                               # 2.
+            dsT.append(p * (dp - delta_t[np.minimum(col, Bq - 1)]))
+        for kc in range(Bq // 16):                     # 3. and 5.: 16 queries at a time
+            p_a = to_bf16(c_to_a(pT[2 * kc], pT[2 * kc + 1]))
+            ds_a = to_bf16(c_to_a(dsT[2 * kc], dsT[2 * kc + 1]))
+            for nd in range(d // 8):
+                rows = slice(kc * 16, kc * 16 + 16)
+                dv[nd] = mma_m16n8k16(p_a, fragments(do_t[rows, nd * 8:nd * 8 + 8], "B"), dv[nd])
+                dk[nd] = mma_m16n8k16(ds_a, fragments(q_t[rows, nd * 8:nd * 8 + 8], "B"), dk[nd])
+    dK = np.concatenate([gather(x, "C") for x in dk], axis=1) * np.float32(scale)
+    dV = np.concatenate([gather(x, "C") for x in dv], axis=1)
+    return dK.astype(np.float32), dV.astype(np.float32)

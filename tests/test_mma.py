@@ -236,3 +236,27 @@ def test_shared_wavefronts_counts_distinct_words():
     assert mma.shared_wavefronts([0, 128], width=4) == 2  # same bank, two words
     with pytest.raises(ValueError, match="not aligned"):
         mma.shared_wavefronts([8])
+
+
+@pytest.mark.parametrize("Nq, d, causal, k0", [(40, 32, False, 0), (1, 16, False, 0),
+                                               (70, 64, True, 16), (33, 32, True, 30)])
+def test_warp_attention_backward_kv_matches_autograd(Nq, d, causal, k0):
+    import torch
+
+    Nk = k0 + 16
+    Q, K, V, dO = (rng.standard_normal(s).astype(np.float32)
+                   for s in ((Nq, d), (Nk, d), (Nk, d), (Nq, d)))
+    Q, K, V, dO = (mma.to_bf16(x) for x in (Q, K, V, dO))  # the operands the GPU would see
+    q, k, v = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (Q, K, V))
+    S = q @ k.T / np.sqrt(d)
+    if causal:
+        S = S.masked_fill(torch.arange(Nk)[None] > torch.arange(Nq)[:, None], float("-inf"))
+    lse = torch.logsumexp(S, dim=1)
+    P = torch.exp(S - torch.where(torch.isinf(lse), 0, lse)[:, None])
+    O = P @ v
+    O.backward(torch.tensor(dO, dtype=torch.float64))
+    delta = (O.detach().numpy() * dO).sum(axis=1)
+    dK, dV = mma.warp_attention_backward_kv(Q, K[k0:], V[k0:], dO, lse.detach().numpy(), delta,
+                                            causal=causal, k0=k0)
+    np.testing.assert_allclose(dV, v.grad.numpy()[k0:], atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(dK, k.grad.numpy()[k0:], atol=3e-2, rtol=3e-2)
