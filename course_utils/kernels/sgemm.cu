@@ -129,7 +129,7 @@ sgemm_reg1d(const float* __restrict__ A, const float* __restrict__ B, float* __r
     }
 }
 
-// ------------------------------------------------------------------ steps 3-6: 2D register tiling
+// ------------------------------------------------------------------ steps 3-7: 2D register tiling
 // Block tile BM x BN = 128 x 128, k step BK = 8, 256 threads, an 8 x 8 micro-tile per thread.
 namespace r2 {
 constexpr int BM = 128, BN = 128, BK = 8, TM = 8, TN = 8;

@@ -14,7 +14,6 @@ Without a GPU, ``source`` still works and ``resources()`` gives ptxas's register
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "sgemm.cu"
@@ -71,24 +70,19 @@ def blocks_per_sm(step: str = "pipeline") -> int:
 
 def source(step: str) -> str:
     """The CUDA C++ of one step's kernel, from its comment block to its closing brace."""
+    from course_utils.cuda import _function_definitions, _matching
+
     _index(step)
     text = SOURCE.read_text(encoding="utf-8")
     name = STEPS[step][1].split("<")[0]
-    match = re.search(rf"^(template <[^\n]*\n)?__global__[^\n]*\n?(\w+ ?)*{name}\(", text, re.M)
-    if match is None:
-        match = re.search(rf"^__global__[^(]*\b{name}\(", text, re.M)
-    start = match.start()
-    # include the comment lines right above the kernel
-    lines = text[:start].split("\n")
-    while len(lines) > 1 and lines[-2].startswith("//"):
-        lines.pop()
-    start = len("\n".join(lines[:-1])) + 1 if len(lines) > 1 else 0
-    depth, i = 0, text.index("{", match.end())
-    while True:
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start:i + 1]
-        i += 1
+    kernel = next(f for f in _function_definitions(text) if f.is_kernel and f.name == name)
+    lines = text.split("\n")
+    first = kernel.line - 1  # the line of the name; walk up over its declaration and comments
+    while first > 0 and lines[first - 1].startswith(("template", "__global__", "//")):
+        first -= 1
+    start = sum(len(line) + 1 for line in lines[:first])
+    body = text.index("{", sum(len(line) + 1 for line in lines[:kernel.line - 1]))
+    return text[start:_matching(text, body, "{", "}") + 1]
 
 
 def resources(extra_flags=()):
