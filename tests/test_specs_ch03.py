@@ -94,6 +94,13 @@ def test_bound():
 # ----------------------------------------------------------------------------- next wave
 
 
+def _each_fails_saying(exercise, cases):
+    """Every (wrong answer, phrase) in cases fails ``exercise`` with the phrase in its message."""
+    for wrong, said in cases:
+        r = grader.check(exercise, wrong)
+        assert r.status == "failed" and said in r.message, (said, r.message)
+
+
 def _ceil(a, b):
     return -(-a // b)
 
@@ -128,9 +135,7 @@ def test_next_wave():
         (make_next_wave(waves_of=lambda t, s: t // s), "partly filled wave"),
         (make_next_wave(stop_at_more_tiles=True), "not always one more wave"),
     ]
-    for wrong, said in cases:
-        r = grader.check("03.next_wave", wrong)
-        assert r.status == "failed" and said in r.message, (said, r.message)
+    _each_fails_saying("03.next_wave", cases)
     r = grader.check("03.next_wave", lambda *a: 2049)
     assert r.status == "failed" and "expected (N, waves at n, waves at N)" in r.message
 
@@ -172,9 +177,7 @@ def test_efficient_size():
         (make_efficient_size(tile_only), "multiply by the wave efficiency"),
         (make_efficient_size(slots_of=lambda sms, bps: sms), "sms * blocks_per_sm"),
     ]
-    for wrong, said in cases:
-        r = grader.check("03.efficient_size", wrong)
-        assert r.status == "failed" and said in r.message, (said, r.message)
+    _each_fails_saying("03.efficient_size", cases)
     # n_min itself counts: a visible case starts at a size that already qualifies
     r = grader.check("03.efficient_size", make_efficient_size(start=1))
     assert r.status == "failed" and "n_min itself counts" in r.message, r.message
@@ -232,9 +235,7 @@ def test_in_flight():
         (make_in_flight(rounding=round), "round up"),
         (make_in_flight(per_load=False), "loads, not bytes"),
     ]
-    for wrong, said in cases:
-        r = grader.check("03.in_flight", wrong)
-        assert r.status == "failed" and said in r.message, (said, r.message)
+    _each_fails_saying("03.in_flight", cases)
     r = grader.check("03.in_flight", lambda *a: 2.1e6)
     assert r.status == "failed" and "expected (bytes in flight" in r.message
 
