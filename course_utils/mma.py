@@ -228,7 +228,7 @@ def warp_attention_forward(Q, K, V, *, scale=None, Bc: int = 64, causal: bool = 
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     lanes = np.arange(LANES)
     rows = [lanes // 4, lanes // 4 + 8]  # the two rows of C a lane holds (values 0,1 | 2,3)
-    cols = 2 * (lanes % 4)                          # its first column within an 8-wide n-tile
+    cols = 2 * (lanes % 4)  # its first column within an 8-wide n-tile
     q_frag = [fragments(Q[:, c:c + 16], "A") for c in range(0, d, 16)]
     m = np.full((2, LANES), -np.inf, dtype=np.float32)   # running max of the lane's two rows
     l = np.zeros((2, LANES), dtype=np.float32)           # running sum (the lane's share, then all)
