@@ -33,8 +33,6 @@
 namespace fa_mma {
 
 constexpr int WARPS = 4, THREADS = 32 * WARPS;
-constexpr int BR = 16 * WARPS;  // query rows per block
-constexpr int BC = 64;          // keys per tile
 constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -43,6 +41,14 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 template <int D>
 __device__ __forceinline__ int swizzle(int r, int c) {
     return r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+}
+
+// 2^x in one MUFU.EX2 instruction (exp2f adds a range fix-up for results below 2^-126; a
+// probability that small is 0 for bf16 P anyway)
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -95,20 +101,33 @@ __device__ __forceinline__ void copy_tile(__nv_bfloat16* tile, const __nv_bfloat
     }
 }
 
+// The tile shape of each head dim: keys per tile, 16-row m-tiles per warp, Q kept in registers.
+// Each K or V fragment a warp loads from shared memory feeds MT mma instructions (one per m-tile):
+// with MT = 1 the ldmatrix traffic, not the tensor cores, would set the pace.
+template <int D> struct Config;
+template <> struct Config<64> { static constexpr int BC = 64, MT = 2, MIN_BLOCKS = 2; static constexpr bool Q_REGS = true; };
+template <> struct Config<128> { static constexpr int BC = 64, MT = 2, MIN_BLOCKS = 2; static constexpr bool Q_REGS = false; };
+
 template <int D>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, Config<D>::MIN_BLOCKS)
 flash_attention_mma_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K,
                            const __nv_bfloat16* __restrict__ V, __nv_bfloat16* __restrict__ O,
                            float* __restrict__ LSE, int Nq, int Nk, float scale, int causal) {
+    constexpr int BC = Config<D>::BC, MT = Config<D>::MT;
+    constexpr bool Q_REGS = Config<D>::Q_REGS;
+    constexpr int BR = 16 * MT * WARPS;  // query rows per block
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // BR x D
-    __nv_bfloat16* Ks = Qs + BR * D;                                   // 2 buffers of BC x D
-    __nv_bfloat16* Vs = Ks + 2 * BC * D;                               // 2 buffers of BC x D
+    __nv_bfloat16* Ks = Qs + BR * D;                                   // BC x D
+    __nv_bfloat16* Vs = Ks + BC * D;                                   // BC x D
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // the lane's group (row) and place in it (columns)
+    const int j8 = lane / 8, r8 = lane % 8;  // for ldmatrix.x4: lane l points at row r8 of matrix j8
     const size_t bh = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
-    const int row0 = blockIdx.x * BR;
+    // the last row blocks first: under a causal mask they have the most key tiles to visit
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * BR;
+    const int wrow0 = row0 + warp * 16 * MT;  // the warp's first row
     const __nv_bfloat16* Qb = Q + bh * Nq * D;
     const __nv_bfloat16* Kb = K + bh * Nk * D;
     const __nv_bfloat16* Vb = V + bh * Nk * D;
@@ -117,146 +136,164 @@ flash_attention_mma_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloa
     const int last_row = min(row0 + BR, Nq) - 1;
     const int n_tiles = causal ? min((Nk + BC - 1) / BC, last_row / BC + 1) : (Nk + BC - 1) / BC;
 
+    // Schedule (one K and one V buffer): K(j) is copied during P V of tile j-1, V(j) during
+    // S = Q K(j)^T; every wait is for all of this thread's copies (wait_group 0), then a barrier.
     copy_tile<D, BR>(Qs, Qb, row0, Nq);
+    copy_tile<D, BC>(Ks, Kb, 0, Nk);
     cp_async_commit();
-    if (n_tiles > 0) {
-        copy_tile<D, BC>(Ks, Kb, 0, Nk);
-        copy_tile<D, BC>(Vs, Vb, 0, Nk);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();  // Q has landed (this thread's copies) ...
-    __syncthreads();     // ... and everyone's
 
-    unsigned q[D / 16][4];  // the warp's 16 x D slice of Q as D / 16 A fragments
-    {
-        const int j = lane / 8, r = lane % 8;  // lane l points at row r of quarter j
-        #pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-            const int row = warp * 16 + (j % 2) * 8 + r, col = kc * 16 + (j / 2) * 8;
-            ldmatrix_x4(q[kc], Qs + swizzle<D>(row, col));
-        }
-    }
-
-    float o[D / 8][4];  // O: D / 8 C fragments
+    unsigned q[Q_REGS ? MT : 1][D / 16][4];  // the warp's rows of Q as A fragments (if kept)
+    float o[MT][D / 8][4];                   // O: per m-tile, D / 8 C fragments
+    float m[MT][2], l[MT][2];                // running max (raw score units) and the lane's sum
     #pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
-    float m[2] = {neg_inf(), neg_inf()};  // running max of rows g and g + 8 (log2 units)
-    float l[2] = {0.0f, 0.0f};            // the lane's share of their running sums
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) o[mt][nd][0] = o[mt][nd][1] = o[mt][nd][2] = o[mt][nd][3] = 0.0f;
+        m[mt][0] = m[mt][1] = neg_inf();
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
     const float scale_log2 = scale * LOG2E;
-    const int my_row[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
 
     for (int jt = 0; jt < n_tiles; ++jt) {
-        const int buf = jt % 2;
-        if (jt + 1 < n_tiles) {  // tile j+1 flies while tile j is used
-            copy_tile<D, BC>(Ks + (1 - buf) * BC * D, Kb, (jt + 1) * BC, Nk);
-            copy_tile<D, BC>(Vs + (1 - buf) * BC * D, Vb, (jt + 1) * BC, Nk);
-        }
+        cp_async_wait<0>();  // K(j) (and, at j = 0, Q) has landed for this thread ...
+        __syncthreads();     // ... and for all; every warp is also done with V(j-1) (WAR)
+        copy_tile<D, BC>(Vs, Vb, jt * BC, Nk);
         cp_async_commit();
-        cp_async_wait<1>();  // tile j has landed ...
-        __syncthreads();     // ... for every thread (RAW)
-        const __nv_bfloat16* Kt = Ks + buf * BC * D;
-        const __nv_bfloat16* Vt = Vs + buf * BC * D;
-
-        float s[BC / 8][4];  // S = Q K^T for this tile: BC / 8 C fragments
-        #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        {
-            const int j = lane / 8, r = lane % 8;
+        if (Q_REGS && jt == 0) {
             #pragma unroll
-            for (int kc = 0; kc < D / 16; ++kc) {
+            for (int mt = 0; mt < (Q_REGS ? MT : 0); ++mt)
                 #pragma unroll
-                for (int np = 0; np < BC / 16; ++np) {  // 16 keys: n-tiles 2np and 2np + 1
-                    unsigned b[4];
-                    ldmatrix_x4(b, Kt + swizzle<D>(np * 16 + (j / 2) * 8 + r, kc * 16 + (j % 2) * 8));
-                    mma_bf16(s[2 * np], q[kc], b[0], b[1]);
-                    mma_bf16(s[2 * np + 1], q[kc], b[2], b[3]);
+                for (int kc = 0; kc < D / 16; ++kc)
+                    ldmatrix_x4(q[mt][kc], Qs + swizzle<D>(warp * 16 * MT + mt * 16 + (j8 % 2) * 8 + r8,
+                                                           kc * 16 + (j8 / 2) * 8));
+        }
+
+        // S = Q K^T: BC / 8 C fragments per m-tile; one ldmatrix.x4 of K feeds 2 * MT mma
+        float s[MT][BC / 8][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int nt = 0; nt < BC / 8; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+        #pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            unsigned qa[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Q_REGS) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) qa[mt][i] = q[mt][kc][i];
+                } else {
+                    ldmatrix_x4(qa[mt], Qs + swizzle<D>(warp * 16 * MT + mt * 16 + (j8 % 2) * 8 + r8,
+                                                        kc * 16 + (j8 / 2) * 8));
+                }
+            }
+            #pragma unroll
+            for (int np = 0; np < BC / 16; ++np) {  // 16 keys: n-tiles 2np and 2np + 1
+                unsigned b[4];
+                ldmatrix_x4(b, Ks + swizzle<D>(np * 16 + (j8 / 2) * 8 + r8, kc * 16 + (j8 % 2) * 8));
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * np], qa[mt], b[0], b[1]);
+                    mma_bf16(s[mt][2 * np + 1], qa[mt], b[2], b[3]);
                 }
             }
         }
 
-        // scale, mask (a select, not a branch per element), row max over the 4 lanes of a group
+        // mask (a select, only in tiles that cross N or the diagonal), row max over 4 lanes,
+        // rescale, P = exp2(S * scale_log2 - m * scale_log2): one FFMA and one exp2 per element
         const int key0 = jt * BC;
-        const bool needs_mask = key0 + BC > Nk || (causal && key0 + BC - 1 > row0 + warp * 16);
-        float m_new[2] = {m[0], m[1]};
+        unsigned p[MT][BC / 16][4];  // P in bf16, as A fragments of 16 keys each
+        const bool needs_mask = key0 + BC > Nk || (causal && key0 + BC - 1 > wrow0);
         #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) {
+            const int row_g = wrow0 + mt * 16 + g;  // the lane's rows: row_g and row_g + 8
+            float m_new[2] = {m[mt][0], m[mt][1]};
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float x = s[nt][i] * scale_log2;
-                if (needs_mask) {
-                    const int key = key0 + nt * 8 + 2 * t + (i & 1);
-                    if (key >= Nk || (causal && key > my_row[i / 2])) x = neg_inf();
+            for (int nt = 0; nt < BC / 8; ++nt) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    if (needs_mask) {
+                        const int key = key0 + nt * 8 + 2 * t + (i & 1);
+                        if (key >= Nk || (causal && key > row_g + 8 * (i / 2))) s[mt][nt][i] = neg_inf();
+                    }
+                    m_new[i / 2] = fmaxf(m_new[i / 2], s[mt][nt][i]);
                 }
-                s[nt][i] = x;
-                m_new[i / 2] = fmaxf(m_new[i / 2], x);
             }
-        }
-        float alpha[2];
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(0xffffffffu, m_new[h], 1));
-            m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(0xffffffffu, m_new[h], 2));
-            const float safe = m_new[h] == neg_inf() ? 0.0f : m_new[h];  // no key yet: subtract 0
-            alpha[h] = exp2f(m[h] - safe);
-            l[h] *= alpha[h];
-            m[h] = m_new[h];
-        }
-        #pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-            o[nd][0] *= alpha[0]; o[nd][1] *= alpha[0];
-            o[nd][2] *= alpha[1]; o[nd][3] *= alpha[1];
-        }
-        #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
+            float m_scaled[2], alpha[2];
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float safe = m[i / 2] == neg_inf() ? 0.0f : m[i / 2];
-                s[nt][i] = exp2f(s[nt][i] - safe);  // P, still in the C fragments of S
-                l[i / 2] += s[nt][i];
+            for (int h = 0; h < 2; ++h) {
+                m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(0xffffffffu, m_new[h], 1));
+                m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(0xffffffffu, m_new[h], 2));
+                // a row with no key yet keeps m = -inf: subtract 0 instead (P = 0, no NaN)
+                m_scaled[h] = m_new[h] == neg_inf() ? 0.0f : m_new[h] * scale_log2;
+                alpha[h] = fast_exp2(m[mt][h] * scale_log2 - m_scaled[h]);
+                l[mt][h] *= alpha[h];
+                m[mt][h] = m_new[h];
             }
-        }
-
-        // O += P V: 16 keys at a time, P's two C fragments become one A fragment in registers
-        {
-            const int j = lane / 8, r = lane % 8;
+            #pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd) {  // rescale O's rows by alpha
+                o[mt][nd][0] *= alpha[0]; o[mt][nd][1] *= alpha[0];
+                o[mt][nd][2] *= alpha[1]; o[mt][nd][3] *= alpha[1];
+            }
+            // P = exp2(...), summed in fp32, then packed to bf16 at once: P's two C fragments of
+            // 16 keys are the A fragment of P V, and the fp32 S registers are free again
             #pragma unroll
             for (int kc = 0; kc < BC / 16; ++kc) {
-                const unsigned p[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]),
-                                       pack_bf16(s[2 * kc][2], s[2 * kc][3]),
-                                       pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                                       pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+                float x[8];
                 #pragma unroll
-                for (int nd = 0; nd < D / 16; ++nd) {  // 16 of D: n-tiles 2nd and 2nd + 1
-                    unsigned b[4];
-                    ldmatrix_x4_trans(b, Vt + swizzle<D>(kc * 16 + (j % 2) * 8 + r, nd * 16 + (j / 2) * 8));
-                    mma_bf16(o[2 * nd], p, b[0], b[1]);
-                    mma_bf16(o[2 * nd + 1], p, b[2], b[3]);
+                for (int i = 0; i < 8; ++i) {
+                    x[i] = fast_exp2(fmaf(s[mt][2 * kc + i / 4][i % 4], scale_log2, -m_scaled[(i / 2) % 2]));
+                    l[mt][(i / 2) % 2] += x[i];
+                }
+                p[mt][kc][0] = pack_bf16(x[0], x[1]);  // row g,     keys 2t, 2t+1
+                p[mt][kc][1] = pack_bf16(x[2], x[3]);  // row g + 8, keys 2t, 2t+1
+                p[mt][kc][2] = pack_bf16(x[4], x[5]);  // row g,     keys 8 + 2t, 8 + 2t+1
+                p[mt][kc][3] = pack_bf16(x[6], x[7]);  // row g + 8, keys 8 + 2t, 8 + 2t+1
+            }
+        }
+
+        cp_async_wait<0>();  // V(j) has landed for this thread ...
+        __syncthreads();     // ... and for all; every warp is also done with K(j) (WAR)
+        if (jt + 1 < n_tiles) copy_tile<D, BC>(Ks, Kb, (jt + 1) * BC, Nk);  // flies during P V
+        cp_async_commit();
+
+        // O += P V: 16 keys at a time, P straight from registers (no trip through shared memory)
+        #pragma unroll
+        for (int kc = 0; kc < BC / 16; ++kc) {
+            #pragma unroll
+            for (int nd = 0; nd < D / 16; ++nd) {  // 16 of D: n-tiles 2nd and 2nd + 1
+                unsigned b[4];
+                ldmatrix_x4_trans(b, Vs + swizzle<D>(kc * 16 + (j8 % 2) * 8 + r8, nd * 16 + (j8 / 2) * 8));
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(o[mt][2 * nd], p[mt][kc], b[0], b[1]);
+                    mma_bf16(o[mt][2 * nd + 1], p[mt][kc], b[2], b[3]);
                 }
             }
         }
-        __syncthreads();  // WAR: the next iteration's copies overwrite the buffer read here
     }
     cp_async_wait<0>();  // no copy may still be writing shared memory when the block ends
 
     // finish: the row sums over the 4 lanes of each group, O / l, LSE (natural log)
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = my_row[h];
-        if (row >= Nq) continue;
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // a row that saw no key: O = 0
-        __nv_bfloat16* out = O + (bh * Nq + row) * D;
+    for (int mt = 0; mt < MT; ++mt) {
         #pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-            *reinterpret_cast<unsigned*>(out + nd * 8 + 2 * t) =
-                pack_bf16(o[nd][2 * h] * inv, o[nd][2 * h + 1] * inv);
-        }
-        if (t == 0) {
-            LSE[bh * Nq + row] = l[h] > 0.0f ? (m[h] + log2f(l[h])) / LOG2E : neg_inf();
+        for (int h = 0; h < 2; ++h) {
+            float sum = l[mt][h];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int row = wrow0 + mt * 16 + g + 8 * h;
+            if (row >= Nq) continue;
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row that saw no key: O = 0
+            __nv_bfloat16* out = O + (bh * Nq + row) * D;
+            #pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd) {
+                *reinterpret_cast<unsigned*>(out + nd * 8 + 2 * t) =
+                    pack_bf16(o[mt][nd][2 * h] * inv, o[mt][nd][2 * h + 1] * inv);
+            }
+            if (t == 0) {
+                LSE[bh * Nq + row] = sum > 0.0f ? m[mt][h] * scale + logf(sum) : neg_inf();
+            }
         }
     }
 }
@@ -269,7 +306,8 @@ static void launch_flash_mma(const torch::Tensor& Q, const torch::Tensor& K, con
                              torch::Tensor& O, torch::Tensor& LSE, int Nq, int Nk, int H, int B,
                              float scale, bool causal) {
     using namespace fa_mma;
-    constexpr int SMEM = (BR * D + 4 * BC * D) * 2;  // Q tile, two K and two V buffers, bf16
+    constexpr int BR = 16 * Config<D>::MT * WARPS, BC = Config<D>::BC;
+    constexpr int SMEM = (BR * D + 2 * BC * D) * 2;  // Q, K and V tiles, bf16
     auto kernel = flash_attention_mma_kernel<D>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     dim3 grid((Nq + BR - 1) / BR, H, B);

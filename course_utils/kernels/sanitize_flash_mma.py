@@ -1,0 +1,51 @@
+"""Run chapter 10's tensor-core kernels on tile-aligned and ragged sizes, for compute-sanitizer.
+
+On the GPU machine, from the repository root:
+
+    compute-sanitizer --tool racecheck python course_utils/kernels/sanitize_flash_mma.py
+    compute-sanitizer --tool memcheck  python course_utils/kernels/sanitize_flash_mma.py
+
+Both ways in (load_cuda and NVRTC) run, causal and not; each result is also checked against the
+float64 reference, so a run that prints "all ok" and a sanitizer summary of 0 errors is clean.
+"""
+
+import math
+from pathlib import Path
+
+import torch
+
+import course_utils as cu
+
+cu.setup()
+
+from course_utils import checks  # noqa: E402
+from course_utils.cuda import compile_kernel, load_cuda  # noqa: E402
+
+KERNEL = Path(__file__).resolve().parent / "flash_attention_mma.cu"
+BR, BC, THREADS = 64, 64, 128
+
+
+def main():
+    module = load_cuda(KERNEL, ["flash_attention_mma"], name="flash_attention_mma")
+    for B, H, Nq, Nk, D in ((1, 2, 128, 128, 64), (1, 1, 100, 77, 128), (1, 1, 17, 200, 64)):
+        kernel = compile_kernel(KERNEL, f"fa_mma::flash_attention_mma_kernel<{D}>")
+        smem = 2 * (BR * D + 4 * BC * D)
+        Q, K, V = (torch.randn(B, H, n, D, device="cuda").bfloat16() for n in (Nq, Nk, Nk))
+        for causal in (False, True):
+            O_ref, LSE_ref = checks.reference.attention(Q, K, V, causal=causal)
+            O1, LSE1 = module.flash_attention_mma(Q, K, V, causal)
+            O2 = torch.full_like(Q, math.nan)
+            LSE2 = torch.full((B, H, Nq), math.nan, device="cuda")
+            kernel((math.ceil(Nq / BR), H, B), THREADS, Q, K, V, O2, LSE2, Nq, Nk,
+                   1 / math.sqrt(D), int(causal), shared_mem=smem)
+            torch.cuda.synchronize()
+            case = f"B={B}, H={H}, Nq={Nq}, Nk={Nk}, D={D}, causal={causal}"
+            for O, LSE in ((O1, LSE1), (O2, LSE2)):
+                checks.compare("O", O, O_ref, case=case, atol=2e-2, rtol=2e-2)
+                checks.compare("LSE", LSE, LSE_ref, case=case, atol=1e-2, rtol=1e-3)
+            print(f"ok: {case}")
+    print("all ok")
+
+
+if __name__ == "__main__":
+    main()
