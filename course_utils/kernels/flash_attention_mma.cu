@@ -298,9 +298,306 @@ flash_attention_mma_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloa
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Backward, in three kernels (deterministic: every gradient element is written by one thread,
+// no atomics, so two runs give the same bits):
+//   1. delta_kernel:  Delta_i = sum_d dO_id O_id  (fp32, one warp per row)
+//   2. dkdv_kernel:   a block owns BKV = 64 keys (16 per warp) and walks the query tiles:
+//        S^T = K Q^T, P^T = exp(S^T * scale - LSE), dV += P^T dO, dP^T = V dO^T,
+//        dS^T = P^T * (dP^T - Delta), dK += dS^T Q
+//      Keys are the rows (the M of every mma), so P^T and dS^T come out of the C fragments in
+//      the layout an A fragment needs: both are reused in registers, as P is in the forward.
+//   3. dq_kernel:     a block owns 64 queries (16 per warp) and walks the key tiles:
+//        S = Q K^T, P = exp(S * scale - LSE), dP = dO V^T, dS = P * (dP - Delta), dQ += dS K
+//      It recomputes S and dP (two more products than one pass with atomic dQ adds: the price of
+//      determinism).
+// Both loops double-buffer their streamed tiles with cp.async (tile i+1 flies while tile i is
+// used). LSE = -inf (a row that saw no key) is stored as +inf so that its P is 0.
+// ---------------------------------------------------------------------------------------------
+
+__global__ void delta_kernel(const __nv_bfloat16* __restrict__ O, const __nv_bfloat16* __restrict__ dO,
+                             float* __restrict__ Delta, int rows, int D) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    float acc = 0.0f;
+    for (int c = 2 * lane; c < D; c += 64) {
+        const __nv_bfloat162 o = *reinterpret_cast<const __nv_bfloat162*>(O + (size_t)row * D + c);
+        const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(dO + (size_t)row * D + c);
+        acc += __bfloat162float(o.x) * __bfloat162float(g.x) + __bfloat162float(o.y) * __bfloat162float(g.y);
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) Delta[row] = acc;
+}
+
+constexpr int B_ROWS = 16 * WARPS;  // keys per dK/dV block, queries per dQ block
+constexpr int B_TILE = 64;          // queries (dK/dV) or keys (dQ) per streamed tile
+
+// A fragments (16 rows x 16 of D) of a swizzled [rows][D] tile, rows row0.. of this warp
+template <int D>
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const __nv_bfloat16* tile, int row0, int kc) {
+    const int lane = threadIdx.x % 32, j8 = lane / 8, r8 = lane % 8;
+    ldmatrix_x4(a, tile + swizzle<D>(row0 + (j8 % 2) * 8 + r8, kc * 16 + (j8 / 2) * 8));
+}
+// B fragments of two 8-row n-tiles (rows n0.. n0+15 of a swizzled [rows][D] tile as the N side,
+// 16 of D as the K side): what K's rows are in S = Q K^T
+template <int D>
+__device__ __forceinline__ void load_b_rows(unsigned (&b)[4], const __nv_bfloat16* tile, int n0, int kc) {
+    const int lane = threadIdx.x % 32, j8 = lane / 8, r8 = lane % 8;
+    ldmatrix_x4(b, tile + swizzle<D>(n0 + (j8 / 2) * 8 + r8, kc * 16 + (j8 % 2) * 8));
+}
+// B fragments of two 8-column n-tiles (columns nd*16.. of D as the N side, rows k0.. k0+15 as the
+// K side), with .trans: what V's rows are in O = P V
+template <int D>
+__device__ __forceinline__ void load_b_cols(unsigned (&b)[4], const __nv_bfloat16* tile, int k0, int nd) {
+    const int lane = threadIdx.x % 32, j8 = lane / 8, r8 = lane % 8;
+    ldmatrix_x4_trans(b, tile + swizzle<D>(k0 + (j8 % 2) * 8 + r8, nd * 16 + (j8 / 2) * 8));
+}
+
+// acc (16 x B_TILE, B_TILE / 8 C fragments) = rows of A (16 x D, from shared) times rows of B^T
+template <int D>
+__device__ __forceinline__ void rows_times_rows(float (&acc)[B_TILE / 8][4], const __nv_bfloat16* A,
+                                                int a_row0, const __nv_bfloat16* Bt) {
+    #pragma unroll
+    for (int nt = 0; nt < B_TILE / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    #pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        unsigned a[4];
+        load_a<D>(a, A, a_row0, kc);
+        #pragma unroll
+        for (int np = 0; np < B_TILE / 16; ++np) {
+            unsigned b[4];
+            load_b_rows<D>(b, Bt, np * 16, kc);
+            mma_bf16(acc[2 * np], a, b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// out (16 x D, D / 8 C fragments) += X (16 x B_TILE, C fragments in registers, reused as A) times
+// the B_TILE x D tile M in shared memory
+template <int D>
+__device__ __forceinline__ void c_times_tile(float (&out)[D / 8][4], const float (&x)[B_TILE / 8][4],
+                                             const __nv_bfloat16* M) {
+    #pragma unroll
+    for (int kc = 0; kc < B_TILE / 16; ++kc) {
+        const unsigned a[4] = {pack_bf16(x[2 * kc][0], x[2 * kc][1]), pack_bf16(x[2 * kc][2], x[2 * kc][3]),
+                               pack_bf16(x[2 * kc + 1][0], x[2 * kc + 1][1]),
+                               pack_bf16(x[2 * kc + 1][2], x[2 * kc + 1][3])};
+        #pragma unroll
+        for (int nd = 0; nd < D / 16; ++nd) {
+            unsigned b[4];
+            load_b_cols<D>(b, M, kc * 16, nd);
+            mma_bf16(out[2 * nd], a, b[0], b[1]);
+            mma_bf16(out[2 * nd + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Copy n floats (LSE * log2(e), or Delta) of rows [row0, row0 + n) into shared memory; rows past
+// `rows` get `fill`. An LSE of -inf becomes +inf (its P must be 0).
+__device__ __forceinline__ void copy_row_stats(float* dst, const float* src, int row0, int rows,
+                                               float mul, float fill) {
+    for (int i = threadIdx.x; i < B_TILE; i += THREADS) {
+        float v = fill;
+        if (row0 + i < rows) {
+            v = src[row0 + i];
+            v = v == neg_inf() ? -neg_inf() : v * mul;
+        }
+        dst[i] = v;
+    }
+}
+
+template <int D>
+__global__ void __launch_bounds__(THREADS, 2)
+dkdv_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K,
+            const __nv_bfloat16* __restrict__ V, const __nv_bfloat16* __restrict__ dO,
+            const float* __restrict__ LSE, const float* __restrict__ Delta,
+            __nv_bfloat16* __restrict__ dK, __nv_bfloat16* __restrict__ dV,
+            int Nq, int Nk, float scale, int causal) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // B_ROWS x D
+    __nv_bfloat16* Vs = Ks + B_ROWS * D;                               // B_ROWS x D
+    __nv_bfloat16* Qs = Vs + B_ROWS * D;                               // 2 x B_TILE x D
+    __nv_bfloat16* dOs = Qs + 2 * B_TILE * D;                          // 2 x B_TILE x D
+    float* lse_s = reinterpret_cast<float*>(dOs + 2 * B_TILE * D);    // 2 x B_TILE
+    float* delta_s = lse_s + 2 * B_TILE;                               // 2 x B_TILE
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const size_t bh = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
+    const int key0 = blockIdx.x * B_ROWS, wkey0 = key0 + warp * 16;
+    const __nv_bfloat16 *Qb = Q + bh * Nq * D, *dOb = dO + bh * Nq * D;
+    const float *lse_b = LSE + bh * Nq, *delta_b = Delta + bh * Nq;
+    const float scale_log2 = scale * LOG2E;
+
+    // query tiles that can see these keys: all, or (causal, key c seen by queries r >= c) from
+    // the tile of query key0 on
+    const int first = causal ? key0 / B_TILE : 0, n_tiles = (Nq + B_TILE - 1) / B_TILE;
+
+    copy_tile<D, B_ROWS>(Ks, K + bh * Nk * D, key0, Nk);
+    copy_tile<D, B_ROWS>(Vs, V + bh * Nk * D, key0, Nk);
+    auto stream_in = [&](int i, int buf) {
+        copy_tile<D, B_TILE>(Qs + buf * B_TILE * D, Qb, i * B_TILE, Nq);
+        copy_tile<D, B_TILE>(dOs + buf * B_TILE * D, dOb, i * B_TILE, Nq);
+        copy_row_stats(lse_s + buf * B_TILE, lse_b, i * B_TILE, Nq, LOG2E, -neg_inf());
+        copy_row_stats(delta_s + buf * B_TILE, delta_b, i * B_TILE, Nq, 1.0f, 0.0f);
+    };
+    if (first < n_tiles) stream_in(first, 0);
+    cp_async_commit();
+
+    float dk[D / 8][4], dv[D / 8][4];
+    #pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) dk[nd][i] = dv[nd][i] = 0.0f;
+
+    for (int it = first; it < n_tiles; ++it) {
+        const int buf = (it - first) % 2;
+        if (it + 1 < n_tiles) stream_in(it + 1, 1 - buf);  // tile i+1 flies while tile i is used
+        cp_async_commit();
+        cp_async_wait<1>();  // tile i (and K, V) landed for this thread ...
+        __syncthreads();     // ... and for all (the plain stores of LSE and Delta too)
+        const __nv_bfloat16 *Qt = Qs + buf * B_TILE * D, *dOt = dOs + buf * B_TILE * D;
+        const float *lse_t = lse_s + buf * B_TILE, *delta_t = delta_s + buf * B_TILE;
+        const int q0 = it * B_TILE;
+
+        float p[B_TILE / 8][4];  // S^T, then P^T, then dS^T (keys are rows, queries columns)
+        rows_times_rows<D>(p, Ks, warp * 16, Qt);
+        const bool needs_mask = causal && q0 < wkey0 + 15;
+        #pragma unroll
+        for (int nt = 0; nt < B_TILE / 8; ++nt) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int col = nt * 8 + 2 * t + (i & 1);  // the query within the tile
+                float x = fast_exp2(fmaf(p[nt][i], scale_log2, -lse_t[col]));
+                if (needs_mask && wkey0 + g + 8 * (i / 2) > q0 + col) x = 0.0f;
+                p[nt][i] = x;
+            }
+        }
+        c_times_tile<D>(dv, p, dOt);  // dV += P^T dO
+
+        float dp[B_TILE / 8][4];  // dP^T = V dO^T
+        rows_times_rows<D>(dp, Vs, warp * 16, dOt);
+        #pragma unroll
+        for (int nt = 0; nt < B_TILE / 8; ++nt)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) p[nt][i] *= dp[nt][i] - delta_t[nt * 8 + 2 * t + (i & 1)];
+        c_times_tile<D>(dk, p, Qt);  // dK += dS^T Q (scaled at the end)
+        __syncthreads();  // WAR: the next iteration's copies overwrite the buffer read here
+    }
+    cp_async_wait<0>();
+
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = wkey0 + g + 8 * h;
+        if (key >= Nk) continue;
+        __nv_bfloat16* dk_row = dK + (bh * Nk + key) * D;
+        __nv_bfloat16* dv_row = dV + (bh * Nk + key) * D;
+        #pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            *reinterpret_cast<unsigned*>(dk_row + nd * 8 + 2 * t) =
+                pack_bf16(dk[nd][2 * h] * scale, dk[nd][2 * h + 1] * scale);
+            *reinterpret_cast<unsigned*>(dv_row + nd * 8 + 2 * t) = pack_bf16(dv[nd][2 * h], dv[nd][2 * h + 1]);
+        }
+    }
+}
+
+template <int D>
+__global__ void __launch_bounds__(THREADS, 2)
+dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K,
+          const __nv_bfloat16* __restrict__ V, const __nv_bfloat16* __restrict__ dO,
+          const float* __restrict__ LSE, const float* __restrict__ Delta,
+          __nv_bfloat16* __restrict__ dQ, int Nq, int Nk, float scale, int causal) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // B_ROWS x D
+    __nv_bfloat16* dOs = Qs + B_ROWS * D;                              // B_ROWS x D
+    __nv_bfloat16* Ks = dOs + B_ROWS * D;                              // 2 x B_TILE x D
+    __nv_bfloat16* Vs = Ks + 2 * B_TILE * D;                           // 2 x B_TILE x D
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const size_t bh = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * B_ROWS, wrow0 = row0 + warp * 16;
+    const __nv_bfloat16 *Kb = K + bh * Nk * D, *Vb = V + bh * Nk * D;
+    const float scale_log2 = scale * LOG2E;
+    const int last_row = min(row0 + B_ROWS, Nq) - 1;
+    const int n_tiles = causal ? min((Nk + B_TILE - 1) / B_TILE, last_row / B_TILE + 1)
+                               : (Nk + B_TILE - 1) / B_TILE;
+
+    copy_tile<D, B_ROWS>(Qs, Q + bh * Nq * D, row0, Nq);
+    copy_tile<D, B_ROWS>(dOs, dO + bh * Nq * D, row0, Nq);
+    copy_tile<D, B_TILE>(Ks, Kb, 0, Nk);
+    copy_tile<D, B_TILE>(Vs, Vb, 0, Nk);
+    cp_async_commit();
+    float lse2[2], delta[2];  // the lane's two rows: LSE * log2(e) (+inf if no key) and Delta
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = wrow0 + g + 8 * h;
+        const float v = row < Nq ? LSE[bh * Nq + row] : neg_inf();
+        lse2[h] = v == neg_inf() ? -neg_inf() : v * LOG2E;
+        delta[h] = row < Nq ? Delta[bh * Nq + row] : 0.0f;
+    }
+    float dq[D / 8][4];
+    #pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) dq[nd][0] = dq[nd][1] = dq[nd][2] = dq[nd][3] = 0.0f;
+
+    for (int jt = 0; jt < n_tiles; ++jt) {
+        const int buf = jt % 2;
+        if (jt + 1 < n_tiles) {
+            copy_tile<D, B_TILE>(Ks + (1 - buf) * B_TILE * D, Kb, (jt + 1) * B_TILE, Nk);
+            copy_tile<D, B_TILE>(Vs + (1 - buf) * B_TILE * D, Vb, (jt + 1) * B_TILE, Nk);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const __nv_bfloat16 *Kt = Ks + buf * B_TILE * D, *Vt = Vs + buf * B_TILE * D;
+        const int key0 = jt * B_TILE;
+
+        float p[B_TILE / 8][4];  // S, then P, then dS
+        rows_times_rows<D>(p, Qs, warp * 16, Kt);
+        const bool needs_mask = key0 + B_TILE > Nk || (causal && key0 + B_TILE - 1 > wrow0);
+        #pragma unroll
+        for (int nt = 0; nt < B_TILE / 8; ++nt) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float x = fast_exp2(fmaf(p[nt][i], scale_log2, -lse2[i / 2]));
+                if (needs_mask) {
+                    const int key = key0 + nt * 8 + 2 * t + (i & 1);
+                    if (key >= Nk || (causal && key > wrow0 + g + 8 * (i / 2))) x = 0.0f;
+                }
+                p[nt][i] = x;
+            }
+        }
+        float dp[B_TILE / 8][4];  // dP = dO V^T
+        rows_times_rows<D>(dp, dOs, warp * 16, Vt);
+        #pragma unroll
+        for (int nt = 0; nt < B_TILE / 8; ++nt)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) p[nt][i] *= dp[nt][i] - delta[i / 2];
+        c_times_tile<D>(dq, p, Kt);  // dQ += dS K (scaled at the end)
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = wrow0 + g + 8 * h;
+        if (row >= Nq) continue;
+        __nv_bfloat16* out = dQ + (bh * Nq + row) * D;
+        #pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd)
+            *reinterpret_cast<unsigned*>(out + nd * 8 + 2 * t) = pack_bf16(dq[nd][2 * h] * scale, dq[nd][2 * h + 1] * scale);
+    }
+}
+
 }  // namespace fa_mma
 
 #if !defined(__CUDACC_RTC__)
+static void check_launch(const char* what) {
+    const cudaError_t err = cudaGetLastError();
+    TORCH_CHECK(err == cudaSuccess, what, ": launch failed: ", cudaGetErrorString(err));
+}
+
 template <int D>
 static void launch_flash_mma(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
                              torch::Tensor& O, torch::Tensor& LSE, int Nq, int Nk, int H, int B,
@@ -317,35 +614,40 @@ static void launch_flash_mma(const torch::Tensor& Q, const torch::Tensor& K, con
         reinterpret_cast<const __nv_bfloat16*>(V.data_ptr()),
         reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(), Nq, Nk, scale,
         causal ? 1 : 0);
-    const cudaError_t err = cudaGetLastError();
-    TORCH_CHECK(err == cudaSuccess, "flash_attention_mma: launch failed: ", cudaGetErrorString(err));
+    check_launch("flash_attention_mma");
+}
+
+// What every entry point checks: bf16, 4D, contiguous, 16-byte aligned CUDA tensors on one GPU,
+// K and V alike, Q and K agreeing in B, H and D, and D = 64 or 128.
+static void check_qkv(const char* fn, const torch::Tensor& Q, const torch::Tensor& K,
+                      const torch::Tensor& V) {
+    for (const auto* X : {&Q, &K, &V}) {
+        TORCH_CHECK(X->is_cuda(), fn, ": Q, K and V must be CUDA tensors");
+        TORCH_CHECK(X->scalar_type() == torch::kBFloat16,
+                    fn, ": Q, K and V must be bfloat16 (call .bfloat16())");
+        TORCH_CHECK(X->dim() == 4, fn, ": Q, K and V must be 4D (B, H, N, D)");
+        TORCH_CHECK(X->is_contiguous(), fn, ": Q, K and V must be contiguous (call .contiguous())");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(X->data_ptr()) % 16 == 0,
+                    fn, ": Q, K and V must start on a 16-byte boundary (a view that starts "
+                    "mid-row is not: call .clone())");
+    }
+    TORCH_CHECK(Q.device() == K.device() && Q.device() == V.device(),
+                fn, ": Q, K and V must be on the same GPU");
+    TORCH_CHECK(K.sizes() == V.sizes(), fn, ": K and V must have the same shape");
+    TORCH_CHECK(Q.size(0) == K.size(0) && Q.size(1) == K.size(1) && Q.size(3) == K.size(3),
+                fn, ": Q and K must agree in B, H and D");
+    const int64_t D = Q.size(3);
+    TORCH_CHECK(D == 64 || D == 128, fn, ": head dim D must be 64 or 128, got ", std::to_string(D));
+    TORCH_CHECK(Q.size(0) <= 65535 && Q.size(1) <= 65535,
+                fn, ": B and H must be at most 65535 (grid y and z); split the batch");
 }
 
 // O, LSE = attention(Q, K, V) on tensor cores. Q (B, H, Nq, D), K and V (B, H, Nk, D): bf16,
 // contiguous, on one GPU, D = 64 or 128.
 std::vector<torch::Tensor> flash_attention_mma(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                bool causal) {
-    for (const auto* X : {&Q, &K, &V}) {
-        TORCH_CHECK(X->is_cuda(), "flash_attention_mma: Q, K and V must be CUDA tensors");
-        TORCH_CHECK(X->scalar_type() == torch::kBFloat16,
-                    "flash_attention_mma: Q, K and V must be bfloat16 (call .bfloat16())");
-        TORCH_CHECK(X->dim() == 4, "flash_attention_mma: Q, K and V must be 4D (B, H, N, D)");
-        TORCH_CHECK(X->is_contiguous(), "flash_attention_mma: Q, K and V must be contiguous "
-                    "(call .contiguous())");
-        TORCH_CHECK(reinterpret_cast<uintptr_t>(X->data_ptr()) % 16 == 0,
-                    "flash_attention_mma: Q, K and V must start on a 16-byte boundary (a view "
-                    "that starts mid-row is not: call .clone())");
-    }
-    TORCH_CHECK(Q.device() == K.device() && Q.device() == V.device(),
-                "flash_attention_mma: Q, K and V must be on the same GPU");
-    TORCH_CHECK(K.sizes() == V.sizes(), "flash_attention_mma: K and V must have the same shape");
-    TORCH_CHECK(Q.size(0) == K.size(0) && Q.size(1) == K.size(1) && Q.size(3) == K.size(3),
-                "flash_attention_mma: Q and K must agree in B, H and D");
+    check_qkv("flash_attention_mma", Q, K, V);
     const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2), D = Q.size(3);
-    TORCH_CHECK(D == 64 || D == 128, "flash_attention_mma: head dim D must be 64 or 128, got ",
-                std::to_string(D));
-    TORCH_CHECK(B <= 65535 && H <= 65535, "flash_attention_mma: B and H must be at most 65535 "
-                "(grid y and z); split the batch");
     auto O = torch::empty_like(Q);
     auto LSE = torch::empty({B, H, Nq}, Q.options().dtype(torch::kFloat32));
     if (B == 0 || H == 0 || Nq == 0) return {O, LSE};
@@ -354,5 +656,72 @@ std::vector<torch::Tensor> flash_attention_mma(torch::Tensor Q, torch::Tensor K,
     if (D == 64) launch_flash_mma<64>(Q, K, V, O, LSE, Nq, Nk, H, B, scale, causal);
     else launch_flash_mma<128>(Q, K, V, O, LSE, Nq, Nk, H, B, scale, causal);
     return {O, LSE};
+}
+
+template <int D>
+static void launch_backward(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
+                            const torch::Tensor& dO, const torch::Tensor& LSE,
+                            const torch::Tensor& Delta, torch::Tensor& dQ, torch::Tensor& dK,
+                            torch::Tensor& dV, float scale, bool causal) {
+    using namespace fa_mma;
+    const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    auto bf = [](const torch::Tensor& X) { return reinterpret_cast<const __nv_bfloat16*>(X.data_ptr()); };
+    auto bf_out = [](torch::Tensor& X) { return reinterpret_cast<__nv_bfloat16*>(X.data_ptr()); };
+    {   // dK, dV: one block per 64 keys
+        constexpr int SMEM = (2 * B_ROWS * D + 4 * B_TILE * D) * 2 + 4 * B_TILE * 4;
+        auto kernel = dkdv_kernel<D>;
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+        dim3 grid((Nk + B_ROWS - 1) / B_ROWS, H, B);
+        kernel<<<grid, THREADS, SMEM, stream>>>(bf(Q), bf(K), bf(V), bf(dO), LSE.data_ptr<float>(),
+                                                Delta.data_ptr<float>(), bf_out(dK), bf_out(dV),
+                                                Nq, Nk, scale, causal ? 1 : 0);
+        check_launch("flash_attention_mma_backward (dK, dV)");
+    }
+    {   // dQ: one block per 64 queries
+        constexpr int SMEM = (2 * B_ROWS * D + 4 * B_TILE * D) * 2;
+        auto kernel = dq_kernel<D>;
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+        dim3 grid((Nq + B_ROWS - 1) / B_ROWS, H, B);
+        kernel<<<grid, THREADS, SMEM, stream>>>(bf(Q), bf(K), bf(V), bf(dO), LSE.data_ptr<float>(),
+                                                Delta.data_ptr<float>(), bf_out(dQ), Nq, Nk, scale,
+                                                causal ? 1 : 0);
+        check_launch("flash_attention_mma_backward (dQ)");
+    }
+}
+
+// dQ, dK, dV of attention on tensor cores, from the forward's O and LSE and the gradient dO of
+// O. Deterministic: no atomics, the same bits every run.
+std::vector<torch::Tensor> flash_attention_mma_backward(torch::Tensor Q, torch::Tensor K,
+                                                        torch::Tensor V, torch::Tensor O,
+                                                        torch::Tensor dO, torch::Tensor LSE,
+                                                        bool causal) {
+    const char* fn = "flash_attention_mma_backward";
+    check_qkv(fn, Q, K, V);
+    for (const auto* X : {&O, &dO}) {
+        TORCH_CHECK(X->sizes() == Q.sizes(), fn, ": O and dO must have Q's shape (B, H, Nq, D)");
+        TORCH_CHECK(X->scalar_type() == torch::kBFloat16 && X->is_cuda() && X->device() == Q.device(),
+                    fn, ": O and dO must be bfloat16 tensors on Q's GPU");
+        TORCH_CHECK(X->is_contiguous() && reinterpret_cast<uintptr_t>(X->data_ptr()) % 16 == 0,
+                    fn, ": O and dO must be contiguous and 16-byte aligned (call .contiguous())");
+    }
+    TORCH_CHECK(LSE.scalar_type() == torch::kFloat32 && LSE.device() == Q.device() &&
+                LSE.is_contiguous(), fn, ": LSE must be the forward's contiguous float32 LSE");
+    TORCH_CHECK(LSE.dim() == 3 && LSE.size(0) == Q.size(0) && LSE.size(1) == Q.size(1) &&
+                LSE.size(2) == Q.size(2), fn, ": LSE must have shape (B, H, Nq)");
+    const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2), D = Q.size(3);
+    auto dQ = torch::empty_like(Q), dK = torch::empty_like(K), dV = torch::empty_like(V);
+    if (B == 0 || H == 0) return {dQ, dK, dV};
+    if (Nq == 0 || Nk == 0) return {dQ.zero_(), dK.zero_(), dV.zero_()};
+    auto Delta = torch::empty({B, H, Nq}, Q.options().dtype(torch::kFloat32));
+    const int rows = B * H * Nq;
+    fa_mma::delta_kernel<<<(rows + 7) / 8, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), Delta.data_ptr<float>(), rows, D);
+    check_launch("flash_attention_mma_backward (Delta)");
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    if (D == 64) launch_backward<64>(Q, K, V, dO, LSE, Delta, dQ, dK, dV, scale, causal);
+    else launch_backward<128>(Q, K, V, dO, LSE, Delta, dQ, dK, dV, scale, causal);
+    return {dQ, dK, dV};
 }
 #endif
