@@ -1,4 +1,4 @@
-"""Run chapter 10's tensor-core kernels on tile-aligned and ragged sizes, for compute-sanitizer.
+"""Run chapter 10's tensor-core kernels (forward and backward) on tile-aligned and ragged sizes, for compute-sanitizer.
 
 On the GPU machine, from the repository root:
 
@@ -26,7 +26,8 @@ BR, BC, THREADS = 64, 64, 128
 
 
 def main():
-    module = load_cuda(KERNEL, ["flash_attention_mma"], name="flash_attention_mma")
+    module = load_cuda(KERNEL, ["flash_attention_mma", "flash_attention_mma_backward"],
+                       name="flash_attention_mma")
     for B, H, Nq, Nk, D in ((1, 2, 128, 128, 64), (1, 1, 100, 77, 128), (1, 1, 17, 200, 64)):
         kernel = compile_kernel(KERNEL, f"fa_mma::flash_attention_mma_kernel<{D}>")
         smem = 2 * (BR * D + 4 * BC * D)
@@ -43,6 +44,17 @@ def main():
             for O, LSE in ((O1, LSE1), (O2, LSE2)):
                 checks.compare("O", O, O_ref, case=case, atol=2e-2, rtol=2e-2)
                 checks.compare("LSE", LSE, LSE_ref, case=case, atol=1e-2, rtol=1e-3)
+            dO = torch.randn_like(Q)
+            dQ, dK, dV = module.flash_attention_mma_backward(Q, K, V, O1, dO, LSE1, causal)
+            q, k, v = (x.double().requires_grad_() for x in (Q, K, V))
+            S = q @ k.transpose(-2, -1) / math.sqrt(D)
+            if causal:
+                S = S.masked_fill(torch.ones(Nq, Nk, dtype=torch.bool, device="cuda").tril().logical_not(),
+                                  -math.inf)
+            (torch.softmax(S, dim=-1) @ v).backward(dO.double())
+            for name, got, want in (("dQ", dQ, q.grad), ("dK", dK, k.grad), ("dV", dV, v.grad)):
+                tol = 3e-2 * max(1.0, want.abs().max().item())
+                checks.compare(name, got, want, case=case, atol=tol, rtol=5e-2)
             print(f"ok: {case}")
     print("all ok")
 
