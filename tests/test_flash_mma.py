@@ -1,9 +1,10 @@
 """Chapter 10's tensor-core FlashAttention (course_utils/kernels/flash_attention_mma.cu).
 
 On a CPU: the source compiles for sm_90 and sm_80 with nvcc and with NVRTC, without spills. On a
-GPU: the forward and the backward against the float64 reference (autograd for the gradients) on edge cases (N = 1, lengths that are not a
-multiple of the tiles, Nq != Nk, causal, large logits, D = 64 and 128, several heads), with the
-allocator's memory filled with NaN first so that an unwritten element shows, and its errors.
+GPU: the forward and the backward against the float64 reference (autograd for the gradients) on
+edge cases (N = 1, lengths that are not a multiple of the tiles, Nq != Nk, causal, large logits,
+D = 64 and 128, several heads), with the allocator's memory filled with NaN first so that an
+unwritten element shows, and its errors.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ def test_compiles_within_the_register_file(arch):
         "fa_mma::delta_kernel", "fa_mma::dkdv_kernel<128>", "fa_mma::dkdv_kernel<64>",
         "fa_mma::dq_kernel<128>", "fa_mma::dq_kernel<64>",
         "fa_mma::flash_attention_mma_kernel<128>", "fa_mma::flash_attention_mma_kernel<64>"]
-    # at 255 registers ptxas may park a few words on the stack (D = 128); more is a regression
-    assert all(r.registers <= 255 and r.spills <= 64 for r in report), report
-    assert all(r.spills == 0 for r in report if "<64>" in r.name), report
+    # every kernel fits the register file: a spill is a regression (the backward keeps P^T in
+    # bf16 for exactly this reason)
+    spilled = [f"{r.name}: {r.registers} registers, {r.spills} B spilled" for r in report
+               if r.registers > 255 or r.spills > 0]
+    assert not spilled, "; ".join(spilled)
 
 
 _module = None
@@ -99,7 +102,8 @@ def _grads64(Q, K, V, dO, causal):
 @pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
     (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0), (1, 2, 130, 130, 128, True, 1.0),
     (1, 1, 64, 200, 128, False, 1.0), (1, 1, 300, 300, 64, True, 1.0),
-    (1, 2, 129, 65, 128, False, 8.0), (1, 1, 65, 129, 64, True, 1.0), (2, 1, 257, 257, 128, True, 1.0)])
+    (1, 2, 129, 65, 128, False, 8.0), (1, 1, 65, 129, 64, True, 1.0),
+    (2, 1, 257, 257, 128, True, 1.0)])
 def test_backward_matches_float64(B, H, Nq, Nk, D, causal, big):
     f = _load()
     Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
@@ -124,7 +128,7 @@ def test_backward_is_deterministic():
     O, lse = f.flash_attention_mma(Q, K, V, True)
     first = f.flash_attention_mma_backward(Q, K, V, O, dO, lse, True)
     again = f.flash_attention_mma_backward(Q, K, V, O, dO, lse, True)
-    for a, b in zip(first, again):
+    for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
 
 

@@ -1,23 +1,24 @@
-// FlashAttention-2 forward on tensor cores (mma.sync.m16n8k16, bf16 in, fp32 accumulate), for
-// chapter 10. STATUS: a first version, compiled for sm_80/sm_90 on a CPU machine; NOT YET RUN ON
-// A GPU. Its blueprint, course_utils.mma.warp_attention_forward, is checked against float64 on the
-// CPU model of the same instructions; tests/test_flash_mma.py checks this kernel on a GPU.
+// FlashAttention-2 on tensor cores (mma.sync.m16n8k16, bf16 in, fp32 accumulate): chapter 10.
+// The forward and a deterministic backward; the CPU blueprint of both is course_utils.mma
+// (warp_attention_forward, warp_attention_backward_kv), checked against float64 on a model of the
+// same instructions. tests/test_flash_mma.py checks these kernels on a GPU.
 //
 // Shapes (row-major, contiguous): Q (B, H, Nq, D), K and V (B, H, Nk, D), bf16; O (B, H, Nq, D)
 // bf16; LSE (B, H, Nq) float32 (natural log). D is 64 or 128. Causal is top-left aligned, as in
 // chapter 07 (key c is masked for query r when c > r).
 //
-// Grid (Tr, H, B), Tr = ceil(Nq / BR). Block: 4 warps; warp w owns query rows row0 + 16w .. +15.
-//   * Q: the block's BR x D tile goes through shared memory once; each warp keeps its 16 x D
-//     slice in registers as D / 16 A fragments (ldmatrix.x4).
-//   * K, V: tiles of BC keys, copied with cp.async into two shared buffers (tile j+1 is copied
-//     while tile j is used).
+// Forward. Grid (Tr, H, B), Tr = ceil(Nq / BR), the last row blocks first. Block: 4 warps; warp w
+// owns MT = 2 m-tiles of 16 query rows (BR = 128 rows a block).
+//   * Q: the block's tile sits in shared memory; the warp loads its A fragments with ldmatrix.x4.
+//   * K, V: tiles of BC keys (128 at D = 64, 64 at D = 128), one buffer each, copied with
+//     cp.async: V(j) flies while S = Q K(j)^T is computed, K(j+1) while O += P V(j) is.
 //   * S = Q K^T: per 16 of D and 16 keys, one ldmatrix.x4 of K's rows gives the B fragments of two
-//     8-key n-tiles; S lives in BC / 8 C fragments (4 fp32 per lane).
+//     8-key n-tiles, each used by both m-tiles (2 m-tiles halve the shared-memory reads per mma).
 //   * softmax: a lane holds 2 values of each of 2 rows (g and g + 8) per n-tile; a row's max and
-//     sum are completed over its 4 lanes with __shfl_xor_sync(…, 1) and (…, 2).
-//   * O += P V: two C fragments of P are one A fragment (converted to bf16 in registers, no trip
+//     sum are completed over its 4 lanes with __shfl_xor_sync(..., 1) and (..., 2).
+//   * O += P V: two C fragments of P are one A fragment (packed to bf16 in registers, no trip
 //     through shared memory); ldmatrix.x4.trans of V's rows gives the B fragments.
+//   * masks: only the tiles that cross Nk or the diagonal test keys, against one limit per row.
 // Shared tiles are swizzled: the 16-byte chunk c of row r is stored at chunk c ^ (r % 8), so the
 // 8 rows an ldmatrix phase reads (same chunk c, 8 consecutive rows) fall in 8 different bank
 // groups instead of one (rows are 128 or 256 bytes long, a multiple of the 128-byte bank width).
@@ -101,11 +102,14 @@ __device__ __forceinline__ void copy_tile(__nv_bfloat16* tile, const __nv_bfloat
     }
 }
 
-// The tile shape of each head dim: keys per tile, 16-row m-tiles per warp, Q kept in registers.
+// The tile shape of each head dim: keys per tile, 16-row m-tiles per warp, blocks per SM the
+// registers must allow, Q's fragments kept in registers across tiles (or reloaded per tile).
 // Each K or V fragment a warp loads from shared memory feeds MT mma instructions (one per m-tile):
-// with MT = 1 the ldmatrix traffic, not the tensor cores, would set the pace.
+// with MT = 1 the ldmatrix traffic, not the tensor cores, sets the pace (210 instead of 300
+// TFLOP/s at D = 128 on an H100). Measured there too: keeping Q in registers costs 32 registers
+// at D = 64 and is no faster; at D = 128 it does not fit.
 template <int D> struct Config;
-template <> struct Config<64> { static constexpr int BC = 64, MT = 2, MIN_BLOCKS = 2; static constexpr bool Q_REGS = true; };
+template <> struct Config<64> { static constexpr int BC = 128, MT = 2, MIN_BLOCKS = 2; static constexpr bool Q_REGS = false; };
 template <> struct Config<128> { static constexpr int BC = 64, MT = 2, MIN_BLOCKS = 2; static constexpr bool Q_REGS = false; };
 
 template <int D>
@@ -207,18 +211,25 @@ flash_attention_mma_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloa
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int row_g = wrow0 + mt * 16 + g;  // the lane's rows: row_g and row_g + 8
-            float m_new[2] = {m[mt][0], m[mt][1]};
-            #pragma unroll
-            for (int nt = 0; nt < BC / 8; ++nt) {
+            if (needs_mask) {
+                // value i of n-tile nt is key key0 + 2t + (nt * 8 + i % 2): compare the constant
+                // part with one limit per row (a few registers, not one predicate per element)
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    if (needs_mask) {
-                        const int key = key0 + nt * 8 + 2 * t + (i & 1);
-                        if (key >= Nk || (causal && key > row_g + 8 * (i / 2))) s[mt][nt][i] = neg_inf();
-                    }
-                    m_new[i / 2] = fmaxf(m_new[i / 2], s[mt][nt][i]);
+                for (int h = 0; h < 2; ++h) {
+                    int last = Nk - 1 - key0 - 2 * t;                            // key < Nk
+                    if (causal) last = min(last, row_g + 8 * h - key0 - 2 * t);  // key <= row
+                    #pragma unroll
+                    for (int nt = 0; nt < BC / 8; ++nt)
+                        #pragma unroll
+                        for (int c = 0; c < 2; ++c)
+                            if (nt * 8 + c > last) s[mt][nt][2 * h + c] = neg_inf();
                 }
             }
+            float m_new[2] = {m[mt][0], m[mt][1]};
+            #pragma unroll
+            for (int nt = 0; nt < BC / 8; ++nt)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) m_new[i / 2] = fmaxf(m_new[i / 2], s[mt][nt][i]);
             float m_scaled[2], alpha[2];
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -375,24 +386,46 @@ __device__ __forceinline__ void rows_times_rows(float (&acc)[B_TILE / 8][4], con
     }
 }
 
-// out (16 x D, D / 8 C fragments) += X (16 x B_TILE, C fragments in registers, reused as A) times
-// the B_TILE x D tile M in shared memory
+// X (16 x B_TILE, C fragments) as bf16 A fragments: A is two C layouts side by side, so value i
+// of n-tile nt goes to register (nt % 2) * 2 + i / 2 of k-chunk nt / 2, half i % 2
+__device__ __forceinline__ void c_to_a(unsigned (&a)[B_TILE / 16][4], const float (&x)[B_TILE / 8][4]) {
+    #pragma unroll
+    for (int kc = 0; kc < B_TILE / 16; ++kc)
+        #pragma unroll
+        for (int r = 0; r < 4; ++r)
+            a[kc][r] = pack_bf16(x[2 * kc + r / 2][2 * (r % 2)], x[2 * kc + r / 2][2 * (r % 2) + 1]);
+}
+
+// value i of n-tile nt of packed A fragments, back as a float (the inverse of c_to_a)
+__device__ __forceinline__ float a_value(const unsigned (&a)[B_TILE / 16][4], int nt, int i) {
+    const unsigned r = a[nt / 2][(nt % 2) * 2 + i / 2];
+    return __uint_as_float((i % 2 ? r & 0xffff0000u : r << 16));  // bf16 = the top half of a float
+}
+
+// out (16 x D, D / 8 C fragments) += X (16 x B_TILE, bf16 A fragments in registers) times the
+// B_TILE x D tile M in shared memory
 template <int D>
-__device__ __forceinline__ void c_times_tile(float (&out)[D / 8][4], const float (&x)[B_TILE / 8][4],
+__device__ __forceinline__ void a_times_tile(float (&out)[D / 8][4], const unsigned (&a)[B_TILE / 16][4],
                                              const __nv_bfloat16* M) {
     #pragma unroll
     for (int kc = 0; kc < B_TILE / 16; ++kc) {
-        const unsigned a[4] = {pack_bf16(x[2 * kc][0], x[2 * kc][1]), pack_bf16(x[2 * kc][2], x[2 * kc][3]),
-                               pack_bf16(x[2 * kc + 1][0], x[2 * kc + 1][1]),
-                               pack_bf16(x[2 * kc + 1][2], x[2 * kc + 1][3])};
         #pragma unroll
         for (int nd = 0; nd < D / 16; ++nd) {
             unsigned b[4];
             load_b_cols<D>(b, M, kc * 16, nd);
-            mma_bf16(out[2 * nd], a, b[0], b[1]);
-            mma_bf16(out[2 * nd + 1], a, b[2], b[3]);
+            mma_bf16(out[2 * nd], a[kc], b[0], b[1]);
+            mma_bf16(out[2 * nd + 1], a[kc], b[2], b[3]);
         }
     }
+}
+
+// out (16 x D) += X (16 x B_TILE, C fragments in registers, reused as A) times the tile M
+template <int D>
+__device__ __forceinline__ void c_times_tile(float (&out)[D / 8][4], const float (&x)[B_TILE / 8][4],
+                                             const __nv_bfloat16* M) {
+    unsigned a[B_TILE / 16][4];
+    c_to_a(a, x);
+    a_times_tile<D>(out, a, M);
 }
 
 // Copy n floats (LSE * log2(e), or Delta) of rows [row0, row0 + n) into shared memory; rows past
@@ -464,26 +497,34 @@ dkdv_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict
 
         float p[B_TILE / 8][4];  // S^T, then P^T, then dS^T (keys are rows, queries columns)
         rows_times_rows<D>(p, Ks, warp * 16, Qt);
-        const bool needs_mask = causal && q0 < wkey0 + 15;
-        #pragma unroll
-        for (int nt = 0; nt < B_TILE / 8; ++nt) {
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int col = nt * 8 + 2 * t + (i & 1);  // the query within the tile
-                float x = fast_exp2(fmaf(p[nt][i], scale_log2, -lse_t[col]));
-                if (needs_mask && wkey0 + g + 8 * (i / 2) > q0 + col) x = 0.0f;
-                p[nt][i] = x;
-            }
-        }
-        c_times_tile<D>(dv, p, dOt);  // dV += P^T dO
-
-        float dp[B_TILE / 8][4];  // dP^T = V dO^T
-        rows_times_rows<D>(dp, Vs, warp * 16, dOt);
         #pragma unroll
         for (int nt = 0; nt < B_TILE / 8; ++nt)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) p[nt][i] *= dp[nt][i] - delta_t[nt * 8 + 2 * t + (i & 1)];
-        c_times_tile<D>(dk, p, Qt);  // dK += dS^T Q (scaled at the end)
+            for (int i = 0; i < 4; ++i)  // value i of n-tile nt is query q0 + nt * 8 + 2t + i % 2
+                p[nt][i] = fast_exp2(fmaf(p[nt][i], scale_log2, -lse_t[nt * 8 + 2 * t + (i & 1)]));
+        if (causal && q0 < wkey0 + 15) {  // a tile that crosses the diagonal: P = 0 where key > query
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int first = wkey0 + g + 8 * h - q0 - 2 * t;  // the first visible nt * 8 + c
+                #pragma unroll
+                for (int nt = 0; nt < B_TILE / 8; ++nt)
+                    #pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        if (nt * 8 + c < first) p[nt][2 * h + c] = 0.0f;
+            }
+        }
+        unsigned pa[B_TILE / 16][4];  // P^T in bf16: half the registers of p, which dies here
+        c_to_a(pa, p);
+        a_times_tile<D>(dv, pa, dOt);  // dV += P^T dO
+
+        float ds[B_TILE / 8][4];  // dP^T = V dO^T, then dS^T = P^T (dP^T - Delta) in place
+        rows_times_rows<D>(ds, Vs, warp * 16, dOt);
+        #pragma unroll
+        for (int nt = 0; nt < B_TILE / 8; ++nt)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                ds[nt][i] = a_value(pa, nt, i) * (ds[nt][i] - delta_t[nt * 8 + 2 * t + (i & 1)]);
+        c_times_tile<D>(dk, ds, Qt);  // dK += dS^T Q (scaled at the end)
         __syncthreads();  // WAR: the next iteration's copies overwrite the buffer read here
     }
     cp_async_wait<0>();
@@ -555,17 +596,20 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
 
         float p[B_TILE / 8][4];  // S, then P, then dS
         rows_times_rows<D>(p, Qs, warp * 16, Kt);
-        const bool needs_mask = key0 + B_TILE > Nk || (causal && key0 + B_TILE - 1 > wrow0);
         #pragma unroll
-        for (int nt = 0; nt < B_TILE / 8; ++nt) {
+        for (int nt = 0; nt < B_TILE / 8; ++nt)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float x = fast_exp2(fmaf(p[nt][i], scale_log2, -lse2[i / 2]));
-                if (needs_mask) {
-                    const int key = key0 + nt * 8 + 2 * t + (i & 1);
-                    if (key >= Nk || (causal && key > wrow0 + g + 8 * (i / 2))) x = 0.0f;
-                }
-                p[nt][i] = x;
+            for (int i = 0; i < 4; ++i) p[nt][i] = fast_exp2(fmaf(p[nt][i], scale_log2, -lse2[i / 2]));
+        if (key0 + B_TILE > Nk || (causal && key0 + B_TILE - 1 > wrow0)) {  // as in the forward
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                int last = Nk - 1 - key0 - 2 * t;
+                if (causal) last = min(last, wrow0 + g + 8 * h - key0 - 2 * t);
+                #pragma unroll
+                for (int nt = 0; nt < B_TILE / 8; ++nt)
+                    #pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        if (nt * 8 + c > last) p[nt][2 * h + c] = 0.0f;
             }
         }
         float dp[B_TILE / 8][4];  // dP = dO V^T

@@ -1,4 +1,4 @@
-"""Run chapter 10's tensor-core kernels (forward and backward) on tile-aligned and ragged sizes, for compute-sanitizer.
+"""Chapter 10's kernels (forward, backward) on aligned and ragged sizes, for compute-sanitizer.
 
 On the GPU machine, from the repository root:
 
@@ -22,7 +22,8 @@ from course_utils import checks  # noqa: E402
 from course_utils.cuda import compile_kernel, load_cuda  # noqa: E402
 
 KERNEL = Path(__file__).resolve().parent / "flash_attention_mma.cu"
-BR, BC, THREADS = 64, 64, 128
+BR, THREADS = 128, 128  # the forward's Config: 2 m-tiles of 16 rows per warp, 4 warps
+BC = {64: 128, 128: 64}  # keys per tile, by head dim
 
 
 def main():
@@ -30,7 +31,7 @@ def main():
                        name="flash_attention_mma")
     for B, H, Nq, Nk, D in ((1, 2, 128, 128, 64), (1, 1, 100, 77, 128), (1, 1, 17, 200, 64)):
         kernel = compile_kernel(KERNEL, f"fa_mma::flash_attention_mma_kernel<{D}>")
-        smem = 2 * (BR * D + 4 * BC * D)
+        smem = 2 * (BR * D + 2 * BC[D] * D)  # Q, K and V tiles, bf16
         Q, K, V = (torch.randn(B, H, n, D, device="cuda").bfloat16() for n in (Nq, Nk, Nk))
         for causal in (False, True):
             O_ref, LSE_ref = checks.reference.attention(Q, K, V, causal=causal)
@@ -49,8 +50,8 @@ def main():
             q, k, v = (x.double().requires_grad_() for x in (Q, K, V))
             S = q @ k.transpose(-2, -1) / math.sqrt(D)
             if causal:
-                S = S.masked_fill(torch.ones(Nq, Nk, dtype=torch.bool, device="cuda").tril().logical_not(),
-                                  -math.inf)
+                keep = torch.ones(Nq, Nk, dtype=torch.bool, device="cuda").tril()
+                S = S.masked_fill(~keep, -math.inf)
             (torch.softmax(S, dim=-1) @ v).backward(dO.double())
             for name, got, want in (("dQ", dQ, q.grad), ("dK", dK, k.grad), ("dV", dV, v.grad)):
                 tol = 3e-2 * max(1.0, want.abs().max().item())
