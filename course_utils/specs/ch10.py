@@ -1,0 +1,779 @@
+"""Chapter 10, FlashAttention-2 on tensor cores: exercises graded on the CPU model (and a GPU).
+
+The lecture and ``course_utils.mma`` ship the m16n8k16 bf16 fragment maps, the swizzle of 128- and
+256-byte rows, the warp's forward with its rescale, and the kernel's wait placement. The exercises
+are the neighbouring cases the package does not ship, judged here, in the grading process,
+against definitions written another way:
+
+- ``10.fragment_map_k32``: ``a_element_k32(lane, i) -> (row, col)``, the A fragment of
+  ``mma.sync.m16n8k32`` with 8-bit integers (16 values per lane). Compared with a table built
+  register by register and byte by byte from the PTX ISA's description; then an integer mma is
+  simulated with the student's map (the student's lanes load A with it, the tensor core reads it
+  with the real one) and compared with the exact product, naming the first wrong (lane, i). On
+  a GPU one more case loads the registers of a real ``mma.sync.m16n8k32.s8`` with the student's
+  map and compares D with A B.
+- ``10.merge_partials``: ``merge(o1, m1, l1, o2, m2, l2) -> (o, m, l)``, the split-KV combine of
+  two warps' states in fragment layout (o: (D/8, 32, 4) C fragments, m and l: (2, 32), rows g and
+  g + 8 of each lane). The grader builds the partial states itself from fresh random scores and
+  values (float64, then float32) and compares m, l and gather(o) / l with a brute-force softmax
+  over all the keys, in float64; fully masked halves, rows that see no key, |S| ~ 30, D = 64 and
+  128.
+- ``10.swizzle_64b``: ``swizzle32(row, col) -> element offset`` for a bf16 tile with 64-byte rows
+  (D = 32). Judged with ``mma.shared_wavefronts``: a bijection of the tile that keeps each
+  16-byte chunk whole and aligned; every ldmatrix phase (8 consecutive rows of one chunk, for K
+  and for V with .trans) and every cp.async store phase (8 threads, 2 rows) in 1 wavefront.
+- ``10.wait_placement``: ``schedule(n_tiles, stages) -> list of ops``, a cp.async pipeline,
+  replayed by an adversarial simulator here (a committed group lands only when a wait forces it):
+  each tile computed once and in order, only after a wait forced its group and a barrier followed
+  (other threads' copies), no copy into a buffer whose last compute no barrier has closed (WAR),
+  and the prefetch depth: while tile j is computed, tiles j+1 .. j+stages-1 are in flight, not
+  forced early by a wait that stalls.
+
+The student-side helpers (``harness.ch10``) only tabulate the student's functions: one call per
+table instead of hundreds of calls across the sandbox.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from .. import mma
+from ..checks import CheckFailure, compare
+from ..grader import Exercise, invoke
+from ..harness.ch10 import (
+    CHUNK_ELEMENTS,
+    D_SMALL,
+    ELEMENT_BYTES,
+    K32_A_VALUES,
+    K32_K,
+    K32_M,
+    OPS,
+    SWIZZLE_ROWS,
+)
+from ..runtime import on_gpu
+
+H = "course_utils.harness.ch10:"
+LANES = 32
+
+
+def _fresh_rng():
+    return np.random.default_rng(random.SystemRandom().randrange(2**63))
+
+
+# ----------------------------------------------------------------------------- fragment map
+
+fragment_map_k32 = Exercise(
+    "10.fragment_map_k32", "The A fragment of mma.m16n8k32 with 8-bit integers (s8)", points=3
+)
+
+
+def ptx_k32_table() -> np.ndarray:
+    """(32, 16, 2): the (row, col) of A that value i of each lane holds, written the way the PTX
+    ISA describes the registers: a lane has 4 registers of 4 bytes; register 0 holds row
+    groupID, register 1 row groupID + 8, registers 2 and 3 the same two rows in the second half
+    of k; the 4 bytes of a register are 4 consecutive k, starting at 4 * threadID_in_group."""
+    table = np.zeros((LANES, K32_A_VALUES, 2), dtype=np.int64)
+    registers = [(0, 0), (8, 0), (0, 16), (8, 16)]  # (row offset, k offset) of each register
+    for lane in range(LANES):
+        group, thread_in_group = divmod(lane, 4)
+        for register, (row_offset, k_offset) in enumerate(registers):
+            for byte in range(4):
+                k = k_offset + 4 * thread_in_group + byte
+                table[lane, 4 * register + byte] = (group + row_offset, k)
+    return table
+
+
+HINT_K32 = (
+    "value i sits in register i // 4, byte i % 4. Registers 0 and 2 hold row g = lane // 4, "
+    "registers 1 and 3 row g + 8; the 4 bytes of a register are 4 consecutive columns (k) "
+    "starting at 4t (t = lane % 4), and registers 2 and 3 cover the second half of k (+16). "
+    "It is not m16n8k16's map: a register holds 4 values of 8 bits, not 2 of 16"
+)
+
+
+def _student_map(candidate, case: str) -> np.ndarray:
+    """The student's table (32, 16, 2) as ints, after checking it names elements of A."""
+    got = np.asarray(invoke(candidate, H + "map_table", LANES, K32_A_VALUES), dtype=np.float64)
+    if got.shape != (LANES, K32_A_VALUES, 2):
+        raise CheckFailure(case, f"the table of your map has shape {got.shape}", HINT_K32)
+    for lane in range(LANES):
+        for i in range(K32_A_VALUES):
+            row, col = got[lane, i]
+            ok = (row == int(row) and col == int(col) and 0 <= row < K32_M and 0 <= col < K32_K)
+            if not ok:
+                raise CheckFailure(
+                    case,
+                    f"a_element_k32({lane}, {i}) = ({row:g}, {col:g}) is not an element of A "
+                    f"({K32_M} x {K32_K}: rows 0..{K32_M - 1}, cols 0..{K32_K - 1}, integers)",
+                    HINT_K32,
+                )
+    return got.astype(np.int64)
+
+
+def _map_covers_a(candidate):
+    case = "every (lane, i) names an element of A (16 x 32), each element exactly once"
+    got = _student_map(candidate, case)
+    owner: dict[tuple[int, int], tuple[int, int]] = {}
+    for lane in range(LANES):
+        for i in range(K32_A_VALUES):
+            element = tuple(int(x) for x in got[lane, i])
+            if element in owner:
+                first = owner[element]
+                missing = K32_M * K32_K - len({tuple(x) for x in got.reshape(-1, 2).tolist()})
+                raise CheckFailure(
+                    case,
+                    f"A{list(element)} is held twice: by lane {first[0]} value {first[1]} and by "
+                    f"lane {lane} value {i} (32 lanes x 16 values = 512 = 16 x 32: each element "
+                    f"exactly once); {missing} elements of A are held by no lane",
+                    HINT_K32,
+                )
+            owner[element] = (lane, i)
+
+
+def _map_matches_ptx(candidate):
+    case = "the PTX ISA's table, register by register and byte by byte"
+    got = _student_map(candidate, case)
+    want = ptx_k32_table()
+    wrong = np.argwhere((got != want).any(axis=2))
+    if len(wrong):
+        lane, i = (int(x) for x in wrong[0])
+        (r, c), (er, ec) = got[lane, i], want[lane, i]
+        part = ("the row is" if r != er and c == ec else "the col is" if r == er
+                else "the row and the col are")  # fmt: skip
+        raise CheckFailure(
+            case,
+            f"{len(wrong)} of 512 (lane, i) are wrong; the first: a_element_k32({lane}, {i}) = "
+            f"({r}, {c}), expected ({er}, {ec}) (lane {lane}: g = {lane // 4}, t = {lane % 4}; "
+            f"value {i}: register {i // 4}, byte {i % 4}); {part} off",
+            HINT_K32,
+        )
+
+
+def _int_mma_case(kind: str):
+    """Simulate ``mma.sync.m16n8k32.s32.s8.s8.s32`` with the student's A map: the student's
+    lanes fill their registers with it, the tensor core reads them with the real one."""
+
+    def run(candidate):
+        case = f"an s8 mma built on your map ({kind})"
+        got = _student_map(candidate, case)
+        rng = _fresh_rng()
+        if kind == "extreme values -128 and 127":
+            A = rng.choice(np.array([-128, 127], np.int64), size=(K32_M, K32_K))
+            B = rng.choice(np.array([-128, 127], np.int64), size=(K32_K, 8))
+        else:
+            A = rng.integers(-128, 128, size=(K32_M, K32_K), dtype=np.int64)
+            B = rng.integers(-128, 128, size=(K32_K, 8), dtype=np.int64)
+        registers = A[got[..., 0], got[..., 1]]  # (32, 16): what your code loads into each lane
+        seen = np.zeros_like(A)  # what the tensor core takes each element of A to be
+        want = ptx_k32_table()
+        seen[want[..., 0], want[..., 1]] = registers
+        D = seen @ B  # the int32 accumulators (no overflow: |D| <= 32 * 128 * 128)
+        exact = A @ B
+        if not np.array_equal(D, exact):
+            bad = np.argwhere(D != exact)
+            r, n = (int(x) for x in bad[0])
+            lane, i = next((lane, i) for lane in range(LANES) for i in range(K32_A_VALUES)
+                           if want[lane, i, 0] == r and tuple(got[lane, i]) != tuple(want[lane, i]))
+            raise CheckFailure(
+                case,
+                f"D = A B is wrong at {len(bad)} of 128 elements, first D[{r}, {n}] = {D[r, n]} "
+                f"instead of {exact[r, n]}: the tensor core reads value {i} of lane {lane} as "
+                f"A[{want[lane, i, 0]}, {want[lane, i, 1]}], but your map loaded "
+                f"A[{got[lane, i, 0]}, {got[lane, i, 1]}] there",
+                HINT_K32,
+            )
+
+    return run
+
+
+# On a GPU the map meets the real instruction: one warp loads A's registers with the student's
+# map (B and D with the PTX ISA's layouts, which the chapter's kernel relies on) and issues
+# mma.sync.m16n8k32.s8; D must be A B exactly.
+_K32_PROBE = r"""
+extern "C" __global__ void mma_k32_probe(const int* A, const int* B, const int* map, int* D) {
+    // A: 16 x 32, B: 32 x 8, int8 values held in ints; map: (32 lanes, 16 values, (row, col))
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+    unsigned a[4], b[2];
+    for (int r = 0; r < 4; ++r) {  // value i = 4 r + byte of the lane sits in byte `byte` of a[r]
+        a[r] = 0;
+        for (int byte = 0; byte < 4; ++byte) {
+            const int* rc = map + (lane * 16 + 4 * r + byte) * 2;
+            a[r] |= (unsigned)(A[rc[0] * 32 + rc[1]] & 0xff) << (8 * byte);
+        }
+    }
+    for (int r = 0; r < 2; ++r) {  // B (.col): byte `byte` of b[r] is k = 16 r + 4 t + byte, col g
+        b[r] = 0;
+        for (int byte = 0; byte < 4; ++byte)
+            b[r] |= (unsigned)(B[(16 * r + 4 * t + byte) * 8 + g] & 0xff) << (8 * byte);
+    }
+    int d[4] = {0, 0, 0, 0};
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    for (int i = 0; i < 4; ++i)  // D as C: values 0, 1 in row g, 2, 3 in row g + 8; cols 2t, 2t + 1
+        D[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = d[i];
+}
+"""
+_k32_probe = None
+
+
+def k32_probe():
+    """The compiled probe kernel (NVRTC; compiles without a GPU, launches only on one)."""
+    global _k32_probe
+    if _k32_probe is None:
+        from ..cuda import compile_kernel
+
+        _k32_probe = compile_kernel(_K32_PROBE, "mma_k32_probe")
+    return _k32_probe
+
+
+def _hardware_case(candidate):
+    case = "mma.sync.m16n8k32.s8 on this GPU, A's registers loaded with your map"
+    got = _student_map(candidate, case)
+    rng = _fresh_rng()
+    A = rng.integers(-128, 128, size=(K32_M, K32_K), dtype=np.int64)
+    B = rng.integers(-128, 128, size=(K32_K, 8), dtype=np.int64)
+    dev = [torch.from_numpy(x.astype(np.int32)).cuda() for x in (A, B, got)]
+    D = torch.full((K32_M, 8), -(2**31), dtype=torch.int32, device="cuda")
+    k32_probe()((1, 1, 1), LANES, *dev, D)
+    D = D.cpu().numpy().astype(np.int64)
+    exact = A @ B
+    if not np.array_equal(D, exact):
+        bad = np.argwhere(D != exact)
+        r, n = (int(x) for x in bad[0])
+        raise CheckFailure(
+            case,
+            f"the tensor core computed D = A B wrong at {len(bad)} of 128 elements, first "
+            f"D[{r}, {n}] = {D[r, n]} instead of {exact[r, n]}: the lanes that hold row {r} of "
+            f"A put values where the instruction expects others",
+            HINT_K32,
+        )
+
+
+fragment_map_k32.case("every (lane, i) names an element of A, each exactly once")(_map_covers_a)
+fragment_map_k32.case("the PTX ISA table (register i // 4, byte i % 4)")(_map_matches_ptx)
+fragment_map_k32.case("an s8 mma built on your map")(_int_mma_case("random int8 A and B"))
+fragment_map_k32.case("s8 mma, fresh random int8 matrices", hidden=True)(
+    _int_mma_case("fresh random int8 A and B")
+)
+fragment_map_k32.case("s8 mma, extreme values", hidden=True)(
+    _int_mma_case("extreme values -128 and 127")
+)
+if on_gpu():  # the real instruction, where there is one
+    fragment_map_k32.case("GPU: mma.sync.m16n8k32.s8 with your map")(_hardware_case)
+
+
+# ----------------------------------------------------------------------------- merge partials
+
+merge_partials = Exercise(
+    "10.merge_partials", "Split-KV: merge two warps' states in fragment layout", points=3
+)
+
+HINT_MERGE = (
+    "m = max(m1, m2) per row; each part is rescaled by exp(m_k - m) (0 for a part whose m_k is "
+    "-inf: subtract 0 instead of -inf, or exp(-inf - (-inf)) is NaN); l = the rescaled sum; o "
+    "likewise, value by value: value i of a lane belongs to row g (m[0], l[0]) for i in {0, 1} "
+    "and to row g + 8 (m[1], l[1]) for i in {2, 3}: the row of value i is i // 2, not i % 2"
+)
+HINT_NORMALISED = (
+    "gather(o) is already softmax(S) V: you divided by l; keep o un-normalised (the caller "
+    "divides by l once, at the very end, as the kernel does)"
+)
+
+
+def _partial_state(S, V, visible):
+    """One warp's state after its keys, in float64 then float32 fragment layout.
+
+    S (16, n) scaled scores, V (n, D), visible (16, n) bool. Returns (o (D/8, 32, 4), m (2, 32),
+    l (2, 32)) float32, with m = -inf, l = 0 and o = 0 on rows that see none of these keys.
+    """
+    S = np.where(visible, S, -np.inf)
+    m = S.max(axis=1) if S.shape[1] else np.full(16, -np.inf)
+    shift = np.where(np.isfinite(m), m, 0.0)
+    P = np.where(visible, np.exp(S - shift[:, None]), 0.0)
+    O = P @ V
+    o = np.stack([mma.fragments(O[:, c:c + 8], "C") for c in range(0, V.shape[1], 8)])
+    rows = np.arange(LANES) // 4
+    per_lane = lambda x: np.stack([x[rows], x[rows + 8]]).astype(np.float32)  # noqa: E731
+    return o.astype(np.float32), per_lane(m), per_lane(P.sum(axis=1))
+
+
+def _softmax_reference(S, V, visible):
+    """Brute force over all keys, float64: (O (16, D), m (16,), l (16,)); a row that sees no key
+    has m = -inf, l = 0 and O = 0."""
+    O = np.zeros((16, V.shape[1]))
+    m = np.full(16, -np.inf)
+    l = np.zeros(16)
+    for row in range(16):
+        keys = np.flatnonzero(visible[row])
+        if len(keys) == 0:
+            continue
+        s = S[row, keys]
+        m[row] = s.max()
+        w = np.exp(s - m[row])
+        l[row] = w.sum()
+        O[row] = (w / l[row]) @ V[keys]
+    return O, m, l
+
+
+def _rows(x, name, case):
+    """(2, 32) per-lane values -> (16,) per row, checking the 4 lanes of a row agree."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape != (2, LANES):
+        raise CheckFailure(case, f"{name} has shape {x.shape}, expected (2, 32)", HINT_MERGE)
+    out = np.zeros(16)
+    for h in range(2):
+        for g in range(8):
+            quad = x[h, 4 * g:4 * g + 4]
+            if not (np.array_equal(quad, quad[:1].repeat(4)) or np.isnan(quad).all()):
+                raise CheckFailure(
+                    case,
+                    f"{name}[{h}, {4 * g}:{4 * g + 4}] (row {g + 8 * h}, held by its 4 lanes) "
+                    f"differ: {quad.tolist()}",
+                    "every lane of a group holds the same m and l of its row",
+                )
+            out[g + 8 * h] = quad[0]
+    return out
+
+
+def _merge_check(candidate, case, S, V, visible, split):
+    """Build both halves' states, merge them with the candidate, compare with the reference."""
+    halves = [slice(0, split), slice(split, S.shape[1])]
+    states = [_partial_state(S[:, h], V[h], visible[:, h]) for h in halves]
+    (o1, m1, l1), (o2, m2, l2) = states
+    out = candidate(o1, m1, l1, o2, m2, l2)
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise CheckFailure(case, f"merge returned {type(out).__name__}, expected (o, m, l)",
+                           HINT_MERGE)  # fmt: skip
+    o = np.asarray(out[0], dtype=np.float64)
+    D = V.shape[1]
+    if o.shape != (D // 8, LANES, 4):
+        raise CheckFailure(case, f"o has shape {o.shape}, expected ({D // 8}, 32, 4)", HINT_MERGE)
+    m, l = _rows(out[1], "m", case), _rows(out[2], "l", case)
+    O_want, m_want, l_want = _softmax_reference(S, V, visible)
+    for name, x in (("o", o), ("m", m), ("l", l)):
+        if np.isnan(x).any():
+            raise CheckFailure(
+                case,
+                f"{int(np.isnan(x).sum())} values of {name} are NaN (the rows that see no key in "
+                "one half, or in both, have m = -inf there)",
+                HINT_MERGE,
+            )
+    compare("m", torch.from_numpy(m), torch.from_numpy(m_want), case=case, atol=1e-5, rtol=1e-6,
+            hint="m is the row max over all the keys: max(m1, m2)")  # fmt: skip
+    compare("l", torch.from_numpy(l), torch.from_numpy(l_want), case=case, atol=1e-6, rtol=2e-5,
+            hint=HINT_MERGE)  # fmt: skip
+    gathered = np.concatenate([mma.gather(o[nd], "C") for nd in range(D // 8)], axis=1)
+    seen = l_want > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        O = np.where(seen[:, None], gathered / l[:, None], gathered)  # no key: o itself must be 0
+    hint = HINT_MERGE
+    if seen.any() and np.allclose(gathered[seen], O_want[seen], atol=2e-5, rtol=1e-4):
+        hint = HINT_NORMALISED
+    compare("gather(o) / l", torch.from_numpy(O), torch.from_numpy(O_want), case=case,
+            atol=2e-5, rtol=1e-4, hint=hint)  # fmt: skip
+
+
+def _merge_case(D, n1, n2, *, logits=1.0, mask=None):
+    """Fresh random Q (16 x D), K and V (n1 + n2 keys); S = Q Kᵀ / sqrt(D), times ``logits``;
+    ``mask(rng, n1, n2)`` -> which keys each row sees."""
+
+    def run(candidate):
+        rng = _fresh_rng()
+        N = n1 + n2
+        Q = rng.standard_normal((16, D))
+        K, V = rng.standard_normal((N, D)), rng.standard_normal((N, D))
+        S = Q @ K.T / np.sqrt(D) * logits
+        visible = np.ones((16, N), bool) if mask is None else mask(rng, n1, n2)
+        desc = f"D = {D}, keys {n1} + {n2}" + (f", |S| up to ~{3 * logits:g}" if logits > 1 else "")
+        name = mask.__doc__ if mask is not None else "every key visible"
+        _merge_check(candidate, f"{desc}: {name}", S, V, visible, n1)
+
+    return run
+
+
+def _first_half_masked(rng, n1, n2):
+    """the first half fully masked (m1 = -inf, l1 = 0, o1 = 0)"""
+    visible = np.ones((16, n1 + n2), bool)
+    visible[:, :n1] = False
+    return visible
+
+
+def _second_half_masked(rng, n1, n2):
+    """the second half fully masked (m2 = -inf, l2 = 0, o2 = 0)"""
+    visible = np.ones((16, n1 + n2), bool)
+    visible[:, n1:] = False
+    return visible
+
+
+def _ragged(rng, n1, n2):
+    """rows 3 and 11 see no key at all, rows 5 and 12 only one half, the rest a random mask"""
+    visible = rng.random((16, n1 + n2)) < 0.7
+    visible[:, 0] = visible[:, n1] = True  # every other row sees a key in each half
+    visible[[3, 11]] = False
+    visible[5, :n1] = False
+    visible[12, n1:] = False
+    return visible
+
+
+def _causal(rng, n1, n2):
+    """causal, queries n1 - 8 .. n1 + 7: rows 0..7 see no key of the second half"""
+    q = np.arange(16) + n1 - 8
+    return np.arange(n1 + n2)[None, :] <= q[:, None]
+
+
+def _nothing(rng, n1, n2):
+    """no row sees any key (both halves fully masked)"""
+    return np.zeros((16, n1 + n2), bool)
+
+
+merge_partials.case("D = 64, keys 37 + 27")(_merge_case(64, 37, 27))
+merge_partials.case("one half fully masked (each half in turn)")(
+    lambda c: (_merge_case(64, 32, 16, mask=_first_half_masked)(c),
+               _merge_case(64, 16, 32, mask=_second_half_masked)(c))  # fmt: skip
+)
+merge_partials.case("rows that see no key, or only one half")(_merge_case(64, 24, 40, mask=_ragged))
+merge_partials.case("large logits |S| ~ 30, D = 128")(_merge_case(128, 48, 48, logits=10.0))
+merge_partials.case("causal split at key 48, D = 128")(_merge_case(128, 48, 48, mask=_causal))
+merge_partials.case("fresh random, D = 64 and 128", hidden=True)(
+    lambda c: [_merge_case(D, n1, n2)(c) for D, n1, n2 in ((64, 64, 64), (128, 5, 123))]
+)
+merge_partials.case("one key in each half", hidden=True)(_merge_case(64, 1, 1))
+merge_partials.case("no row sees any key", hidden=True)(_merge_case(128, 16, 16, mask=_nothing))
+merge_partials.case("very large logits |S| ~ 80, ragged", hidden=True)(
+    _merge_case(128, 40, 24, logits=27.0, mask=_ragged)
+)
+
+
+# ----------------------------------------------------------------------------- 64-byte swizzle
+
+swizzle_64b = Exercise(
+    "10.swizzle_64b", "A conflict-free swizzle for 64-byte rows (D = 32 bf16)", points=3
+)
+
+HINT_SWIZZLE = (
+    "with D = 32, a row is 64 bytes: four 16-byte chunks, and two rows share one 128-byte line of "
+    "the 32 banks, so rows r and r + 2 start on the same banks. An ldmatrix phase reads 8 rows "
+    "of one chunk: they must land in the 8 different 16-byte slots of a line. Keep the chunk "
+    "inside its row (XOR with a value below 4) and let it change from one PAIR of rows to the "
+    "next: rows 2p and 2p + 1 already differ by which half of the line they are in"
+)
+HINT_CHUNKS = (
+    "swizzle whole 16-byte chunks (8 bf16): columns 8c .. 8c + 7 of a row must stay consecutive "
+    "and start at a multiple of 8 elements, because one cp.async writes 16 bytes and one "
+    "ldmatrix row address reads 16"
+)
+
+
+def _offsets(candidate, rows, case):
+    """The student's offsets (rows x 32) as ints, after checking the layout of the tile."""
+    got = np.asarray(invoke(candidate, H + "offset_table", rows, D_SMALL), dtype=np.float64)
+    if got.shape != (rows, D_SMALL):
+        raise CheckFailure(case, f"the table of your offsets has shape {got.shape}", HINT_SWIZZLE)
+    size = rows * D_SMALL
+    bad = np.argwhere((got != np.floor(got)) | (got < 0) | (got >= size))
+    if len(bad):
+        r, c = (int(x) for x in bad[0])
+        raise CheckFailure(
+            case,
+            f"swizzle32({r}, {c}) = {got[r, c]:g} is not an element offset of the "
+            f"{rows} x {D_SMALL} tile (an integer in 0 .. {size - 1}); {len(bad)} such elements",
+            "the tile has no padding: XOR the chunk index with a value below 4 (4 chunks per "
+            "row), never one that moves the chunk past the row's end. " + HINT_SWIZZLE,
+        )
+    offsets = got.astype(np.int64)
+    first: dict[int, tuple[int, int]] = {}
+    for r in range(rows):
+        for c in range(D_SMALL):
+            o = int(offsets[r, c])
+            if o in first:
+                raise CheckFailure(
+                    case,
+                    f"({first[o][0]}, {first[o][1]}) and ({r}, {c}) are both stored at offset "
+                    f"{o}: the map must be a bijection of the {rows} x {D_SMALL} tile",
+                    HINT_SWIZZLE,
+                )
+            first[o] = (r, c)
+    for r in range(rows):
+        for chunk in range(D_SMALL // CHUNK_ELEMENTS):
+            cols = slice(chunk * CHUNK_ELEMENTS, (chunk + 1) * CHUNK_ELEMENTS)
+            run = offsets[r, cols]
+            if run[0] % CHUNK_ELEMENTS or not np.array_equal(run, run[0] + np.arange(8)):
+                raise CheckFailure(
+                    case,
+                    f"row {r}, columns {cols.start}..{cols.stop - 1} (chunk {chunk}) are stored "
+                    f"at {run.tolist()}: not one aligned 16-byte chunk",
+                    HINT_CHUNKS,
+                )
+    return offsets
+
+
+def _banks(offsets_bytes):
+    return ", ".join(f"{(b // 4) % 32}-{(b // 4) % 32 + 3}" for b in offsets_bytes)
+
+
+def _wavefront_check(case, offsets, phases, what, hint):
+    for label, cells in phases:
+        addresses = [int(offsets[r, c]) * ELEMENT_BYTES for r, c in cells]
+        passes = mma.shared_wavefronts(addresses)
+        if passes > 1:
+            raise CheckFailure(
+                case,
+                f"{what} {label} takes {passes} wavefronts instead of 1: its 8 accesses "
+                f"{[list(x) for x in cells]} start at banks {_banks(addresses)}",
+                hint,
+            )
+
+
+def _layout_case(rows):
+    def run(candidate):
+        _offsets(candidate, rows, f"{rows} x {D_SMALL} tile: a bijection, 16-byte chunks whole")
+
+    return run
+
+
+def _ldmatrix_case(rows):
+    def run(candidate):
+        case = f"ldmatrix phases of a {rows}-row tile: 8 rows of one chunk in 1 wavefront"
+        offsets = _offsets(candidate, rows, case)
+        chunks = D_SMALL // CHUNK_ELEMENTS
+        phases = [(f"rows {r0}..{r0 + 7}, chunk {c}",
+                   [(r0 + k, c * CHUNK_ELEMENTS) for k in range(8)])
+                  for r0 in range(0, rows, 8) for c in range(chunks)]  # fmt: skip
+        _wavefront_check(case, offsets, phases,
+                         "the ldmatrix phase (K's rows; V's rows with .trans read the same "
+                         "addresses) of", HINT_SWIZZLE)  # fmt: skip
+
+    return run
+
+
+def _store_case(rows):
+    def run(candidate):
+        case = f"cp.async stores of a {rows}-row tile: 8 threads, 2 rows, 1 wavefront"
+        offsets = _offsets(candidate, rows, case)
+        chunks = D_SMALL // CHUNK_ELEMENTS
+        # thread e of the block copies chunk e % 4 of row e // 4: 8 threads = rows 2p and 2p + 1
+        phases = [(f"threads {8 * p}..{8 * p + 7} (rows {2 * p}, {2 * p + 1})",
+                   [((8 * p + k) // chunks, (k % chunks) * CHUNK_ELEMENTS) for k in range(8)])
+                  for p in range(rows // 2)]  # fmt: skip
+        _wavefront_check(case, offsets, phases, "the 16-byte cp.async stores of", HINT_SWIZZLE)
+
+    return run
+
+
+swizzle_64b.case(f"{SWIZZLE_ROWS} x {D_SMALL}: a bijection, 16-byte chunks whole and aligned")(
+    _layout_case(SWIZZLE_ROWS)
+)
+swizzle_64b.case("ldmatrix (K; V with .trans): 8 rows of one chunk in 1 wavefront")(
+    _ldmatrix_case(SWIZZLE_ROWS)
+)
+swizzle_64b.case("cp.async stores: 8 threads write 2 rows in 1 wavefront")(
+    _store_case(SWIZZLE_ROWS)
+)
+swizzle_64b.case("a 128-row tile: a bijection, chunks whole", hidden=True)(_layout_case(128))
+swizzle_64b.case("a 128-row tile: ldmatrix and cp.async in 1 wavefront", hidden=True)(
+    lambda c: (_ldmatrix_case(128)(c), _store_case(128)(c))
+)
+
+
+# ----------------------------------------------------------------------------- wait placement
+
+wait_placement = Exercise(
+    "10.wait_placement", "cp.async: where the waits and barriers go (k stages)", points=4
+)
+
+HINT_WAIT = (
+    "cp.async.wait_group N returns once at most the N most recent committed groups are still "
+    "in flight. Before computing tile j, N must be the number of groups committed AFTER tile "
+    "j's: stages - 2 in the steady state (prologue of stages - 1 tiles, then one new tile per "
+    "iteration, issued after the wait), fewer near the end when no new tile is issued"
+)
+HINT_SYNC = (
+    "a wait only covers this thread's own copies; the other threads' parts of the tile are "
+    "visible after a __syncthreads() that follows the wait"
+)
+HINT_WAR = (
+    "buffer j % stages is refilled by tile j + stages: all threads must have finished "
+    "computing tile j first, so a __syncthreads() must come between compute(j) and the copy "
+    "into its buffer (the barrier after the wait of the next iteration does it)"
+)
+HINT_OVERLAP = (
+    "while tile j is computed, tiles j + 1 .. j + stages - 1 should be in flight: issue them "
+    "early (prologue of stages - 1 tiles, then tile j + stages - 1 before compute(j)) and do "
+    "not force them with a wait (wait_group 0 stalls until every copy has landed)"
+)
+
+
+def _show(ops, k, width=4):
+    lo, hi = max(0, k - width), min(len(ops), k + 2)
+    lines = [f"{'->' if i == k else '  '} {i:>3}: {tuple(ops[i])}" for i in range(lo, hi)]
+    return "\n" + "\n".join(lines)
+
+
+def _normalise(ops, case):
+    if not isinstance(ops, (list, tuple)):
+        raise CheckFailure(case, f"schedule returned {type(ops).__name__}, expected a list of ops",
+                           "return a list of tuples such as ('copy', 0), ('commit',), "
+                           "('wait', 1), ('sync',), ('compute', 0)")  # fmt: skip
+    out = []
+    for k, op in enumerate(ops):
+        op = tuple(op) if isinstance(op, (list, tuple)) else (op,)
+        name = op[0] if op else None
+        arity = {"copy": 1, "commit": 0, "wait": 1, "sync": 0, "compute": 1}
+        if name not in OPS or len(op) != 1 + arity[name] or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in op[1:]
+        ):
+            raise CheckFailure(
+                case,
+                f"op {k} is {op!r}: ops are ('copy', j), ('commit',), ('wait', N), ('sync',) "
+                "and ('compute', j), with integers j and N",
+                None,
+            )
+        out.append((name, *(int(x) for x in op[1:])))
+    return out
+
+
+def simulate(ops, n_tiles: int, stages: int):
+    """Replay a schedule; return "" if it is right, else (why, hint, index of the op at fault).
+
+    A committed group lands only when a wait forces it (the slowest memory allowed); a tile is
+    visible to the whole block once a barrier follows the wait that forced it.
+    """
+    pending: list[int] = []  # copies issued since the last commit
+    groups: list[list[int]] = []  # committed groups, oldest first
+    forced = 0  # groups[:forced] are complete
+    issued: dict[int, int] = {}
+    landed: set[int] = set()
+    visible: set[int] = set()
+    holder: dict[int, int] = {}  # buffer -> tile copied into it and not computed yet
+    unsynced: dict[int, int] = {}  # buffer -> tile computed from it, no barrier since
+    next_compute = 0
+    last_wait = None  # (op index, N, groups committed then)
+    waited_uncommitted: dict[int, int] = {}  # tile -> a wait that ran before its commit
+    for k, op in enumerate(ops):
+        name = op[0]
+        at = f"op {k} {op}"
+        if name == "copy":
+            j = op[1]
+            if not 0 <= j < n_tiles:
+                return f"{at}: there are tiles 0..{n_tiles - 1} only", HINT_OVERLAP, k
+            if j in issued:
+                return f"{at}: tile {j} was already copied at op {issued[j]}", HINT_OVERLAP, k
+            b = j % stages
+            if b in holder:
+                return (f"{at}: buffer {b} still holds tile {holder[b]}, not computed yet: the "
+                        f"copy overwrites it", HINT_WAR, k)  # fmt: skip
+            if b in unsynced:
+                return (f"{at}: compute({unsynced[b]}) read buffer {b} and no __syncthreads() "
+                        "has followed it: other threads may still be reading it (WAR)",
+                        HINT_WAR, k)  # fmt: skip
+            issued[j] = k
+            holder[b] = j
+            pending.append(j)
+        elif name == "commit":
+            groups.append(pending)
+            pending = []
+        elif name == "wait":
+            N = op[1]
+            if N < 0:
+                return f"{at}: wait_group takes N >= 0", HINT_WAIT, k
+            last_wait = (k, N, len(groups))
+            for j in pending:
+                waited_uncommitted.setdefault(j, k)
+            forced = max(forced, len(groups) - N)
+            for group in groups[:forced]:
+                landed.update(group)
+        elif name == "sync":
+            visible |= landed
+            unsynced.clear()
+        else:  # compute
+            j = op[1]
+            if j != next_compute:
+                want = f"compute({next_compute})" if next_compute < n_tiles else "nothing more"
+                return f"{at}: tiles are computed once each, in order; expected {want}", \
+                    HINT_WAIT, k  # fmt: skip
+            if j not in issued:
+                return f"{at}: tile {j} was never copied", HINT_OVERLAP, k
+            if j in pending:
+                return (f"{at}: tile {j}'s copy was never committed: a wait only covers "
+                        "committed groups", HINT_WAIT, k)  # fmt: skip
+            if j not in landed:
+                mine = next(g for g, grp in enumerate(groups) if j in grp)
+                why = f"{at}: no wait has forced tile {j}'s group (group {mine}) yet: "
+                if last_wait is None or last_wait[2] <= mine:
+                    why += "no wait ran after it was committed"
+                    if j in waited_uncommitted:
+                        why += (f" (the wait at op {waited_uncommitted[j]} ran before tile {j} "
+                                "was committed: a wait only covers committed groups)")
+                else:
+                    w, N, then = last_wait
+                    after = then - mine - 1
+                    why += (f"when the last wait (op {w}, wait_group {N}) ran, {after} group(s) "
+                            f"had been committed after it, so that wait needed N <= {after}")
+                return why, HINT_WAIT, k
+            if j not in visible:
+                return (f"{at}: tile {j} landed for this thread, but no __syncthreads() "
+                        "followed the wait: the other threads' copies may not have", HINT_SYNC, k)
+            for t in range(j + 1, min(j + stages, n_tiles)):
+                if t not in issued:
+                    return (f"{at}: tile {t} is not in flight yet ({stages} stages: tiles "
+                            f"{j + 1}..{min(j + stages, n_tiles) - 1} should be issued "
+                            f"before compute({j}))", HINT_OVERLAP, k)  # fmt: skip
+                if t in landed:
+                    return (f"{at}: tile {t} was forced complete by a wait before compute({j}): "
+                            "that wait stalled until it landed, so its copy does not overlap "
+                            "this compute", HINT_OVERLAP, k)  # fmt: skip
+            b = j % stages
+            del holder[b]
+            unsynced[b] = j
+            next_compute += 1
+    if next_compute < n_tiles:
+        return (f"the schedule ends after {next_compute} of {n_tiles} tiles were computed",
+                HINT_WAIT, len(ops) - 1)  # fmt: skip
+    in_flight = [j for j in issued if j not in landed]
+    if in_flight:
+        return (f"the schedule ends with tiles {in_flight} still in flight", HINT_WAIT,
+                len(ops) - 1)  # fmt: skip
+    return ""
+
+
+def _schedule_case(*configs):
+    def run(candidate):
+        fresh = len(configs) == 1 and callable(configs[0])
+        for n_tiles, stages in configs[0]() if fresh else configs:
+            case = f"n_tiles = {n_tiles}, stages = {stages}"
+            ops = _normalise(candidate(n_tiles, stages), case)
+            found = simulate(ops, n_tiles, stages)
+            if found:
+                why, hint, k = found
+                raise CheckFailure(case, why + (_show(ops, k) if ops else " (no ops)"), hint)
+
+    return run
+
+
+def _fresh_configs():
+    return [(random.randint(3, 40), random.randint(2, 5)) for _ in range(6)]
+
+
+wait_placement.case("2 stages: 5 tiles, and 1 tile")(_schedule_case((5, 2), (1, 2)))
+wait_placement.case("3 stages: 5 tiles (wait_group 1 in the steady state)")(
+    _schedule_case((5, 3))
+)
+wait_placement.case("4 stages: 17 tiles, and 2 tiles (fewer tiles than stages)")(
+    _schedule_case((17, 4), (2, 4))
+)
+wait_placement.case("3 stages: 1 and 2 tiles, draining")(_schedule_case((1, 3), (2, 3)))
+wait_placement.case("every n_tiles in 1, 2, 5, 17 and stages in 2, 3, 4", hidden=True)(
+    _schedule_case(*[(n, s) for n in (1, 2, 5, 17) for s in (2, 3, 4)])
+)
+wait_placement.case("fresh random n_tiles and stages (up to 5)", hidden=True)(
+    _schedule_case(_fresh_configs)
+)
+
+__all__ = ["fragment_map_k32", "merge_partials", "ptx_k32_table", "simulate", "swizzle_64b",
+           "wait_placement"]  # fmt: skip

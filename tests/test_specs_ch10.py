@@ -1,0 +1,295 @@
+"""Chapter 10's graded cases catch the slips students make, in a visible case, saying why."""
+
+import numpy as np
+import pytest
+
+from course_utils import cuda, grader, runtime
+from course_utils.checks import CheckFailure
+from course_utils.specs import ch10
+
+pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
+
+
+def _fails_visibly(exercise_id, candidate, *words):
+    r = grader.check(exercise_id, candidate)
+    assert r.status == "failed", (r.status, r.message)
+    assert not r.message.startswith("(hidden case)"), r.message
+    for word in words:
+        assert word in r.message, (word, r.message)
+    return r
+
+
+def _stub(*args):
+    raise NotImplementedError("replace this line with your code")
+
+
+@pytest.mark.parametrize("exercise_id", ["10.fragment_map_k32", "10.merge_partials",
+                                         "10.swizzle_64b", "10.wait_placement"])
+def test_stub_is_not_implemented(exercise_id):
+    assert grader.check(exercise_id, _stub).status == "not implemented"
+
+
+# ----------------------------------------------------------------------------- fragment map
+
+
+def _k32(*, swap_halves=False, no_k_half=False, rows_by_register=False, reversed_bytes=False):
+    def a_element_k32(lane, i):
+        g, t, reg, byte = lane // 4, lane % 4, i // 4, i % 4
+        if reversed_bytes:
+            byte = 3 - byte
+        row_half, k_half = (reg // 2, reg % 2) if swap_halves else (reg % 2, reg // 2)
+        row = g + (8 * reg if rows_by_register else 8 * row_half)
+        col = 4 * t + byte + (0 if no_k_half else 16 * k_half)
+        return row, col
+
+    return a_element_k32
+
+
+def test_k32_map_passes_when_right():
+    r = grader.check("10.fragment_map_k32", _k32())
+    assert r.status == "passed" and r.hidden_run and r.total == 5 + runtime.on_gpu()
+
+
+def test_k32_probe_compiles():
+    if not cuda.nvrtc_available():
+        pytest.skip("NVRTC is not installed")
+    kernel = ch10.k32_probe()
+    assert kernel.resource_usage.spills == 0
+
+
+@pytest.mark.skipif(not runtime.on_gpu(), reason="needs a CUDA GPU (sm_80 or newer)")
+def test_k32_map_meets_the_hardware():
+    from course_utils.grader import LocalCandidate
+
+    ch10._hardware_case(LocalCandidate(_k32()))  # the PTX table is what the instruction reads
+    for slip in (dict(swap_halves=True), dict(no_k_half=True), dict(reversed_bytes=True)):
+        with pytest.raises(CheckFailure, match="the tensor core computed D = A B wrong"):
+            ch10._hardware_case(LocalCandidate(_k32(**slip)))
+
+
+def test_k32_table_is_the_ptx_description():
+    # The formula the PTX ISA prints: row g for i in {0..3, 8..11}, else g + 8;
+    # col 4t + i % 4, + 16 for i >= 8.
+    table = ch10.ptx_k32_table()
+    for lane in range(32):
+        for i in range(16):
+            g, t = lane // 4, lane % 4
+            row = g if (i < 4 or 8 <= i < 12) else g + 8
+            assert tuple(table[lane, i]) == (row, 4 * t + i % 4 + (16 if i >= 8 else 0))
+
+
+def test_k32_swapped_register_halves_fail_the_table_and_the_mma():
+    r = _fails_visibly("10.fragment_map_k32", _k32(swap_halves=True), "a_element_k32(", "lane")
+    assert r.passed == 1  # still a bijection: only the table and the mma tell
+    assert "an s8 mma built on your map" in r.message
+
+
+def test_k32_reversed_bytes_name_the_first_wrong_value():
+    _fails_visibly("10.fragment_map_k32", _k32(reversed_bytes=True), "a_element_k32(0, 0)",
+                   "expected (0, 0)", "byte 0")
+
+
+def test_k32_missing_second_k_half_is_a_duplicate():
+    _fails_visibly("10.fragment_map_k32", _k32(no_k_half=True), "is held twice",
+                   "held by no lane")
+
+
+def test_k32_rows_out_of_range_are_named():
+    _fails_visibly("10.fragment_map_k32", _k32(rows_by_register=True), "is not an element of A")
+
+
+def test_k32_the_mma_names_the_lane():
+    # Lanes 5 and 6 swapped: a bijection; the simulated mma points at the first wrong (lane, i).
+    right = _k32()
+    swapped = lambda lane, i: right({5: 6, 6: 5}.get(lane, lane), i)  # noqa: E731
+    _fails_visibly("10.fragment_map_k32", swapped, "a_element_k32(5, 0)")
+    mma_case = next(c for c in ch10.fragment_map_k32.cases if c.name.startswith("an s8 mma"))
+    with pytest.raises(CheckFailure, match="value 0 of lane 5 as A\\[1, 4\\]"):
+        mma_case.run(grader.as_candidate(swapped, ch10.fragment_map_k32))
+
+
+def test_k32_m16n8k16_map_is_not_the_answer():
+    # The lecture's bf16 A map stretched to 16 values does not cover A.
+    def k16_like(lane, i):
+        g, t = lane // 4, lane % 4
+        return (g if i % 4 < 2 else g + 8), 2 * t + i % 2 + 8 * (i // 4)
+
+    assert grader.check("10.fragment_map_k32", k16_like).status == "failed"
+
+
+# ----------------------------------------------------------------------------- merge partials
+
+
+def _merge(*, row_of_value=(0, 0, 1, 1), rescale=True, normalise=False, guard_inf=True):
+    def merge(o1, m1, l1, o2, m2, l2):
+        m = np.maximum(m1, m2)
+        base = np.where(np.isneginf(m), 0.0, m) if guard_inf else m
+        with np.errstate(invalid="ignore", divide="ignore"):
+            a1, a2 = (np.exp(m1 - base), np.exp(m2 - base)) if rescale else (1.0, 1.0)
+            l = a1 * l1 + a2 * l2
+            idx = list(row_of_value)
+            f1 = a1.T[:, idx] if rescale else 1.0
+            f2 = a2.T[:, idx] if rescale else 1.0
+            o = o1 * f1 + o2 * f2
+            if normalise:
+                o = o / l.T[:, idx]
+        return o, m, l
+
+    return merge
+
+
+def test_merge_passes_when_right():
+    r = grader.check("10.merge_partials", _merge())
+    assert r.status == "passed" and r.hidden_run
+
+
+def test_merge_row_of_value_i_mod_2_fails():
+    _fails_visibly("10.merge_partials", _merge(row_of_value=(0, 1, 0, 1)), "D = 64, keys 37 + 27",
+                   "i // 2, not i % 2")
+
+
+def test_merge_without_rescale_fails():
+    _fails_visibly("10.merge_partials", _merge(rescale=False), "D = 64, keys 37 + 27",
+                   "exp(m_k - m)")
+
+
+def test_merge_dividing_by_l_fails_and_says_so():
+    _fails_visibly("10.merge_partials", _merge(normalise=True), "you divided by l")
+
+
+def test_merge_minus_inf_minus_minus_inf_is_caught():
+    _fails_visibly("10.merge_partials", _merge(guard_inf=False), "see no key", "NaN")
+
+
+def test_merge_wrong_shape_and_type_are_named():
+    _fails_visibly("10.merge_partials", lambda *a: a[0], "expected (o, m, l)")
+    flat = lambda o1, m1, l1, o2, m2, l2: (o1.reshape(-1), m1, l1)  # noqa: E731
+    _fails_visibly("10.merge_partials", flat, "o has shape")
+
+
+# ----------------------------------------------------------------------------- 64-byte swizzle
+
+
+def _swizzle(xor):
+    return lambda row, col: row * 32 + ((col // 8) ^ xor(row)) * 8 + col % 8
+
+
+def test_swizzle_passes_when_right():
+    r = grader.check("10.swizzle_64b", _swizzle(lambda r: (r // 2) % 4))
+    assert r.status == "passed" and r.hidden_run
+
+
+def test_swizzle_row_major_takes_four_wavefronts():
+    r = _fails_visibly("10.swizzle_64b", lambda row, col: row * 32 + col, "4 wavefronts",
+                       "rows r and r + 2")
+    assert r.passed == 3  # a valid layout (64 and 128 rows), conflict-free stores: only ldmatrix
+
+
+def test_swizzle_of_128_byte_rows_used_blindly_fails():
+    # c ^ (r % 8) is conflict-free here, but sends chunks past the 4 of a row: not the tile.
+    _fails_visibly("10.swizzle_64b", _swizzle(lambda r: r % 8), "is not an element offset")
+    # ... and the same kept inside the row (c ^ (r % 4)) conflicts: rows r and r + 4 collide
+    _fails_visibly("10.swizzle_64b", _swizzle(lambda r: r % 4), "2 wavefronts")
+
+
+def test_swizzle_that_breaks_chunks_fails():
+    _fails_visibly("10.swizzle_64b", lambda row, col: row * 32 + (col ^ (row % 8)),
+                   "not one aligned 16-byte chunk")
+
+
+def test_swizzle_that_is_not_a_bijection_fails():
+    _fails_visibly("10.swizzle_64b", lambda row, col: (row // 2) * 32 + col,
+                   "both stored at offset")
+
+
+# ----------------------------------------------------------------------------- wait placement
+
+
+def _schedule(*, n_wait=None, drain=True, sync=True, commit=True):
+    """The k-stage schedule, with one slip: ``n_wait(stages)`` instead of stages - 2."""
+
+    def schedule(n_tiles, stages):
+        ops = []
+        for j in range(min(stages - 1, n_tiles)):
+            ops += [("copy", j)] + ([("commit",)] if commit else [])
+        for j in range(n_tiles):
+            n = stages - 2 if n_wait is None else n_wait(stages)
+            if drain:
+                n = min(n, n_tiles - 1 - j)
+            ops += [("wait", n)] + ([("sync",)] if sync else [])
+            if j + stages - 1 < n_tiles:
+                ops += [("copy", j + stages - 1), ("commit",)]
+            ops.append(("compute", j))
+        return ops
+
+    return schedule
+
+
+def _fa2_order(*, trailing_sync=True):
+    """The chapter's backward kernel: copy the next tile first, commit (even an empty group),
+    wait_group stages - 1, barrier, compute, barrier."""
+
+    def schedule(n_tiles, stages):
+        ops = []
+        for j in range(stages - 1):
+            ops += ([("copy", j)] if j < n_tiles else []) + [("commit",)]
+        for j in range(n_tiles):
+            if j + stages - 1 < n_tiles:
+                ops.append(("copy", j + stages - 1))
+            ops += [("commit",), ("wait", stages - 1), ("sync",), ("compute", j)]
+            if trailing_sync:
+                ops.append(("sync",))
+        return ops
+
+    return schedule
+
+
+def test_schedule_passes_when_right():
+    r = grader.check("10.wait_placement", _schedule())
+    assert r.status == "passed" and r.hidden_run
+
+
+def test_other_correct_orders_pass():
+    # empty groups committed at the end instead of draining the N of the wait
+    assert grader.check("10.wait_placement", _fa2_order()).status == "passed"
+
+
+def test_wait_group_0_everywhere_fails_the_overlap():
+    r = _fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: 0),
+                       "stages = 3", "forced complete by a wait", "does not overlap")
+    assert r.passed == 1  # 2 stages: wait_group 0 is right there
+
+
+def test_off_by_one_wait_fails():
+    _fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: s - 1), "no wait has forced",
+                   "(op 2, wait_group 1)", "needed N <= 0")
+    _fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: s - 3), "N >= 0")
+
+
+def test_missing_drain_fails():
+    _fails_visibly("10.wait_placement", _schedule(drain=False), "stages = 3",
+                   "no wait has forced tile 4")
+
+
+def test_missing_sync_fails():
+    _fails_visibly("10.wait_placement", _schedule(sync=False), "no __syncthreads() followed")
+    _fails_visibly("10.wait_placement", _fa2_order(trailing_sync=False), "(WAR)")
+
+
+def test_missing_commit_fails():
+    _fails_visibly("10.wait_placement", _schedule(commit=False), "a wait only covers committed")
+
+
+def test_bad_ops_are_named():
+    _fails_visibly("10.wait_placement", lambda n, s: [("copy",)], "op 0 is ('copy',)")
+    _fails_visibly("10.wait_placement", lambda n, s: [], "ends after 0 of")
+
+
+def test_simulator_rules():
+    ok = [("copy", 0), ("commit",), ("wait", 0), ("sync",), ("compute", 0)]
+    assert ch10.simulate(ok, 1, 2) == ""
+    why, _, k = ch10.simulate(ok + [("copy", 0)], 1, 2)
+    assert k == 5 and "already copied" in why
+    # a copy into a buffer another tile still holds
+    why, _, _ = ch10.simulate([("copy", 0), ("copy", 2)], 3, 2)
+    assert "still holds tile 0" in why
