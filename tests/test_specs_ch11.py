@@ -1,0 +1,258 @@
+"""Chapter 11's graded cases catch the slips students make, in a visible case, saying why.
+
+The right answers are the solution notebook's own cells (written to a module, since Triton reads
+a kernel's source from its file); each slip is that code with one line changed.
+"""
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from course_utils import grader
+from course_utils.harness.ch11 import prefix_reads
+from course_utils.specs import ch11
+
+pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
+
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "11_serving_attention.ipynb"
+IDS = ["11.shared_prefix", "11.chunked_mask", "11.num_splits", "11.paged_prefill"]
+
+
+def _solution_source() -> str:
+    cells = json.loads(SOLUTION.read_text())["cells"]
+    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    keep = [s for s in sources if "cu.setup()" not in s and "grader.check(" not in s]
+    text = "\n\n".join(keep)
+    return re.sub(r"(?m)^[ \t]*### (BEGIN|END) SOLUTION[ \t]*\n", "", text)
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """``build(**replacements)``: the solution's module with ``old -> new`` edits (each must
+    match, so that a slip test cannot silently test the right answer)."""
+    folder = tmp_path_factory.mktemp("ch11")
+    base = _solution_source()
+    count = [0]
+
+    def make(*edits):
+        text = base
+        for old, new in edits:
+            assert old in text, f"the solution no longer contains {old!r}"
+            text = text.replace(old, new)
+        count[0] += 1
+        path = folder / f"ch11_variant_{count[0]}.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return make
+
+
+def _fails_visibly(exercise_id, candidate, *words):
+    r = grader.check(exercise_id, candidate)
+    assert r.status == "failed", (r.status, r.message)
+    assert not r.message.startswith("(hidden case)"), r.message
+    for word in words:
+        assert word in r.message, (word, r.message)
+    return r
+
+
+def _stub(*args):
+    raise NotImplementedError("replace this line with your code")
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_stub_is_not_implemented(exercise_id):
+    assert grader.check(exercise_id, _stub).status == "not implemented"
+
+
+def test_solutions_pass_with_hidden_cases(build):
+    m = build()
+    for exercise_id, fn in zip(IDS, (m.cascade_attention, m.chunk_key_ranges, m.num_splits,
+                                     m.paged_prefill_kernel), strict=True):
+        r = grader.check(exercise_id, fn)
+        assert r.status == "passed" and r.hidden_run, (exercise_id, r.message)
+        assert r.score == r.points
+
+
+# ----------------------------------------------------------------------------- shared prefix
+
+
+def _per_sequence(q, K_prefix, V_prefix, K_suffix, V_suffix, cu_seqlens_q, cu_seqlens_k, scale):
+    """Right O and LSE, but the prefix concatenated with each suffix: read B times."""
+    Tq, Hq, d = q.shape
+    P, Hkv, _ = K_prefix.shape
+    O, LSE = torch.empty_like(q), torch.empty(Tq, Hq)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        K = torch.cat([K_prefix, K_suffix[ck[b]:ck[b + 1]]]).repeat_interleave(Hq // Hkv, 1)
+        V = torch.cat([V_prefix, V_suffix[ck[b]:ck[b + 1]]]).repeat_interleave(Hq // Hkv, 1)
+        nq, n = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        S = scale * torch.einsum("ihd,jhd->hij", q[cq[b]:cq[b + 1]], K)
+        j, i = torch.arange(P + n), torch.arange(nq)[:, None]
+        S = S.masked_fill((j >= P) & (j - P > n - nq + i), -math.inf)
+        LSE[cq[b]:cq[b + 1]] = torch.logsumexp(S, -1).T
+        O[cq[b]:cq[b + 1]] = (torch.softmax(S, -1) @ V.transpose(0, 1)).transpose(0, 1)
+    return O, LSE
+
+
+def test_prefix_reads_count_once_for_the_solution_and_b_times_per_sequence(build):
+    problem = ch11.cascade_problem(32, [5, 8, 1, 12, 3, 7], [1, 2, 1, 3, 1, 2], 4, 2, 16)
+    once = 32 * 2 * 16
+    _, reads_K, reads_V = prefix_reads(build().cascade_attention, *problem)
+    assert (reads_K, reads_V) == (once, once)
+    _, reads_K, reads_V = prefix_reads(_per_sequence, *problem)
+    assert (reads_K, reads_V) == (6 * once, 6 * once)
+
+
+def test_prefix_copied_per_sequence_fails_the_reads_case():
+    r = _fails_visibly("11.shared_prefix", _per_sequence, "prefix reads counted",
+                       "6 times the prefix", "not once per sequence")
+    assert r.passed == r.total - 2  # O and LSE are right everywhere: 2 cases count reads
+
+
+def test_prefix_gathered_for_every_query_fails_the_reads_case(build):
+    m = build(('LSE_pre, O_pre = part(scale * torch.einsum("tkgd,pkd->tkgp", qg, K_prefix), '
+               'V_prefix)',
+               'B = len(cq0) - 1\n'
+               '    seq = torch.repeat_interleave(torch.arange(B), torch.diff(cq0).long())\n'
+               '    Kb = K_prefix.expand(B, -1, -1, -1)[seq]  # the prefix of every query\n'
+               '    LSE_pre, O_pre = part(scale * torch.einsum("tkgd,tpkd->tkgp", qg, Kb), '
+               'V_prefix)'),
+              ("qg = q.view(Tq, Hkv, G, d)", "qg = q.view(Tq, Hkv, G, d)\n    cq0 = cu_seqlens_q"))
+    _fails_visibly("11.shared_prefix", m.cascade_attention, "K_prefix", "not once per sequence")
+
+
+def test_empty_suffix_without_a_guard_gives_nan_and_says_why(build):
+    m = build(("m = torch.where(torch.isinf(m), torch.zeros_like(m), m)", "pass"))
+    _fails_visibly("11.shared_prefix", m.cascade_attention, "an empty suffix", "NaN",
+                   "LSE_suffix = -inf")
+
+
+def test_top_left_suffix_is_named(build):
+    m = build(("> i + n - nq, -math.inf)", "> i, -math.inf)"))
+    _fails_visibly("11.shared_prefix", m.cascade_attention, "decode", "top-left")
+
+
+def test_gqa_heads_interleaved_is_named(build):
+    m = build(("qg = q.view(Tq, Hkv, G, d)", "qg = q.view(Tq, G, Hkv, d).transpose(1, 2)"
+               ".contiguous()"),
+              ("return O.view(Tq, Hq, d), LSE.view(Tq, Hq)",
+               "return O.transpose(1, 2).reshape(Tq, Hq, d), LSE.transpose(1, 2).reshape(Tq, Hq)"))
+    _fails_visibly("11.shared_prefix", m.cascade_attention, "GQA [", "h // G")
+
+
+def test_prefix_part_alone_is_named(build):
+    m = build(("torch.logaddexp(LSE_pre[rows], LSE_suf)", "LSE_pre[rows]"),
+              ("+ torch.exp(LSE_suf - LSE[rows])[..., None] * O_suf)", ")"))
+    _fails_visibly("11.shared_prefix", m.cascade_attention, "decode", "prefix part alone")
+
+
+def test_sdpa_is_forbidden():
+    def with_sdpa(q, *rest):
+        torch.nn.functional.scaled_dot_product_attention(q[None], q[None], q[None])
+        return _per_sequence(q, *rest)
+
+    assert grader.check("11.shared_prefix", with_sdpa).status == "forbidden"
+
+
+# ----------------------------------------------------------------------------- chunked mask
+
+
+@pytest.mark.parametrize("edit, words", [
+    (("+ nk[seq] - nq[seq]", ""), ["chunk = 8", "top-left"]),
+    (("first_key = cu_seqlens_k[seq].long()", "first_key = torch.zeros_like(pos)"),
+     ["chunk = 8", "add the sequence's start"]),
+    (("lo = first_key + torch.div(pos.clamp_min(0), chunk, rounding_mode=\"floor\") * chunk",
+      "lo = first_key + (pos - chunk + 1).clamp_min(0)"), ["chunk = 4", "sliding window"]),
+    (("hi = torch.where(pos >= 0, first_key + pos + 1, lo)",
+      "hi = torch.where(pos >= 0, first_key + pos, lo)"), ["chunk = 4", "one past the last"]),
+    (("hi = torch.where(pos >= 0, first_key + pos + 1, lo)", "hi = first_key + pos + 1"),
+     ["chunk = 2", "sees no key", "lo == hi"]),
+], ids=["top-left", "local indices", "sliding window", "inclusive hi", "p < 0"])
+def test_chunked_mask_slips_are_named(build, edit, words):
+    m = build(edit)
+    _fails_visibly("11.chunked_mask", m.chunk_key_ranges, *words)
+
+
+def test_chunked_mask_negative_floor_is_caught(build):
+    m = build(("pos.clamp_min(0)", "pos"), ("hi = torch.where(pos >= 0, first_key + pos + 1, lo)",
+                                           "hi = first_key + pos + 1"))
+    _fails_visibly("11.chunked_mask", m.chunk_key_ranges, "position p = -", "sees none")
+
+
+def test_chunked_mask_wrong_types_are_named():
+    _fails_visibly("11.chunked_mask", lambda cq, ck, c: ([0], [0]), "integer torch.Tensor")
+    _fails_visibly("11.chunked_mask", lambda cq, ck, c: (cq, ck), "has shape")
+
+
+# ----------------------------------------------------------------------------- num splits
+
+
+@pytest.mark.parametrize("edit, words", [
+    (("// (B * Hkv)))", "// B))"), ["long context", "Hkv=8", "B * Hkv * num_splits"]),
+    (("wave = num_sms * programs_per_sm", "wave = num_sms"), ["programs_per_sm=2",
+                                                             "num_sms * programs_per_sm"]),
+    (("    while splits < n_blocks and", "    while False and"),
+     ["leaves a split empty", "with no key block", "Skip those counts"]),
+    (("-(-target_waves * wave // (B * Hkv))", "target_waves * wave // (B * Hkv)"),
+     ["got 16, expected 17"]),
+    (("return min(splits, n_blocks)", "return splits"),
+     ["long context", "seqlen_k=32768", "more splits than"]),
+], ids=["no Hkv", "no programs per SM", "empty splits", "floor", "no cap"])
+def test_num_splits_slips_are_named(build, edit, words):
+    m = build(edit)
+    _fails_visibly("11.num_splits", m.num_splits, *words)
+
+
+def test_num_splits_must_return_an_int():
+    _fails_visibly("11.num_splits", lambda *a: 1.0, "expected an int")
+
+
+def test_best_num_splits_examples():
+    assert ch11.best_num_splits(1, 8, 131072, 64, 132, 1, 1) == 17
+    assert ch11.best_num_splits(64, 8, 4096, 64, 132, 1, 1) == 1
+    assert ch11.best_num_splits(1, 1, 160, 16, 6, 1, 1) == 10  # 6..9 splits leave one empty
+    assert ch11.best_num_splits(1, 8, 1, 64, 132, 1, 1) == 1
+    assert [len(r) for r in ch11.split_ranges(10, 6)] == [2, 2, 2, 2, 2, 0]
+
+
+# ----------------------------------------------------------------------------- paged prefill
+
+
+@pytest.mark.parametrize("edit, words", [
+    (("phys = tl.load(table + start_n // PAGE_SIZE).to(tl.int64)",
+      "phys = tl.zeros([], tl.int64) + start_n // PAGE_SIZE"),
+     ["one sequence", "NaN", "BLOCK_TABLE"]),
+    ((", mask=in_cache, other=0.0)", ")"), ["one sequence", "NaN", "other=0.0"]),
+    (("seen = cols[None, :] <= pos[:, None]", "seen = cols[None, :] <= offs_m[:, None]"),
+     ["chunked prefill after cached keys", "top-left"]),
+    (("* Hkv + kv_head) * HEAD_DIM", "* Hkv + h % Hkv) * HEAD_DIM"),
+     ["chunked prefill after cached keys", "h // GROUP"]),
+], ids=["logical page order", "unmasked loads", "top-left", "K/V head h % Hkv"])
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's max of NaN
+def test_paged_prefill_slips_are_named(build, edit, words):
+    m = build(edit)
+    _fails_visibly("11.paged_prefill", m.paged_prefill_kernel, *words)
+
+
+def test_paged_prefill_refuses_a_python_function(build):
+    m = build()
+    _fails_visibly("11.paged_prefill", m.paged_prefill_kernel.fn, "not a Triton function")
+
+
+def test_paged_problem_shuffles_pages_and_poisons_the_rest():
+    inputs, (K, _) = ch11.paged_problem([2, 3], [20, 40], 2, 1, 16, torch.float32, seed=7)
+    q, K_cache, _, table, _, seqlens_k, _ = inputs
+    assert table[:, :2].flatten().tolist() != list(range(4))
+    for b, n in enumerate(seqlens_k.tolist()):
+        logical = torch.cat([K_cache[p] for p in table[b].tolist()])[:n]
+        assert torch.equal(logical.cpu(), K[b].cpu())
+        assert torch.isnan(torch.cat([K_cache[p] for p in table[b].tolist()])[n:]).all()
