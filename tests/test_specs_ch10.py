@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from spec_helpers import fails_visibly, stub
 
 from course_utils import cuda, grader, runtime
 from course_utils.checks import CheckFailure
@@ -10,23 +11,10 @@ from course_utils.specs import ch10
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
 
-def _fails_visibly(exercise_id, candidate, *words):
-    r = grader.check(exercise_id, candidate)
-    assert r.status == "failed", (r.status, r.message)
-    assert not r.message.startswith("(hidden case)"), r.message
-    for word in words:
-        assert word in r.message, (word, r.message)
-    return r
-
-
-def _stub(*args):
-    raise NotImplementedError("replace this line with your code")
-
-
 @pytest.mark.parametrize("exercise_id", ["10.fragment_map_k32", "10.merge_partials",
                                          "10.swizzle_64b", "10.wait_placement"])
 def test_stub_is_not_implemented(exercise_id):
-    assert grader.check(exercise_id, _stub).status == "not implemented"
+    assert grader.check(exercise_id, stub).status == "not implemented"
 
 
 # ----------------------------------------------------------------------------- fragment map
@@ -79,30 +67,30 @@ def test_k32_table_is_the_ptx_description():
 
 
 def test_k32_swapped_register_halves_fail_the_table_and_the_mma():
-    r = _fails_visibly("10.fragment_map_k32", _k32(swap_halves=True), "a_element_k32(", "lane")
+    r = fails_visibly("10.fragment_map_k32", _k32(swap_halves=True), "a_element_k32(", "lane")
     assert r.passed == 1  # still a bijection: only the table and the mma tell
     assert "an s8 mma built on your map" in r.message
 
 
 def test_k32_reversed_bytes_name_the_first_wrong_value():
-    _fails_visibly("10.fragment_map_k32", _k32(reversed_bytes=True), "a_element_k32(0, 0)",
+    fails_visibly("10.fragment_map_k32", _k32(reversed_bytes=True), "a_element_k32(0, 0)",
                    "expected (0, 0)", "byte 0")
 
 
 def test_k32_missing_second_k_half_is_a_duplicate():
-    _fails_visibly("10.fragment_map_k32", _k32(no_k_half=True), "is held twice",
+    fails_visibly("10.fragment_map_k32", _k32(no_k_half=True), "is held twice",
                    "held by no lane")
 
 
 def test_k32_rows_out_of_range_are_named():
-    _fails_visibly("10.fragment_map_k32", _k32(rows_by_register=True), "is not an element of A")
+    fails_visibly("10.fragment_map_k32", _k32(rows_by_register=True), "is not an element of A")
 
 
 def test_k32_the_mma_names_the_lane():
     # Lanes 5 and 6 swapped: a bijection; the simulated mma points at the first wrong (lane, i).
     right = _k32()
     swapped = lambda lane, i: right({5: 6, 6: 5}.get(lane, lane), i)  # noqa: E731
-    _fails_visibly("10.fragment_map_k32", swapped, "a_element_k32(5, 0)")
+    fails_visibly("10.fragment_map_k32", swapped, "a_element_k32(5, 0)")
     mma_case = next(c for c in ch10.fragment_map_k32.cases if c.name.startswith("an s8 mma"))
     with pytest.raises(CheckFailure, match="value 0 of lane 5 as A\\[1, 4\\]"):
         mma_case.run(grader.as_candidate(swapped, ch10.fragment_map_k32))
@@ -144,27 +132,27 @@ def test_merge_passes_when_right():
 
 
 def test_merge_row_of_value_i_mod_2_fails():
-    _fails_visibly("10.merge_partials", _merge(row_of_value=(0, 1, 0, 1)), "D = 64, keys 37 + 27",
+    fails_visibly("10.merge_partials", _merge(row_of_value=(0, 1, 0, 1)), "D = 64, keys 37 + 27",
                    "i // 2, not i % 2")
 
 
 def test_merge_without_rescale_fails():
-    _fails_visibly("10.merge_partials", _merge(rescale=False), "D = 64, keys 37 + 27",
+    fails_visibly("10.merge_partials", _merge(rescale=False), "D = 64, keys 37 + 27",
                    "exp(m_k - m)")
 
 
 def test_merge_dividing_by_l_fails_and_says_so():
-    _fails_visibly("10.merge_partials", _merge(normalise=True), "you divided by l")
+    fails_visibly("10.merge_partials", _merge(normalise=True), "you divided by l")
 
 
 def test_merge_minus_inf_minus_minus_inf_is_caught():
-    _fails_visibly("10.merge_partials", _merge(guard_inf=False), "see no key", "NaN")
+    fails_visibly("10.merge_partials", _merge(guard_inf=False), "see no key", "NaN")
 
 
 def test_merge_wrong_shape_and_type_are_named():
-    _fails_visibly("10.merge_partials", lambda *a: a[0], "expected (o, m, l)")
+    fails_visibly("10.merge_partials", lambda *a: a[0], "expected (o, m, l)")
     flat = lambda o1, m1, l1, o2, m2, l2: (o1.reshape(-1), m1, l1)  # noqa: E731
-    _fails_visibly("10.merge_partials", flat, "o has shape")
+    fails_visibly("10.merge_partials", flat, "o has shape")
 
 
 # ----------------------------------------------------------------------------- 64-byte swizzle
@@ -180,25 +168,25 @@ def test_swizzle_passes_when_right():
 
 
 def test_swizzle_row_major_takes_four_wavefronts():
-    r = _fails_visibly("10.swizzle_64b", lambda row, col: row * 32 + col, "4 wavefronts",
+    r = fails_visibly("10.swizzle_64b", lambda row, col: row * 32 + col, "4 wavefronts",
                        "rows r and r + 2")
     assert r.passed == 3  # a valid layout (64 and 128 rows), conflict-free stores: only ldmatrix
 
 
 def test_swizzle_of_128_byte_rows_used_blindly_fails():
     # c ^ (r % 8) is conflict-free here, but sends chunks past the 4 of a row: not the tile.
-    _fails_visibly("10.swizzle_64b", _swizzle(lambda r: r % 8), "is not an element offset")
+    fails_visibly("10.swizzle_64b", _swizzle(lambda r: r % 8), "is not an element offset")
     # ... and the same kept inside the row (c ^ (r % 4)) conflicts: rows r and r + 4 collide
-    _fails_visibly("10.swizzle_64b", _swizzle(lambda r: r % 4), "2 wavefronts")
+    fails_visibly("10.swizzle_64b", _swizzle(lambda r: r % 4), "2 wavefronts")
 
 
 def test_swizzle_that_breaks_chunks_fails():
-    _fails_visibly("10.swizzle_64b", lambda row, col: row * 32 + (col ^ (row % 8)),
+    fails_visibly("10.swizzle_64b", lambda row, col: row * 32 + (col ^ (row % 8)),
                    "not one aligned 16-byte chunk")
 
 
 def test_swizzle_that_is_not_a_bijection_fails():
-    _fails_visibly("10.swizzle_64b", lambda row, col: (row // 2) * 32 + col,
+    fails_visibly("10.swizzle_64b", lambda row, col: (row // 2) * 32 + col,
                    "both stored at offset")
 
 
@@ -255,34 +243,34 @@ def test_other_correct_orders_pass():
 
 
 def test_wait_group_0_everywhere_fails_the_overlap():
-    r = _fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: 0),
+    r = fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: 0),
                        "stages = 3", "forced complete by a wait", "does not overlap")
     assert r.passed == 1  # 2 stages: wait_group 0 is right there
 
 
 def test_off_by_one_wait_fails():
-    _fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: s - 1), "no wait has forced",
+    fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: s - 1), "no wait has forced",
                    "(op 2, wait_group 1)", "needed N <= 0")
-    _fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: s - 3), "N >= 0")
+    fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: s - 3), "N >= 0")
 
 
 def test_missing_drain_fails():
-    _fails_visibly("10.wait_placement", _schedule(drain=False), "stages = 3",
+    fails_visibly("10.wait_placement", _schedule(drain=False), "stages = 3",
                    "no wait has forced tile 4")
 
 
 def test_missing_sync_fails():
-    _fails_visibly("10.wait_placement", _schedule(sync=False), "no __syncthreads() followed")
-    _fails_visibly("10.wait_placement", _fa2_order(trailing_sync=False), "(WAR)")
+    fails_visibly("10.wait_placement", _schedule(sync=False), "no __syncthreads() followed")
+    fails_visibly("10.wait_placement", _fa2_order(trailing_sync=False), "(WAR)")
 
 
 def test_missing_commit_fails():
-    _fails_visibly("10.wait_placement", _schedule(commit=False), "a wait only covers committed")
+    fails_visibly("10.wait_placement", _schedule(commit=False), "a wait only covers committed")
 
 
 def test_bad_ops_are_named():
-    _fails_visibly("10.wait_placement", lambda n, s: [("copy",)], "op 0 is ('copy',)")
-    _fails_visibly("10.wait_placement", lambda n, s: [], "ends after 0 of")
+    fails_visibly("10.wait_placement", lambda n, s: [("copy",)], "op 0 is ('copy',)")
+    fails_visibly("10.wait_placement", lambda n, s: [], "ends after 0 of")
 
 
 def test_simulator_rules():

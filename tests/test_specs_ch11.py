@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spec_helpers import fails_visibly, stub
 
 from course_utils import grader
 from course_utils.harness.ch11 import prefix_reads
@@ -55,22 +56,9 @@ def build(tmp_path_factory):
     return make
 
 
-def _fails_visibly(exercise_id, candidate, *words):
-    r = grader.check(exercise_id, candidate)
-    assert r.status == "failed", (r.status, r.message)
-    assert not r.message.startswith("(hidden case)"), r.message
-    for word in words:
-        assert word in r.message, (word, r.message)
-    return r
-
-
-def _stub(*args):
-    raise NotImplementedError("replace this line with your code")
-
-
 @pytest.mark.parametrize("exercise_id", IDS)
 def test_stub_is_not_implemented(exercise_id):
-    assert grader.check(exercise_id, _stub).status == "not implemented"
+    assert grader.check(exercise_id, stub).status == "not implemented"
 
 
 def test_solutions_pass_with_hidden_cases(build):
@@ -113,7 +101,7 @@ def test_prefix_reads_count_once_for_the_solution_and_b_times_per_sequence(build
 
 
 def test_prefix_copied_per_sequence_fails_the_reads_case():
-    r = _fails_visibly("11.shared_prefix", _per_sequence, "prefix reads counted",
+    r = fails_visibly("11.shared_prefix", _per_sequence, "prefix reads counted",
                        "6 times the prefix", "not once per sequence")
     assert r.passed == r.total - 2  # O and LSE are right everywhere: 2 cases count reads
 
@@ -127,18 +115,18 @@ def test_prefix_gathered_for_every_query_fails_the_reads_case(build):
                '    LSE_pre, O_pre = part(scale * torch.einsum("tkgd,tpkd->tkgp", qg, Kb), '
                'V_prefix)'),
               ("qg = q.view(Tq, Hkv, G, d)", "qg = q.view(Tq, Hkv, G, d)\n    cq0 = cu_seqlens_q"))
-    _fails_visibly("11.shared_prefix", m.cascade_attention, "K_prefix", "not once per sequence")
+    fails_visibly("11.shared_prefix", m.cascade_attention, "K_prefix", "not once per sequence")
 
 
 def test_empty_suffix_without_a_guard_gives_nan_and_says_why(build):
     m = build(("m = torch.where(torch.isinf(m), torch.zeros_like(m), m)", "pass"))
-    _fails_visibly("11.shared_prefix", m.cascade_attention, "an empty suffix", "NaN",
+    fails_visibly("11.shared_prefix", m.cascade_attention, "an empty suffix", "NaN",
                    "LSE_suffix = -inf")
 
 
 def test_top_left_suffix_is_named(build):
     m = build(("> i + n - nq, -math.inf)", "> i, -math.inf)"))
-    _fails_visibly("11.shared_prefix", m.cascade_attention, "decode", "top-left")
+    fails_visibly("11.shared_prefix", m.cascade_attention, "decode", "top-left")
 
 
 def test_gqa_heads_interleaved_is_named(build):
@@ -146,13 +134,13 @@ def test_gqa_heads_interleaved_is_named(build):
                ".contiguous()"),
               ("return O.view(Tq, Hq, d), LSE.view(Tq, Hq)",
                "return O.transpose(1, 2).reshape(Tq, Hq, d), LSE.transpose(1, 2).reshape(Tq, Hq)"))
-    _fails_visibly("11.shared_prefix", m.cascade_attention, "GQA [", "h // G")
+    fails_visibly("11.shared_prefix", m.cascade_attention, "GQA [", "h // G")
 
 
 def test_prefix_part_alone_is_named(build):
     m = build(("torch.logaddexp(LSE_pre[rows], LSE_suf)", "LSE_pre[rows]"),
               ("+ torch.exp(LSE_suf - LSE[rows])[..., None] * O_suf)", ")"))
-    _fails_visibly("11.shared_prefix", m.cascade_attention, "decode", "prefix part alone")
+    fails_visibly("11.shared_prefix", m.cascade_attention, "decode", "prefix part alone")
 
 
 def test_sdpa_is_forbidden():
@@ -179,18 +167,18 @@ def test_sdpa_is_forbidden():
 ], ids=["top-left", "local indices", "sliding window", "inclusive hi", "p < 0"])
 def test_chunked_mask_slips_are_named(build, edit, words):
     m = build(edit)
-    _fails_visibly("11.chunked_mask", m.chunk_key_ranges, *words)
+    fails_visibly("11.chunked_mask", m.chunk_key_ranges, *words)
 
 
 def test_chunked_mask_negative_floor_is_caught(build):
     m = build(("pos.clamp_min(0)", "pos"), ("hi = torch.where(pos >= 0, first_key + pos + 1, lo)",
                                            "hi = first_key + pos + 1"))
-    _fails_visibly("11.chunked_mask", m.chunk_key_ranges, "position p = -", "sees none")
+    fails_visibly("11.chunked_mask", m.chunk_key_ranges, "position p = -", "sees none")
 
 
 def test_chunked_mask_wrong_types_are_named():
-    _fails_visibly("11.chunked_mask", lambda cq, ck, c: ([0], [0]), "integer torch.Tensor")
-    _fails_visibly("11.chunked_mask", lambda cq, ck, c: (cq, ck), "has shape")
+    fails_visibly("11.chunked_mask", lambda cq, ck, c: ([0], [0]), "integer torch.Tensor")
+    fails_visibly("11.chunked_mask", lambda cq, ck, c: (cq, ck), "has shape")
 
 
 # ----------------------------------------------------------------------------- num splits
@@ -209,11 +197,11 @@ def test_chunked_mask_wrong_types_are_named():
 ], ids=["no Hkv", "no programs per SM", "empty splits", "floor", "no cap"])
 def test_num_splits_slips_are_named(build, edit, words):
     m = build(edit)
-    _fails_visibly("11.num_splits", m.num_splits, *words)
+    fails_visibly("11.num_splits", m.num_splits, *words)
 
 
 def test_num_splits_must_return_an_int():
-    _fails_visibly("11.num_splits", lambda *a: 1.0, "expected an int")
+    fails_visibly("11.num_splits", lambda *a: 1.0, "expected an int")
 
 
 def test_best_num_splits_examples():
@@ -240,12 +228,12 @@ def test_best_num_splits_examples():
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's max of NaN
 def test_paged_prefill_slips_are_named(build, edit, words):
     m = build(edit)
-    _fails_visibly("11.paged_prefill", m.paged_prefill_kernel, *words)
+    fails_visibly("11.paged_prefill", m.paged_prefill_kernel, *words)
 
 
 def test_paged_prefill_refuses_a_python_function(build):
     m = build()
-    _fails_visibly("11.paged_prefill", m.paged_prefill_kernel.fn, "not a Triton function")
+    fails_visibly("11.paged_prefill", m.paged_prefill_kernel.fn, "not a Triton function")
 
 
 def test_paged_problem_shuffles_pages_and_poisons_the_rest():
