@@ -21,6 +21,10 @@ Modules (import them as ``from course_utils import grader`` etc.):
 - ``hardware``  device facts, the FP32 FMA peak, kernel names, Nsight Compute counters
 - ``mma``       CPU model of the tensor-core instruction mma.sync.m16n8k16 and of ldmatrix:
                 which lane holds which element, and what one instruction computes
+- ``serving``   attention as it is served (chapter 11): float64 references for decoding and
+                packed variable lengths, bottom-right masks, paged caches, the LSE merge
+- ``ops``       the course's attention as a ``torch.library`` operator (chapter 12)
+- ``tinygpt``   a small GPT with pluggable attention, trained on generated sums (chapter 12)
 
 Command line: ``python -m course_utils doctor | grade | record | assign | strip``.
 """

@@ -16,3 +16,27 @@ def fails_visibly(exercise_id, candidate, *words):
 def stub(*args):
     """The exercise notebook's starting point."""
     raise NotImplementedError("replace this line with your code")
+
+
+def module_builder(folder, base, stem):
+    """``make(*edits)``: import ``base`` (a solution's code) with ``(old, new)`` edits applied,
+    as a fresh module under ``folder``. Each ``old`` must occur, so that a slip test cannot
+    silently test the right answer."""
+    import importlib.util
+
+    count = [0]
+
+    def make(*edits):
+        text = base
+        for old, new in edits:
+            assert old in text, f"the solution no longer contains {old!r}"
+            text = text.replace(old, new)
+        count[0] += 1
+        path = folder / f"{stem}_variant_{count[0]}.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return make

@@ -4,7 +4,6 @@ The right answers are the solution notebook's own cells (written to a module, si
 a kernel's source from its file); each slip is that code with one line changed.
 """
 
-import importlib.util
 import json
 import math
 import re
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_helpers import fails_visibly, stub
+from spec_helpers import fails_visibly, module_builder, stub
 
 from course_utils import grader
 from course_utils.harness.ch11 import prefix_reads
@@ -38,22 +37,7 @@ def build(tmp_path_factory):
     match, so that a slip test cannot silently test the right answer)."""
     folder = tmp_path_factory.mktemp("ch11")
     base = _solution_source()
-    count = [0]
-
-    def make(*edits):
-        text = base
-        for old, new in edits:
-            assert old in text, f"the solution no longer contains {old!r}"
-            text = text.replace(old, new)
-        count[0] += 1
-        path = folder / f"ch11_variant_{count[0]}.py"
-        path.write_text(text)
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return make
+    return module_builder(folder, base, "ch11")
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
