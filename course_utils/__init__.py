@@ -25,6 +25,7 @@ Modules (import them as ``from course_utils import grader`` etc.):
                 packed variable lengths, bottom-right masks, paged caches, the LSE merge
 - ``ops``       the course's attention as a ``torch.library`` operator (chapter 12)
 - ``tinygpt``   a small GPT with pluggable attention, trained on generated sums (chapter 12)
+- ``ring``      ring attention over ranks of torch.distributed, gloo or NCCL (chapter 13)
 
 Command line: ``python -m course_utils doctor | grade | record | assign | strip``.
 """

@@ -15,6 +15,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # until the name leaves this set, and from then on the file must exist.
 PENDING: set[str] = {"11_decode_benchmark", "11_varlen_benchmark",  # chapter 11, first GPU run
                      "12_training", "12_call_overhead"}  # chapter 12, first GPU run
+PENDING |= {"13_ring_benchmark", "13_ring_timeline", "13_ring_roofline"}  # ch 13, first GPU run
 CALL = re.compile(r"recorded\.(save|load)\(\s*\\?[\"']([\w.-]+)\\?[\"']")
 
 

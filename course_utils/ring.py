@@ -1,0 +1,798 @@
+"""Ring attention: one sequence sharded over R ranks (chapter 13).
+
+Each of the R ranks holds ``n = N / R`` rows of Q, K and V. Rank r keeps its Q; the K/V blocks
+travel around the ring (rank r sends to r + 1 and receives from r - 1), so that after R steps
+every Q block has seen every K/V block. Each step computes the course's attention on one block
+pair and merges its partial ``(O, LSE)`` into the running state (the LSE merge of chapters 02
+and 11, natural log, float32)::
+
+    step s, rank r holds the K/V block of rank  src = (r - s) mod R
+    LSE_new = log(exp(LSE) + exp(LSE_s))
+    O_new   = exp(LSE - LSE_new) O + exp(LSE_s - LSE_new) O_s
+
+Public API (local shards ``(B, H, n, d)``; ``group`` a ``torch.distributed`` process group)::
+
+    parts = shard(x, R, layout, dim=-2);  x = unshard(parts, layout, dim=-2)
+    O, LSE = ring_attention_forward(q, k, v, causal=..., layout=...)
+    dQ, dK, dV = ring_attention_backward(dO, q, k, v, O, LSE, causal=..., layout=...)
+    O = ring_attention(q, k, v, causal, layout)          # differentiable (autograd.Function)
+    O, LSE = allgather_attention(q, k, v, causal=..., layout=...)   # the all-gather variant
+    results = launch(fn, world_size, *args, backend="gloo")          # R processes, one call
+
+Layouts: ``"contiguous"`` gives rank r the rows ``[r n, (r + 1) n)``; ``"zigzag"`` cuts the
+sequence into 2R chunks of ``c = N / (2R)`` rows and gives rank r chunks r and 2R - 1 - r, so
+that under a causal mask every rank has the same work (one early chunk, one late chunk).
+
+Who computes one block: on CUDA chapter 09's Triton kernels (``attention_forward`` /
+``attention_backward``); on the CPU in float32/bf16 chapter 12's PyTorch FlashAttention-2
+(``ops.attention_forward_torch``); float64 inputs (the checks) a dense float64 block, written
+here. Transfers use ``dist.batch_isend_irecv`` only: gloo on the CPU, NCCL on GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("contiguous", "zigzag")
+# Set in every NCCL process (the lent machines have no NVLink multicast/NVLS to rely on).
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+TAG_KV, TAG_DKV = 0, 1  # gloo matches a send to a recv by (peer, tag): one tag per stream
+
+__all__ = [
+    "LAYOUTS",
+    "NCCL_ENV",
+    "allgather_attention",
+    "block_plan",
+    "launch",
+    "merge",
+    "positions",
+    "ring_attention",
+    "ring_attention_backward",
+    "ring_attention_forward",
+    "sequence_inputs",
+    "shard",
+    "step_work",
+    "unshard",
+]
+
+
+# =============================================================================================
+# Layouts: which rows of the sequence live on which rank
+# =============================================================================================
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: use one of {LAYOUTS}")
+
+
+def _chunks_per_rank(layout):
+    return 1 if layout == "contiguous" else 2
+
+
+def positions(N, R, layout="contiguous"):
+    """The global row indices each rank holds: a list of R LongTensors of ``N / R`` rows."""
+    _check_layout(layout)
+    if not (isinstance(R, int) and R >= 1):
+        raise ValueError(f"R={R!r}: the number of ranks must be an int >= 1")
+    pieces = R * _chunks_per_rank(layout)
+    if N % pieces:
+        raise ValueError(f"N={N} rows cannot be split into {pieces} equal chunks ({layout} "
+                         f"layout over R={R} ranks): make N a multiple of {pieces}")
+    chunks = torch.arange(N).chunk(pieces)
+    if layout == "contiguous":
+        return list(chunks)
+    return [torch.cat([chunks[r], chunks[2 * R - 1 - r]]) for r in range(R)]
+
+
+def shard(x, R, layout="contiguous", dim=-2):
+    """Cut ``x`` along ``dim`` (the sequence) into R shards: a list, shard r for rank r."""
+    N = x.shape[dim]
+    return [x.index_select(dim, p.to(x.device)) for p in positions(N, R, layout)]
+
+
+def unshard(parts, layout="contiguous", dim=-2):
+    """Inverse of :func:`shard`: the R shards back into one tensor in sequence order."""
+    R = len(parts)
+    if R < 1:
+        raise ValueError("unshard needs at least one shard")
+    N = sum(p.shape[dim] for p in parts)
+    where = torch.cat(positions(N, R, layout)).to(parts[0].device)
+    stacked = torch.cat(list(parts), dim=dim)
+    out = torch.empty_like(stacked)
+    out.index_copy_(dim % stacked.dim(), where, stacked)
+    return out
+
+
+# =============================================================================================
+# One block pair: who computes it
+# =============================================================================================
+
+
+def _dense_forward(q, k, v, causal, scale):
+    """Float64 attention of one block, written out: ``(O, LSE)``, top-left causal."""
+    S = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(S.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        S = S.masked_fill(~keep, -math.inf)
+    LSE = torch.logsumexp(S, dim=-1)
+    return torch.exp(S - LSE[..., None]) @ v, LSE
+
+
+def _dense_backward(dO, q, k, v, O, LSE, causal, scale):
+    """Float64 backward of one block given the *final* O and LSE of its rows."""
+    S = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(S.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        S = S.masked_fill(~keep, -math.inf)
+    P = torch.exp(S - LSE[..., None])  # this block's share of the final softmax
+    D = (dO * O).sum(-1, keepdim=True)
+    dS = P * (dO @ v.transpose(-1, -2) - D)
+    return scale * (dS @ k), scale * (dS.transpose(-1, -2) @ q), P.transpose(-1, -2) @ dO
+
+
+def block_forward(q, k, v, causal, scale):
+    """``(O, LSE)`` of one block pair with the course's attention (LSE natural log)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if q.dtype == torch.float64:
+        return _dense_forward(q, k, v, causal, scale)
+    if q.is_cuda:
+        from .kernels import flash_attention_triton as fat
+
+        return fat.attention_forward(q, k, v, causal, scale)
+    from . import ops
+
+    return ops.attention_forward_torch(q, k, v, causal, scale)
+
+
+def block_backward(dO, q, k, v, O, LSE, causal, scale):
+    """``(dQ, dK, dV)`` of one block pair; O and LSE are the rows' final (merged) values."""
+    dO, q, k, v, O = (t.contiguous() for t in (dO, q, k, v, O))
+    LSE = LSE.contiguous()
+    if q.dtype == torch.float64:
+        return _dense_backward(dO, q, k, v, O, LSE, causal, scale)
+    if q.is_cuda:
+        from .kernels import flash_attention_triton as fat
+
+        return fat.attention_backward(q, k, v, O, LSE.float(), dO, causal, scale)
+    from . import ops
+
+    dLSE = torch.zeros_like(LSE)
+    return ops.attention_backward_torch(dO, dLSE, q, k, v, O, LSE.float(), causal, scale)
+
+
+# =============================================================================================
+# The schedule: which part of a block pair a ring step computes
+# =============================================================================================
+
+
+def block_plan(r, src, R, n, causal, layout):
+    """What rank r computes with the K/V block of rank ``src``: ``None`` (skip) or
+    ``(q_rows, kv_rows, causal)``, two slices of the local n rows and the block's mask.
+
+    Contiguous: src == r the diagonal (causal), src < r all of it, src > r nothing (the keys
+    come later than every query). Zig-zag (local rows = [chunk r, chunk 2R-1-r], c = n / 2):
+    src == r causal over the whole local block (its rows are in sequence order); src < r every
+    query row against the first K/V chunk (chunk src < r; chunk 2R-1-src is later than both
+    query chunks); src > r the second query chunk against both K/V chunks (both are earlier),
+    the first query chunk against neither. Off-diagonal zig-zag steps are always half a block.
+    """
+    every = slice(0, n)
+    if not causal:
+        return every, every, False
+    if src == r:
+        return every, every, True
+    if layout == "contiguous":
+        return (every, every, False) if src < r else None
+    c = n // 2
+    if src < r:
+        return every, slice(0, c), False
+    return slice(c, n), every, False
+
+
+def step_work(R, layout, causal=True, n=64):
+    """Work of every (rank, step) as a fraction of a full n x n block: an R x R tensor.
+
+    Counted from the global positions of the rows (query i sees key j when j <= i), not from
+    :func:`block_plan`, so the two can be checked against each other.
+    """
+    N = n * R
+    pos = positions(N, R, layout)
+    work = torch.zeros(R, R)
+    for r in range(R):
+        for s in range(R):
+            src = (r - s) % R
+            qi, kj = pos[r][:, None], pos[src][None, :]
+            seen = (kj <= qi) if causal else torch.ones(n, n, dtype=torch.bool)
+            work[r, s] = seen.sum() / (n * n)
+    return work
+
+
+# =============================================================================================
+# The LSE merge (natural log, float32 at least)
+# =============================================================================================
+
+
+def merge(O, LSE, O_s, LSE_s):
+    """Merge a step's partial ``(O_s, LSE_s)`` into the running ``(O, LSE)``; returns the new
+    pair. O ``(..., n, d)`` and LSE ``(..., n)`` in the accumulation dtype (float32, or float64),
+    both LSE in natural log; a side with LSE = -inf (no key seen yet) weighs nothing."""
+    LSE_new = torch.logaddexp(LSE, LSE_s)
+    safe = torch.where(torch.isfinite(LSE_new), LSE_new, torch.zeros_like(LSE_new))
+    w_old = torch.exp(LSE - safe)[..., None]  # exp(-inf) = 0 for the empty start
+    w_new = torch.exp(LSE_s - safe)[..., None]
+    return w_old * O + w_new * O_s.to(O.dtype), LSE_new
+
+
+# =============================================================================================
+# The ring: forward
+# =============================================================================================
+
+
+def _group_info(group):
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: run inside launch(...) or "
+                           "after dist.init_process_group")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _peer(group, rank):
+    """The global rank of ``rank`` in ``group`` (P2P ops take global ranks)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _check_shards(q, k, v, layout, scale):
+    _check_layout(layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a (B, H, n, d) tensor, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: the ring "
+                         "needs local shards of one shape (B, H, n, d)")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise TypeError("q, k, v must share one dtype and one device")
+    n = q.shape[2]
+    if layout == "zigzag" and n % 2:
+        raise ValueError(f"zigzag layout: the local shard has n={n} rows, it must hold two "
+                         "equal chunks (n even, N a multiple of 2R)")
+    d = q.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+        raise ValueError(f"scale={scale!r}: must be a finite number > 0")
+    return n, float(scale)
+
+
+def _exchange(sends, recvs, group, next_rank, prev_rank):
+    """Post sends to the next rank and receives from the previous one: a list of works."""
+    ops = [dist.P2POp(dist.isend, t, next_rank, group, tag) for t, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, prev_rank, group, tag) for t, tag in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+class _Clock:
+    """Per-step events ``{"step", "what", "start", "end"}`` (seconds) for the timeline plot.
+
+    Only when a list is passed: then it synchronises the current CUDA stream around each event,
+    so that a timed compute is the kernels', not their launch. Only that stream: NCCL's
+    transfers run on their own, and a device-wide synchronise would add them to the compute.
+    """
+
+    def __init__(self, events, device):
+        self.events, self.cuda = events, device.type == "cuda"
+
+    def __call__(self, step, what):
+        return _Event(self, step, what)
+
+
+class _Event:
+    def __init__(self, clock, step, what):
+        self.clock, self.step, self.what = clock, step, what
+
+    def __enter__(self):
+        if self.clock.events is not None:
+            if self.clock.cuda:
+                torch.cuda.current_stream().synchronize()
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.clock.events is not None:
+            if self.clock.cuda:
+                torch.cuda.current_stream().synchronize()
+            self.clock.events.append({"step": self.step, "what": self.what,
+                                      "start": self.start, "end": time.perf_counter()})
+
+
+def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=None,
+                           scale=None, timeline=None):
+    """Attention of the local Q shard over the whole sequence: ``(O, LSE)``.
+
+    Args:
+        q, k, v: this rank's shards ``(B, H, n, d)`` in ``layout`` (see :func:`shard`).
+        causal: query i sees key j <= i, in *global* positions.
+        layout: ``"contiguous"`` or ``"zigzag"``, as the shards were cut.
+        group: process group of the R ranks (default: the world).
+        timeline: a list to append this rank's events to (``post``: the transfers posted,
+            ``compute``, ``wait``), or None.
+
+    Returns O like q and LSE ``(B, H, n)`` float32 (float64 for float64 inputs), natural log.
+    Double buffering: the transfer of the next K/V block is posted before the current block is
+    computed, into a second buffer, and waited for only when the compute is done.
+    """
+    n, scale = _check_shards(q, k, v, layout, scale)
+    r, R = _group_info(group)
+    nxt, prv = _peer(group, (r + 1) % R), _peer(group, (r - 1) % R)
+    clock = _Clock(timeline, q.device)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    O = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    LSE = torch.full(q.shape[:3], -math.inf, dtype=acc_dtype, device=q.device)
+    kv = torch.stack([k, v]).contiguous()  # one message per step: K and V together
+    kv_next = torch.empty_like(kv)  # the second buffer
+    for s in range(R):
+        src = (r - s) % R
+        works = []
+        with clock(s, "post"):
+            if s < R - 1:  # post step s+1's transfer before computing step s
+                works = _exchange([(kv, TAG_KV)], [(kv_next, TAG_KV)], group, nxt, prv)
+        plan = block_plan(r, src, R, n, causal, layout)
+        with clock(s, "compute"):
+            if plan is not None:
+                rows, cols, masked = plan
+                O_s, LSE_s = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                           masked, scale)
+                O[:, :, rows], LSE[:, :, rows] = merge(O[:, :, rows], LSE[:, :, rows], O_s,
+                                                       LSE_s.to(acc_dtype))
+        with clock(s, "wait"):
+            for w in works:
+                w.wait()  # the next block has arrived, and our send buffer is free again
+        kv, kv_next = kv_next, kv
+    return O.to(q.dtype), LSE
+
+
+# =============================================================================================
+# The ring: backward (dK, dV travel with K, V and come home; dQ stays)
+# =============================================================================================
+
+
+def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contiguous",
+                            group=None, scale=None, timeline=None):
+    """Gradients of the ring's forward: ``(dQ, dK, dV)`` like q, k, v (this rank's shards).
+
+    Each step computes the block's share of the gradients from the final O and LSE (P of the
+    block is ``exp(S - LSE)``). dQ accumulates here. The dK/dV of the K/V block this rank holds
+    travel with it: at step s a rank receives the block's partial dK/dV from the previous rank
+    (sent at the end of its step s-1), adds its own share and passes it on; after the last step
+    one more hop brings every block's dK/dV home. Accumulators are float32 (float64 stays).
+    """
+    n, scale = _check_shards(q, k, v, layout, scale)
+    if dO.shape != q.shape or O.shape != q.shape or LSE.shape != q.shape[:3]:
+        raise ValueError(f"dO {tuple(dO.shape)}, O {tuple(O.shape)}, LSE {tuple(LSE.shape)}: "
+                         f"expected {tuple(q.shape)}, {tuple(q.shape)}, {tuple(q.shape[:3])}")
+    r, R = _group_info(group)
+    nxt, prv = _peer(group, (r + 1) % R), _peer(group, (r - 1) % R)
+    clock = _Clock(timeline, q.device)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    kv = torch.stack([k, v]).contiguous()
+    kv_next = torch.empty_like(kv)
+    dkv_out = None  # the dK/dV (stacked) this rank finished at the previous step
+    dkv_in = torch.empty((2, *k.shape), dtype=acc_dtype, device=q.device)
+    for s in range(R):
+        src = (r - s) % R
+        sends, recvs = [], []
+        if s < R - 1:
+            sends.append((kv, TAG_KV))
+            recvs.append((kv_next, TAG_KV))
+        if s > 0:  # the previous step's dK/dV go on to the rank that now holds that block
+            sends.append((dkv_out, TAG_DKV))
+            recvs.append((dkv_in, TAG_DKV))
+        with clock(s, "post"):
+            works = _exchange(sends, recvs, group, nxt, prv)
+        mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device)
+        plan = block_plan(r, src, R, n, causal, layout)
+        with clock(s, "compute"):
+            if plan is not None:
+                rows, cols, masked = plan
+                dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                            kv[1][:, :, cols], O[:, :, rows], LSE[:, :, rows],
+                                            masked, scale)
+                dQ[:, :, rows] += dq
+                mine[0][:, :, cols] += dk
+                mine[1][:, :, cols] += dv
+        with clock(s, "wait"):
+            for w in works:
+                w.wait()
+        if s > 0:
+            mine += dkv_in
+        dkv_out, dkv_in = mine, torch.empty_like(mine)  # a fresh buffer: dkv_out is in flight
+        kv, kv_next = kv_next, kv
+    home = dkv_out  # one rank: its block never left
+    if R > 1:  # the last hop: every block's dK/dV to its owner
+        home = torch.empty_like(dkv_out)
+        for w in _exchange([(dkv_out, TAG_DKV)], [(home, TAG_DKV)], group, nxt, prv):
+            w.wait()
+    return dQ.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """``O = ring_attention(q, k, v, causal, layout)`` with the ring backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, layout, group, scale):
+        O, LSE = ring_attention_forward(q, k, v, causal=causal, layout=layout, group=group,
+                                        scale=scale)
+        ctx.save_for_backward(q, k, v, O, LSE)
+        ctx.args = (causal, layout, group, scale)
+        return O
+
+    @staticmethod
+    def backward(ctx, dO):
+        q, k, v, O, LSE = ctx.saved_tensors
+        causal, layout, group, scale = ctx.args
+        dQ, dK, dV = ring_attention_backward(dO, q, k, v, O, LSE, causal=causal, layout=layout,
+                                             group=group, scale=scale)
+        return dQ, dK, dV, None, None, None, None
+
+
+def ring_attention(q, k, v, causal=False, layout="contiguous", group=None, scale=None):
+    """Differentiable ring attention of the local shards: O ``(B, H, n, d)`` like q."""
+    return RingAttention.apply(q, k, v, causal, layout, group, scale)
+
+
+# =============================================================================================
+# The all-gather variant: every rank gathers all of K and V, then attends once
+# =============================================================================================
+
+
+def _gather_seq(x, R, layout, group):
+    parts = [torch.empty_like(x) for _ in range(R)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard(parts, layout)
+
+
+def _allgather_blocks(r, R, n, causal, layout):
+    """The (local query rows, global key rows, causal) pieces of rank r's rows: a query chunk
+    at chunk index i sees keys ``[0, i c)`` fully and its own chunk causally."""
+    if not causal:
+        return [(slice(0, n), None, False)]
+    pieces = R * _chunks_per_rank(layout)
+    c = n // _chunks_per_rank(layout)
+    chunk_ids = [r] if layout == "contiguous" else [r, pieces - 1 - r]
+    out = []
+    for j, i in enumerate(chunk_ids):
+        rows = slice(j * c, (j + 1) * c)
+        if i > 0:
+            out.append((rows, slice(0, i * c), False))
+        out.append((rows, slice(i * c, (i + 1) * c), True))
+    return out
+
+
+def allgather_attention(q, k, v, *, causal=False, layout="contiguous", group=None, scale=None):
+    """The all-gather variant: gather K, V of the whole sequence, attend the local Q.
+
+    Memory: every rank holds all N rows of K and V (what the ring avoids); no overlap of
+    transfer and compute. Returns ``(O, LSE)`` like :func:`ring_attention_forward`.
+    """
+    n, scale = _check_shards(q, k, v, layout, scale)
+    r, R = _group_info(group)
+    K, V = _gather_seq(k, R, layout, group), _gather_seq(v, R, layout, group)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    O = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    LSE = torch.full(q.shape[:3], -math.inf, dtype=acc_dtype, device=q.device)
+    for rows, keys, masked in _allgather_blocks(r, R, n, causal, layout):
+        keys = keys or slice(0, K.shape[2])
+        O_s, LSE_s = block_forward(q[:, :, rows], K[:, :, keys], V[:, :, keys], masked, scale)
+        O[:, :, rows], LSE[:, :, rows] = merge(O[:, :, rows], LSE[:, :, rows], O_s,
+                                               LSE_s.to(acc_dtype))
+    return O.to(q.dtype), LSE
+
+
+def allgather_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contiguous",
+                                 group=None, scale=None):
+    """Backward of :func:`allgather_attention`: dK, dV of all N rows summed over the ranks
+    (an all-reduce, which every backend has), then this rank's shard kept."""
+    n, scale = _check_shards(q, k, v, layout, scale)
+    r, R = _group_info(group)
+    K, V = _gather_seq(k, R, layout, group), _gather_seq(v, R, layout, group)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dK = torch.zeros(K.shape, dtype=acc_dtype, device=q.device)
+    dV = torch.zeros_like(dK)
+    for rows, keys, masked in _allgather_blocks(r, R, n, causal, layout):
+        keys = keys or slice(0, K.shape[2])
+        dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], K[:, :, keys], V[:, :, keys],
+                                    O[:, :, rows], LSE[:, :, rows], masked, scale)
+        dQ[:, :, rows] += dq
+        dK[:, :, keys] += dk
+        dV[:, :, keys] += dv
+    dist.all_reduce(dK, group=group)
+    dist.all_reduce(dV, group=group)
+    mine = positions(K.shape[2], R, layout)[r].to(q.device)
+    return (dQ.to(q.dtype), dK.index_select(2, mine).to(k.dtype),
+            dV.index_select(2, mine).to(v.dtype))
+
+
+# =============================================================================================
+# The launcher: R processes from a notebook or a test (torch.multiprocessing, spawn)
+# =============================================================================================
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, backend, port, folder, args):
+    """One rank: join the group, run ``fn(rank, world_size, *args)``, save what it returns."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if backend == "nccl":
+        os.environ.update(NCCL_ENV)  # before the communicator exists
+        torch.cuda.set_device(rank)
+    else:  # gloo: share the CPU cores between the ranks instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(_to_cpu(result), Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {key: _to_cpu(val) for key, val in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(val) for val in x)
+    return x
+
+
+def launch(fn, world_size, *args, backend=None, timeout=300):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes, one group.
+
+    ``fn`` must be importable (a module's function, not a notebook cell's: spawn starts fresh
+    interpreters that import it). ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per
+    rank); default gloo. Returns the list of what each rank's ``fn`` returned (tensors moved to
+    the CPU). A rank that raises makes ``launch`` raise with its traceback.
+    """
+    import torch.multiprocessing as mp
+
+    backend = backend or "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPUs)")
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
+    if backend == "nccl":
+        os.environ.update(NCCL_ENV)  # inherited by every rank from its first line
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"nccl with {world_size} ranks needs {world_size} GPUs, this machine "
+                           f"has {torch.cuda.device_count()}")
+    if getattr(fn, "__module__", "__main__") == "__main__":
+        raise ValueError(f"{getattr(fn, '__name__', fn)} is defined in __main__ (a notebook "
+                         "cell?): spawn needs a function it can import; put it in a module")
+    with tempfile.TemporaryDirectory() as folder:
+        ctx = mp.start_processes(_entry, args=(fn, world_size, backend, _free_port(), folder,
+                                               args), nprocs=world_size, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"ranks still running after {timeout} s")
+        return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
+                for r in range(world_size)]
+
+
+# =============================================================================================
+# Workers (importable, for launch): checks, timelines, the roofline, the GPU benchmark
+# =============================================================================================
+
+
+def sequence_inputs(B, H, N, d, dtype, device, seed):
+    """Q, K, V, dO ``(B, H, N, d)`` of a whole sequence from ``seed``: drawn in float64 on the
+    CPU, then cast and moved, so every rank and the reference see the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, N, d, generator=gen, dtype=torch.float64).to(device, dtype)
+            for _ in range(4)]  # Q, K, V, dO of the whole sequence: the same on every rank
+
+
+def _bench_inputs(B, H, N, d, dtype, device, seed):
+    """Like :func:`sequence_inputs` but drawn on the device (fast at benchmark sizes; the values
+    differ from ``sequence_inputs``'s, the same on every rank)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(B, H, N, d, generator=gen, device=device).to(dtype) for _ in range(4)]
+
+
+def check_worker(rank, R, cases):
+    """For each case ``dict(B, H, N, d, causal, layout, seed, dtype="float64")``: the ring's
+    forward and backward (through :func:`ring_attention`) of this rank's shard, and the
+    all-gather variant's. Returns a list of dicts of tensors, one per case. On NCCL the
+    shards live on GPU ``rank`` (chapter 09's kernels compute the blocks)."""
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = []
+    for case in cases:
+        dtype = getattr(torch, case.get("dtype", "float64"))
+        Q, K, V, dO = sequence_inputs(case["B"], case["H"], case["N"], case["d"], dtype,
+                                      device, case["seed"])
+        layout, causal = case["layout"], case["causal"]
+        q, k, v, do = (shard(t, R, layout)[rank].requires_grad_(t is not dO)
+                       for t in (Q, K, V, dO))
+        O = ring_attention(q, k, v, causal, layout)
+        O.backward(do)
+        _, LSE = ring_attention_forward(q.detach(), k.detach(), v.detach(), causal=causal,
+                                        layout=layout)
+        O_ag, LSE_ag = allgather_attention(q.detach(), k.detach(), v.detach(), causal=causal,
+                                           layout=layout)
+        grads_ag = allgather_attention_backward(do, q.detach(), k.detach(), v.detach(), O_ag,
+                                                LSE_ag, causal=causal, layout=layout)
+        out.append({"O": O.detach(), "LSE": LSE, "dQ": q.grad, "dK": k.grad, "dV": v.grad,
+                    "O_ag": O_ag, "dQ_ag": grads_ag[0], "dK_ag": grads_ag[1],
+                    "dV_ag": grads_ag[2]})
+    return out
+
+
+def timeline_worker(rank, R, B, H, N, d, dtype_name, layouts, causal=True, repeats=3):
+    """Per-rank events of the forward + backward for each layout:
+    ``{layout: {"forward": [events], "backward": [events]}}``, times in seconds from a barrier
+    that all ranks leave together. Of ``repeats`` runs (the first warms up), the one that all
+    ranks finished soonest is kept: a shared machine's noise hits single runs."""
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dtype = getattr(torch, dtype_name)
+    Q, K, V, dO = _bench_inputs(B, H, N, d, dtype, device, seed=13)
+    result = {}
+    for layout in layouts:
+        q, k, v, do = (shard(t, R, layout)[rank] for t in (Q, K, V, dO))
+        best, best_end = None, math.inf
+        for _ in range(repeats):
+            fwd, bwd = [], []
+            dist.barrier()
+            t0 = time.perf_counter()
+            O, LSE = ring_attention_forward(q, k, v, causal=causal, layout=layout, timeline=fwd)
+            ring_attention_backward(do, q, k, v, O, LSE, causal=causal, layout=layout,
+                                    timeline=bwd)
+            end = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(end, op=dist.ReduceOp.MAX)  # the run ends with its slowest rank
+            if float(end) < best_end:
+                best_end = float(end)
+                best = {phase: [dict(e, start=e["start"] - t0, end=e["end"] - t0)
+                                for e in events]
+                        for phase, events in (("forward", fwd), ("backward", bwd))}
+        result[layout] = best
+    return result
+
+
+def _time(fn, device, repeats):
+    """Median seconds of ``fn()`` (synchronised on CUDA)."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def roofline_worker(rank, R, sizes, B, H, d, dtype_name, repeats=5):
+    """Per ring step at each local length n: the compute time of one full n x n block
+    (forward and backward) and the time to pass one K/V block to the next rank. Returns a list
+    of dicts ``{n, forward_s, backward_s, transfer_s, kv_bytes}`` (this rank's clock)."""
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return [_roofline_row(rank, R, n, B, H, d, getattr(torch, dtype_name), device, repeats)
+            for n in sizes]
+
+
+def _roofline_row(rank, R, n, B, H, d, dtype, device, repeats):
+    q, k, v, do = _bench_inputs(B, H, n, d, dtype, device, seed=n)
+    scale = 1.0 / math.sqrt(d)
+    O, LSE = block_forward(q, k, v, False, scale)
+    block_backward(do, q, k, v, O, LSE, False, scale)  # warm-up (and autotuning on GPUs)
+    t_fwd = _time(lambda: block_forward(q, k, v, False, scale), device, repeats)
+    t_bwd = _time(lambda: block_backward(do, q, k, v, O, LSE, False, scale), device, repeats)
+    kv = torch.stack([k, v]).contiguous()
+    kv_in = torch.empty_like(kv)
+
+    def hop():
+        for w in _exchange([(kv, TAG_KV)], [(kv_in, TAG_KV)], None, (rank + 1) % R,
+                           (rank - 1) % R):
+            w.wait()
+
+    hop()
+    dist.barrier()
+    t_hop = _time(hop, device, repeats)
+    return {"n": n, "forward_s": t_fwd, "backward_s": t_bwd, "transfer_s": t_hop,
+            "kv_bytes": kv.numel() * kv.element_size()}
+
+
+def _fwd_bwd_time(fn, device, repeats):
+    """Median seconds over ranks' max: ``fn()`` on every rank, between barriers."""
+    fn()  # warm-up (autotuning)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        t = torch.tensor([time.perf_counter() - t0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    return sorted(times)[len(times) // 2]
+
+
+def benchmark_worker(rank, R, tokens_per_gpu, B, H, d, repeats=5):
+    """The GPU benchmark (NCCL, bf16, causal): fwd + bwd seconds per local length of the
+    single-GPU kernel on the whole sequence, the ring (zig-zag, contiguous), the all-gather
+    variant (zig-zag), and PyTorch's ``context_parallel`` where it runs; a list of dicts."""
+    rows = []
+    for n in tokens_per_gpu:
+        rows.append(_benchmark_row(rank, R, n, B, H, d, repeats))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _benchmark_row(rank, R, n, B, H, d, repeats):
+    from torch.nn import functional as F
+
+    from .kernels import flash_attention_triton as fat
+
+    device = torch.device("cuda", rank)
+    causal, N = True, n * R
+    Q, K, V, dO = _bench_inputs(B, H, N, d, torch.bfloat16, device, seed=n)
+    row = {"n_per_gpu": n, "N": N, "s": {}, "errors": {}}
+
+    def single():
+        O, LSE = fat.attention_forward(Q, K, V, causal)
+        fat.attention_backward(Q, K, V, O, LSE, dO, causal)
+
+    def ring(q, k, v, do, layout):
+        O, LSE = ring_attention_forward(q, k, v, causal=causal, layout=layout)
+        ring_attention_backward(do, q, k, v, O, LSE, causal=causal, layout=layout)
+
+    def gathered(q, k, v, do, layout):
+        O, LSE = allgather_attention(q, k, v, causal=causal, layout=layout)
+        allgather_attention_backward(do, q, k, v, O, LSE, causal=causal, layout=layout)
+
+    row["s"]["single GPU"] = _fwd_bwd_time(single, device, repeats)
+    for layout in LAYOUTS:
+        local = [shard(t, R, layout)[rank].contiguous() for t in (Q, K, V, dO)]
+        row["s"][f"ring {layout}"] = _fwd_bwd_time(partial(ring, *local, layout), device,
+                                                   repeats)
+        if layout == "zigzag":
+            row["s"]["all-gather zigzag"] = _fwd_bwd_time(partial(gathered, *local, layout),
+                                                          device, repeats)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cuda", (R,))
+        buffers = [t.clone() for t in (Q, K, V, dO)]  # sharded in place, restored after
+
+        def torch_cp():
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+                q, k, v = (t.detach().requires_grad_() for t in buffers[:3])
+                O = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                O.backward(buffers[3])
+
+        row["s"]["torch context_parallel"] = _fwd_bwd_time(torch_cp, device, repeats)
+    except Exception as error:  # not in this version, or not for this backend
+        row["s"]["torch context_parallel"] = None
+        row["errors"]["torch context_parallel"] = f"{type(error).__name__}: {error}"[:300]
+    return row

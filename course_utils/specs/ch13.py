@@ -1,0 +1,546 @@
+"""Chapter 13, ring attention over several GPUs: graded exercises.
+
+The lecture shards Q, K and V over R ranks along the sequence, passes K/V blocks around a ring
+and merges each step's partial result by its LSE; it balances causal work with the zig-zag split
+(rank r holds chunks r and 2R - 1 - r of 2R). The exercises are the pieces of that design a
+student can get subtly wrong, as plain functions (no process group, fast), judged here, in the
+grading process, against definitions written another way (loops over chunks and tokens, a float64
+softmax over every key, a brute-force count of a causal mask):
+
+- ``13.zigzag_chunks``: ``zigzag_layout(N, R) -> (index, rank, local)``: the global token
+  indices each rank holds, ``index`` ``(R, N // R)``, and the inverse map, ``rank`` and
+  ``local`` ``(N,)``; a ``ValueError`` naming N and 2R when N is not a multiple of 2R. Judged
+  against a loop that deals the 2R chunks out one by one.
+- ``13.ring_merge``: ``merge_step(O, LSE, O_blk, LSE_blk, *, lse_blk_base2=False) -> (O, LSE)``,
+  one ring step's partial folded into the running state, in float32. The spec draws scores,
+  splits the keys into blocks (causal rows that see no key of a block, empty blocks, a block
+  whose empty rows hold NaN, LSE near 250 and differences of 300, base-2 LSE as a Triton kernel
+  returns it, bfloat16 O_blk), folds the blocks in a random order through the candidate and
+  compares after every step with a float64 softmax over the keys folded so far.
+- ``13.causal_schedule``: ``causal_schedule(R, s, C, d) -> (kinds, flops)``: for causal
+  zig-zag at ring step s, the kind ("full", "diagonal", "skip") of each (query chunk, key chunk)
+  pair on each rank and the step's FLOPs per rank (chunks of C >= 2 tokens: with one token a
+  chunk's triangle would be a single, full pair). Judged against a count of the causal mask
+  token by token; one case sums the candidate's FLOPs over the R steps and checks the balance
+  claim (every rank's total equal).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from ..checks import CheckFailure, compare, tolerance
+from ..grader import Exercise
+from ..watch import ForbiddenCall
+
+LN2 = math.log(2.0)
+KINDS = ("full", "diagonal", "skip")
+
+
+def _add(exercise, name, make, *args, hidden=False, **kwargs):
+    """Register the case ``make(name, *args, **kwargs)`` under ``name``."""
+    exercise.case(name, hidden=hidden)(make(name, *args, **kwargs))
+
+
+def _tuple(result, case, names):
+    if not isinstance(result, (tuple, list)) or len(result) != len(names):
+        raise CheckFailure(case, f"expected the tuple ({', '.join(names)}), got "
+                           f"{type(result).__name__}", f"return {', '.join(names)}")
+    return result
+
+
+# ============================================================================= zig-zag chunks
+
+zigzag_chunks = Exercise(
+    "13.zigzag_chunks", "The zig-zag split: which tokens each rank holds, and back", points=2,
+)  # fmt: skip
+
+
+def zigzag_brute(N, R):
+    """``(held, rank, local)`` as Python lists: deal the 2R chunks of N // 2R tokens one by one,
+    chunk c to rank c for c < R and to rank 2R - 1 - c after that (in chunk order, so each rank's
+    earlier chunk comes first)."""
+    C = N // (2 * R)
+    held = [[] for _ in range(R)]
+    for chunk in range(2 * R):
+        owner = chunk if chunk < R else 2 * R - 1 - chunk
+        held[owner] += range(chunk * C, chunk * C + C)
+    rank, local = [0] * N, [0] * N
+    for r, tokens in enumerate(held):
+        for position, token in enumerate(tokens):
+            rank[token], local[token] = r, position
+    return held, rank, local
+
+
+def _slip_layouts(N, R):
+    """The usual wrong ``index`` tables, with the hint each one earns."""
+    C = N // (2 * R)
+    strided = [list(range(r * C, r * C + C)) + list(range((R + r) * C, (R + r) * C + C))
+               for r in range(R)]
+    contiguous = [list(range(r * 2 * C, (r + 1) * 2 * C)) for r in range(R)]
+    swapped = [row[C:] + row[:C] for row in zigzag_brute(N, R)[0]]
+    return [
+        (strided, "that is chunks r and R + r (a strided split): the causal work still grows "
+         "with r. The second chunk is mirrored: rank r holds chunks r and 2R - 1 - r."),
+        (contiguous, "that is the naive contiguous split (rank r holds tokens r N/R ... "
+         "(r + 1) N/R - 1), the one that leaves the last rank most of the causal work: cut "
+         "the sequence into 2R chunks and give rank r chunks r and 2R - 1 - r."),
+        (swapped, "the right tokens in the wrong local order: chunk r comes first on rank r, "
+         "then chunk 2R - 1 - r (local positions 0 .. C - 1, then C .. 2C - 1)."),
+    ]
+
+
+def _int_tensor(x, name, shape, case):
+    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype.is_complex \
+            or x.dtype == torch.bool:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise CheckFailure(case, f"{name} must be an integer torch.Tensor, got {got}",
+                           "build it with torch.arange and integer arithmetic (// and %)")
+    if tuple(x.shape) != shape:
+        raise CheckFailure(case, f"{name} has shape {tuple(x.shape)}, expected {shape}",
+                           "index is (R, N // R): one row per rank; rank and local are (N,)")
+    return x.cpu().long()
+
+
+def _first_wrong(got: torch.Tensor, want: torch.Tensor):
+    """The index (a tuple) of the first element where ``got`` differs, or None."""
+    wrong = (got != want).nonzero()
+    return tuple(int(i) for i in wrong[0]) if len(wrong) else None
+
+
+def _zigzag_case(name, make_sizes):
+    def run(candidate):
+        N, R = make_sizes()
+        C = N // (2 * R)
+        label = f"{name} [N={N}, R={R}, chunks of C={C}]"
+        index, rank, local = _tuple(candidate(N, R), label, ("index", "rank", "local"))
+        index = _int_tensor(index, "index", (R, N // R), label)
+        rank = _int_tensor(rank, "rank", (N,), label)
+        local = _int_tensor(local, "local", (N,), label)
+        held, rank_ref, local_ref = zigzag_brute(N, R)
+        at = _first_wrong(index, torch.tensor(held, dtype=torch.long))
+        if at is not None:
+            r, i = at
+            hint = ("rank r's local position i < C is token r C + i; position C + i is token "
+                    "(2R - 1 - r) C + i.")
+            for table, why in _slip_layouts(N, R):
+                if torch.equal(index, torch.tensor(table, dtype=torch.long)):
+                    hint = why
+            raise CheckFailure(label, f"index[{r}, {i}] = {int(index[r, i])}, expected "
+                               f"{held[r][i]} (rank {r} holds {held[r]})", hint)
+        at = _first_wrong(rank, torch.tensor(rank_ref))
+        if at is not None:
+            t = at[0]
+            raise CheckFailure(label, f"rank[{t}] = {int(rank[t])}, expected {rank_ref[t]} "
+                               f"(token {t} is in chunk {t // C})",
+                               "chunk c = t // C belongs to rank c if c < R, else to rank "
+                               "2R - 1 - c: rank[t] is the row of index that holds t.")
+        at = _first_wrong(local, torch.tensor(local_ref))
+        if at is not None:
+            t = at[0]
+            hint = "local[t] is the column of index that holds t: index[rank[t], local[t]] == t."
+            if all(local[u] == u % C for u in range(N)):
+                hint = ("local[t] = t % C is the position inside the chunk: the rank's second "
+                        "chunk starts at local position C.")
+            raise CheckFailure(label, f"local[{t}] = {int(local[t])}, expected {local_ref[t]} "
+                               f"(token {t} on rank {rank_ref[t]})", hint)
+
+    return run
+
+
+def _zigzag_error_case(name, make_sizes):
+    def run(candidate):
+        N, R = make_sizes()
+        label = f"{name} [N={N}, R={R}]"
+        hint = (f"check N % (2 * R) first and raise ValueError(f\"...N={{N}}... 2R={{2 * R}}"
+                f"...\"): here N={N}, 2R={2 * R}")
+        try:
+            result = candidate(N, R)
+        except (NotImplementedError, ForbiddenCall):
+            raise
+        except ValueError as exc:
+            message = str(exc)
+            missing = [str(v) for v in (N, 2 * R) if str(v) not in message]
+            if missing:
+                raise CheckFailure(label, f"the ValueError says {message!r}: it should name "
+                                   f"N = {N} and 2R = {2 * R}, the numbers that do not fit "
+                                   f"(missing: {', '.join(missing)})", hint) from None
+            return
+        except Exception as exc:
+            raise CheckFailure(label, f"raised {type(exc).__name__}: {exc}; expected a ValueError",
+                               hint) from None
+        raise CheckFailure(label, f"returned a {type(result).__name__} instead of raising a "
+                           f"ValueError: {N} tokens cannot be cut into 2R = {2 * R} equal chunks",
+                           hint)
+
+    return run
+
+
+def _fresh_sizes():
+    R = random.randint(1, 8)
+    return 2 * R * random.randint(1, 9), R
+
+
+def _fresh_bad_sizes():
+    R = random.randint(2, 8)
+    return 2 * R * random.randint(1, 6) + random.randint(1, 2 * R - 1), R
+
+
+_add(zigzag_chunks, "one rank: both chunks on rank 0", _zigzag_case, lambda: (6, 1))
+_add(zigzag_chunks, "three ranks", _zigzag_case, lambda: (12, 3))
+_add(zigzag_chunks, "four ranks, longer chunks", _zigzag_case, lambda: (64, 4))
+_add(zigzag_chunks, "N not a multiple of 2R", _zigzag_error_case, lambda: (20, 3))
+_add(zigzag_chunks, "fresh R and N", _zigzag_case, _fresh_sizes, hidden=True)
+_add(zigzag_chunks, "fresh R and N, again", _zigzag_case, _fresh_sizes, hidden=True)
+_add(zigzag_chunks, "eight ranks, chunks of one token", _zigzag_case, lambda: (16, 8),
+     hidden=True)
+_add(zigzag_chunks, "fresh N not a multiple of 2R", _zigzag_error_case, _fresh_bad_sizes,
+     hidden=True)
+
+
+# ============================================================================= ring merge
+
+ring_merge = Exercise(
+    "13.ring_merge", "One ring step's LSE merge, in float32 (base-2 blocks, empty rows)",
+    points=3, torch_only=True,
+)  # fmt: skip
+
+
+def softmax_over(S, keep, V):
+    """float64 ``(O, LSE)`` of the rows of S ``(..., n, m)`` over the keys ``keep`` marks, V
+    ``(..., m, d)``: a row that keeps no key gives O = 0 and LSE = -inf."""
+    S = S.double().masked_fill(~keep, -math.inf)
+    LSE = torch.logsumexp(S, dim=-1)
+    finite = torch.where(torch.isfinite(LSE), LSE, torch.zeros_like(LSE))
+    P = torch.where(keep, torch.exp(S - finite[..., None]), torch.zeros_like(S))
+    return P @ V.double(), LSE
+
+
+def ring_problem(lead, n, d, block_sizes, *, causal=False, offsets=None, seed=None):
+    """Scores, mask and values of a ring merge case, float64.
+
+    ``lead`` are the leading dims (heads, ...), ``n`` query rows, keys cut into consecutive
+    blocks of ``block_sizes`` (0 allowed). ``causal``: row i sits at a random position p_i in
+    -1 .. Nk - 1 and keeps the keys j <= p_i (p_i = -1 sees none). ``offsets`` ``(lo, hi)``: each
+    (row, block) pair's scores get a random constant in that range (large LSE, large
+    differences between blocks). Returns ``(S, keep, V, blocks)``, blocks a list of slices.
+    """
+    g = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
+    Nk = sum(block_sizes)
+    S = torch.randn(*lead, n, Nk, generator=g, dtype=torch.float64)
+    V = torch.randn(*lead, Nk, d, generator=g, dtype=torch.float64)
+    blocks, start = [], 0
+    for size in block_sizes:
+        blocks.append(slice(start, start + size))
+        start += size
+    if offsets is not None:
+        lo, hi = offsets
+        for blk in blocks:
+            shift = lo + (hi - lo) * torch.rand(*lead, n, 1, generator=g, dtype=torch.float64)
+            S[..., blk] += shift
+    keep = torch.ones(*lead, n, Nk, dtype=torch.bool)
+    if causal:
+        p = torch.randint(-1, Nk, (n, 1), generator=g)
+        p[0, 0] = -1  # one row sees no key at all
+        keep &= torch.arange(Nk)[None, :] <= p
+    return S, keep, V, blocks
+
+
+def _merge_hint(O, LSE, default, nan_blocks):
+    O, LSE = O.double(), LSE.double()
+    if (torch.isinf(LSE) & (LSE > 0)).any() or torch.isinf(O).any():
+        return ("inf: exp(LSE) overflows float32 above 88.7. Never form exp(LSE) itself: weigh "
+                "each side by exp(LSE_side - LSE_new), which is at most 1.")
+    if torch.isnan(O).any() or torch.isnan(LSE).any():
+        if nan_blocks:
+            return ("NaN: a row this block does not see has LSE_blk = -inf and an O_blk that "
+                    "means nothing (NaN here, as an unguarded kernel's 0 / 0 leaves it): its "
+                    "weight exp(LSE_blk - LSE) is 0, but 0 * NaN is NaN. Select, do not multiply: "
+                    "torch.where(weight > 0, ...).")
+        return ("NaN: a row that no key has reached yet has LSE = -inf on both sides, and "
+                "exp(-inf - (-inf)) = exp(NaN). Subtract a finite stand-in (0 where the max of "
+                "the two LSE is -inf) so that such a row keeps O = 0 and LSE = -inf.")
+    return default
+
+
+def _merge_case(name, lead, n, d, block_sizes, hint, *, causal=False, offsets=None,
+                base2=False, nan_empty=False, blk_dtype=torch.float32, order="random"):
+    def run(candidate):
+        S, keep, V, blocks = ring_problem(lead, n, d, block_sizes, causal=causal,
+                                          offsets=offsets)
+        steps = list(range(len(blocks)))
+        if order == "random":
+            random.shuffle(steps)
+        extra = ", LSE_blk base 2" if base2 else ""
+        if blk_dtype != torch.float32:
+            extra += ", O_blk " + str(blk_dtype).replace("torch.", "")
+        label = (f"{name} [rows {(*lead, n)}, d={d}, blocks of {list(block_sizes)} keys folded "
+                 f"in the order {steps}{extra}]")
+        O = torch.zeros(*lead, n, d, dtype=torch.float32)
+        LSE = torch.full((*lead, n), -math.inf, dtype=torch.float32)
+        folded = torch.zeros(S.shape[-1], dtype=torch.bool)
+        arrived = []  # (LSE_b, O_blk) of the blocks folded so far, float64
+        for k, b in enumerate(steps):
+            blk = blocks[b]
+            O_b, LSE_b = softmax_over(S[..., blk], keep[..., blk], V[..., blk, :])
+            if nan_empty:
+                O_b = torch.where(torch.isinf(LSE_b)[..., None], math.nan, O_b)
+            O_blk = O_b.to(blk_dtype)
+            LSE_blk = (LSE_b / LN2 if base2 else LSE_b).float()
+            flag = {"lse_blk_base2": True} if base2 else {}  # else the default, False
+            result = candidate(O, LSE, O_blk, LSE_blk, **flag)
+            O, LSE = _tuple(result, label, ("O", "LSE"))
+            folded[blk] = True
+            O_ref, LSE_ref = softmax_over(S, keep & folded, V)
+            arrived.append((LSE_b, O_blk.double()))
+            if blk_dtype != torch.float32:
+                # O_blk was rounded to blk_dtype on the way: the exact merge of the blocks as
+                # they arrived, each weighed by exp(LSE_b - LSE) (0 for a row it does not reach),
+                # so that a running state rounded to blk_dtype shows at float32's tolerance
+                O_ref = torch.zeros_like(O_ref)
+                for LSE_a, O_a in arrived:
+                    w = torch.exp(LSE_a - torch.where(torch.isinf(LSE_ref), 0.0, LSE_ref))
+                    O_ref += torch.where((w > 0)[..., None], w[..., None] * O_a, 0.0)
+            step = (f"{label}, after step {k + 1} of {len(steps)} (block {b}: keys "
+                    f"{blk.start}..{blk.stop - 1})")
+            for what, got in (("O", O), ("LSE", LSE)):
+                if not isinstance(got, torch.Tensor):
+                    raise CheckFailure(step, f"{what} is a {type(got).__name__}, expected a "
+                                       "torch.Tensor", "return the new (O, LSE)")
+            finite = LSE_ref[torch.isfinite(LSE_ref)]
+            max_score = float(finite.abs().max()) if finite.numel() else 0.0
+            atol, rtol = tolerance(torch.float32, max_score)
+            why = _merge_hint(O, LSE, hint, nan_empty)
+            compare("O", O, O_ref, case=step, atol=atol, rtol=rtol, hint=why,
+                    dtype=torch.float32)
+            if why == hint:
+                why = ("O is right but LSE is not (LSE_new = m + log(exp(LSE - m) + "
+                       f"exp(LSE_blk - m)), m the larger of the two, natural log). Here: {hint}")
+            compare("LSE", LSE, LSE_ref, case=step, atol=atol, rtol=rtol, hint=why,
+                    dtype=torch.float32)
+
+    return run
+
+
+_HM = {
+    "two": "the running state holds exp(LSE) of the softmax's denominator: LSE_new = "
+    "logaddexp(LSE, LSE_blk) and O_new = exp(LSE - LSE_new) O + exp(LSE_blk - LSE_new) O_blk.",
+    "causal": "before the first step and for rows a block does not reach, LSE = -inf: such a side "
+    "weighs 0, and a row that no key has reached yet stays O = 0, LSE = -inf.",
+    "empty": "an empty block (0 keys) has LSE_blk = -inf everywhere: the running state must come "
+    "out unchanged, with no NaN.",
+    "base2": "with lse_blk_base2=True, LSE_blk is log2 of the block's denominator (the Triton "
+    "kernel works with exp2): multiply it by ln 2 (= 0.6931) to get the natural log before the "
+    "merge. The running LSE stays natural.",
+    "large": "LSE near 250 overflows exp in float32 (above 88.7): weigh each side by "
+    "exp(LSE_side - LSE_new) or exp(LSE_side - max), never exp(LSE_side) alone.",
+    "nan": "a row a block does not see has LSE_blk = -inf and an O_blk that means nothing (NaN "
+    "here): select the other side instead of multiplying NaN by 0.",
+    "bf16": "O_blk arrives in bfloat16: compute in float32 and return O and LSE as float32 (the "
+    "ring adds R partials: keep the accumulator in float32).",
+}
+
+_add(ring_merge, "two blocks, in order", _merge_case, (2,), 5, 8, [6, 7], _HM["two"],
+     order="in order")
+_add(ring_merge, "four ring steps in random order, causal rows", _merge_case, (2,), 6, 8,
+     [5, 5, 5, 5], _HM["causal"], causal=True)
+_add(ring_merge, "an empty block and rows that see no key", _merge_case, (3,), 5, 4, [4, 0, 6],
+     _HM["empty"], causal=True)
+_add(ring_merge, "Triton blocks: LSE_blk in base 2", _merge_case, (2,), 5, 8, [8, 8, 8],
+     _HM["base2"], base2=True)
+_add(ring_merge, "large logits: LSE up to 250, differences up to 300", _merge_case, (2,), 6, 8,
+     [7, 5, 6], _HM["large"], offsets=(-50.0, 250.0))
+_add(ring_merge, "a block's empty rows hold NaN in O_blk", _merge_case, (2,), 6, 8, [5, 6, 4],
+     _HM["nan"], causal=True, nan_empty=True)
+_add(ring_merge, "bfloat16 O_blk, float32 running state", _merge_case, (2,), 5, 16, [6, 5, 7, 4],
+     _HM["bf16"], blk_dtype=torch.bfloat16)
+_add(ring_merge, "six steps, base 2, causal, NaN rows", _merge_case, (3,), 9, 8,
+     [4, 7, 1, 5, 0, 6], _HM["base2"], causal=True, base2=True, nan_empty=True, hidden=True)
+_add(ring_merge, "large logits in base 2, batch and heads", _merge_case, (2, 3), 4, 8,
+     [6, 6, 6, 6], _HM["large"], offsets=(-100.0, 240.0), base2=True, hidden=True)
+_add(ring_merge, "one row, one key per block", _merge_case, (1,), 1, 4, [1] * 8, _HM["two"],
+     hidden=True)
+
+
+# ============================================================================= causal schedule
+
+causal_schedule = Exercise(
+    "13.causal_schedule", "The causal zig-zag ring: which blocks each step computes, and its FLOPs",
+    points=4,
+)  # fmt: skip
+
+
+def schedule_brute(R, s, C, d, *, source=None):
+    """``(kinds, flops)`` at ring step s by counting the causal mask token by token.
+
+    Rank r's queries are chunks (r, 2R - 1 - r); its K/V at step s are rank ``source(r)``'s
+    chunks, ``(r - s) mod R`` unless given. A pair is "skip" when the mask keeps no (query, key)
+    pair, "full" when it keeps all C * C, else "diagonal"; the step's FLOPs per rank are 4 d per
+    kept pair (S = Q K^T and O = P V, a multiply-add each, 2 FLOPs).
+    """
+    source = source or (lambda r: (r - s) % R)
+    kinds, flops = [], []
+    for r in range(R):
+        mine, theirs = (r, 2 * R - 1 - r), (source(r), 2 * R - 1 - source(r))
+        grid, kept = [], 0
+        for qc in mine:
+            row = []
+            i = torch.arange(qc * C, qc * C + C)[:, None]
+            for kc in theirs:
+                j = torch.arange(kc * C, kc * C + C)[None, :]
+                count = int((j <= i).sum())
+                row.append("skip" if count == 0 else "full" if count == C * C else "diagonal")
+                kept += count
+            grid.append(row)
+        kinds.append(grid)
+        flops.append(4 * d * kept)
+    return kinds, flops
+
+
+def _as_int(x):
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != int(x):
+        return None
+    return int(x)
+
+
+def _schedule_of(candidate, R, s, C, d, label):
+    """The candidate's ``(kinds, flops)`` at step s, checked for shape and type."""
+    kinds, flops = _tuple(candidate(R, s, C, d), label, ("kinds", "flops"))
+    form = ("kinds[r] is [[kind(q0, k0), kind(q0, k1)], [kind(q1, k0), kind(q1, k1)]] with "
+            "q0, q1 = chunks r, 2R - 1 - r and k0, k1 the chunks of the K/V rank r holds")
+    ok = isinstance(kinds, (list, tuple)) and len(kinds) == R and all(
+        isinstance(g, (list, tuple)) and len(g) == 2 and all(
+            isinstance(row, (list, tuple)) and len(row) == 2 for row in g) for g in kinds)
+    if not ok:
+        raise CheckFailure(label, f"kinds must be a list of R = {R} 2 x 2 grids", form)
+    for r, g in enumerate(kinds):
+        for a in range(2):
+            for b in range(2):
+                if g[a][b] not in KINDS:
+                    raise CheckFailure(label, f"kinds[{r}][{a}][{b}] = {g[a][b]!r}: expected one "
+                                       f"of {', '.join(map(repr, KINDS))}", form)
+    if not isinstance(flops, (list, tuple, torch.Tensor)) or len(flops) != R:
+        raise CheckFailure(label, f"flops must hold R = {R} numbers, one per rank, got "
+                           f"{type(flops).__name__}", "return a list of R ints")
+    counts = [_as_int(f) for f in flops]
+    if None in counts:
+        raise CheckFailure(label, f"flops must be whole numbers, got {list(flops)!r}",
+                           "FLOPs are counts: 4 * d * (kept pairs), an int")
+    return [[list(row) for row in g] for g in kinds], counts
+
+
+def _flops_hint(R, s, C, d, got):
+    def per_rank(weights):
+        kinds, _ = schedule_brute(R, s, C, d)
+        return [sum(weights[k] for row in g for k in row) for g in kinds]
+
+    if got == per_rank({"full": 4 * d * C * C, "diagonal": 4 * d * C * C, "skip": 0}):
+        return ("a diagonal block counted as C * C pairs: the mask keeps C (C + 1) / 2 of them "
+                "(query i sees keys j <= i); count the pairs computed, not the block.")
+    if got == per_rank({"full": 4 * d * C * C, "diagonal": 4 * d * C * (C - 1) // 2,
+                        "skip": 0}):
+        return "the diagonal itself is seen (key j = i): C (C + 1) / 2 pairs, not C (C - 1) / 2."
+    if got == per_rank({"full": 2 * d * C * C, "diagonal": d * C * (C + 1), "skip": 0}):
+        return ("2 d FLOPs per pair is one product: S = Q K^T and O = P V are two, 4 d per kept "
+                "pair.")
+    return "FLOPs = 4 d x the (query, key) pairs the causal mask keeps, summed over the 4 pairs."
+
+
+def _kind_hint(R, s, C, d, kinds, r, a, b):
+    for src in (lambda q: (q + s) % R,):
+        if kinds == schedule_brute(R, s, C, d, source=src)[0]:
+            return ("that is the schedule of K/V travelling the other way: the ring sends to "
+                    "rank r + 1, so at step s rank r holds the K/V of rank (r - s) mod R.")
+    mine, theirs = (r, 2 * R - 1 - r), ((r - s) % R, 2 * R - 1 - (r - s) % R)
+    qc, kc = mine[a], theirs[b]
+    if qc == kc:
+        return (f"query chunk {qc} against its own keys: token i sees the keys j <= i of its "
+                "chunk, a triangle: 'diagonal'.")
+    if kc < qc:
+        return (f"key chunk {kc} lies wholly before query chunk {qc}: every query sees every "
+                "key, 'full'.")
+    return (f"key chunk {kc} lies wholly after query chunk {qc}: no query sees any key, 'skip' "
+            "(compare the chunks' indices, not the ranks').")
+
+
+def _schedule_case(name, make_sizes, steps="all"):
+    def run(candidate):
+        R, C, d = make_sizes()
+        for s in (range(R) if steps == "all" else steps):
+            label = f"{name} [R={R}, step s={s}, chunks of C={C} tokens, d={d}]"
+            kinds, flops = _schedule_of(candidate, R, s, C, d, label)
+            kinds_ref, flops_ref = schedule_brute(R, s, C, d)
+            for r in range(R):
+                for a in range(2):
+                    for b in range(2):
+                        if kinds[r][a][b] != kinds_ref[r][a][b]:
+                            src = (r - s) % R
+                            qc, kc = (r, 2 * R - 1 - r)[a], (src, 2 * R - 1 - src)[b]
+                            raise CheckFailure(
+                                label, f"rank {r} (query chunks {r}, {2 * R - 1 - r}; K/V of "
+                                f"rank {src}): kinds[{r}][{a}][{b}] (query chunk {qc}, key chunk "
+                                f"{kc}) = {kinds[r][a][b]!r}, expected {kinds_ref[r][a][b]!r}",
+                                _kind_hint(R, s, C, d, kinds, r, a, b))
+            if flops != flops_ref:
+                r = next(r for r in range(R) if flops[r] != flops_ref[r])
+                raise CheckFailure(label, f"flops[{r}] = {flops[r]}, expected {flops_ref[r]} "
+                                   f"(all ranks: got {flops}, expected {flops_ref})",
+                                   _flops_hint(R, s, C, d, flops))
+
+    return run
+
+
+def _balance_case(name, make_sizes):
+    def run(candidate):
+        R, C, d = make_sizes()
+        label = f"{name} [R={R}, C={C}, d={d}, FLOPs summed over the steps s = 0 .. {R - 1}]"
+        totals = [0] * R
+        for s in range(R):
+            _, flops = _schedule_of(candidate, R, s, C, d, f"{label}, step s={s}")
+            totals = [t + f for t, f in zip(totals, flops, strict=True)]
+        N = 2 * R * C
+        each = 4 * d * (N * (N + 1) // 2) // R  # the causal pairs of the whole sequence, / R
+        if any(t != each for t in totals):
+            r = next(r for r in range(R) if totals[r] != each)
+            raise CheckFailure(label, f"rank {r}'s total is {totals[r]}, expected {each} = 4 d "
+                               f"N (N + 1) / 2 / R with N = {N} (totals per rank: {totals})",
+                               "the zig-zag split gives every rank the same causal work: at "
+                               "step 0 two diagonal blocks and one full, after that two full "
+                               "blocks per step. Check the kinds of steps s > 0.")
+
+    return run
+
+
+def _fresh_schedule():
+    return random.randint(2, 8), random.randint(2, 9), random.choice([8, 16, 64, 128])
+
+
+_add(causal_schedule, "one rank: two chunks, one step", _schedule_case, lambda: (1, 3, 4))
+_add(causal_schedule, "three ranks, step 0: each rank's own K/V", _schedule_case,
+     lambda: (3, 4, 8), steps=[0])
+_add(causal_schedule, "three ranks, steps 1 and 2", _schedule_case, lambda: (3, 4, 8),
+     steps=[1, 2])
+_add(causal_schedule, "four ranks, every step", _schedule_case, lambda: (4, 2, 16))
+_add(causal_schedule, "balance: every rank's total, four ranks", _balance_case,
+     lambda: (4, 3, 8))
+_add(causal_schedule, "fresh R, C and d, every step", _schedule_case, _fresh_schedule,
+     hidden=True)
+_add(causal_schedule, "two ranks, chunks of two tokens", _schedule_case, lambda: (2, 2, 2),
+     hidden=True)
+_add(causal_schedule, "balance on a fresh R", _balance_case,
+     lambda: (random.randint(5, 8), random.randint(2, 6), 64), hidden=True)
+
+__all__ = [
+    "causal_schedule",
+    "ring_merge",
+    "ring_problem",
+    "schedule_brute",
+    "softmax_over",
+    "zigzag_brute",
+    "zigzag_chunks",
+]

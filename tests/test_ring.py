@@ -1,0 +1,166 @@
+"""Ring attention (chapter 13): R gloo processes on the CPU against one float64 attention.
+
+One process group per world size checks every case inside it (spawning costs seconds).
+"""
+
+import math
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_utils import reference, ring
+
+CASES = [  # (N, causal, layout, dtype): N total rows; n = N / R per rank
+    (8, True, "zigzag", "float64"),
+    (8, False, "zigzag", "float64"),
+    (12, True, "contiguous", "float64"),
+    (2, True, "contiguous", "float64"),  # one row per rank
+    (4, True, "zigzag", "float64"),  # the smallest zig-zag: one row per chunk
+    (6, False, "contiguous", "float64"),
+    (64, True, "zigzag", "float32"),  # float32 through chapter 12's tiled PyTorch path
+]
+CASES_R3 = [(12, True, "zigzag", "float64"), (9, True, "contiguous", "float64"),
+            (6, False, "zigzag", "float64")]
+
+
+def _case(i, N, causal, layout, dtype):
+    d = 16 if dtype == "float32" else 8  # the PyTorch path takes d in ops.SUPPORTED_D
+    return dict(B=2, H=2, N=N, d=d, causal=causal, layout=layout, seed=100 + i, dtype=dtype)
+
+
+def _expected(case):
+    """Float64 O, LSE (course_utils.reference) and dQ, dK, dV (autograd of the formula)."""
+    Q, K, V, dO = ring.sequence_inputs(case["B"], case["H"], case["N"], case["d"],
+                                       torch.float64, "cpu", case["seed"])
+    Q, K, V = (t.to(getattr(torch, case["dtype"])).double() for t in (Q, K, V))
+    O, LSE = reference.attention(Q, K, V, causal=case["causal"])
+    Q, K, V = (t.requires_grad_() for t in (Q, K, V))
+    S = (Q @ K.transpose(-1, -2)) / math.sqrt(case["d"])
+    if case["causal"]:
+        S = S.masked_fill(~torch.ones(S.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    (torch.softmax(S, -1) @ V).backward(dO)
+    return {"O": O, "LSE": LSE, "dQ": Q.grad, "dK": K.grad, "dV": V.grad}
+
+
+def _check_world(R, cases):
+    specs = [_case(i, *c) for i, c in enumerate(cases)]
+    results = ring.launch(ring.check_worker, R, specs)
+    for i, case in enumerate(specs):
+        want = _expected(case)
+        tol = 1e-12 if case["dtype"] == "float64" else 2e-5
+        for name in ("O", "LSE", "dQ", "dK", "dV", "O_ag", "dQ_ag", "dK_ag", "dV_ag"):
+            got = ring.unshard([results[r][i][name] for r in range(R)], case["layout"], dim=2)
+            ref = want[name.removesuffix("_ag")]
+            err = (got.double() - ref).abs().max().item()
+            assert err < tol, f"R={R} {case}: {name} off by {err:.1e} (tolerance {tol:.0e})"
+
+
+def test_ring_forward_backward_two_ranks():
+    _check_world(2, CASES)
+
+
+def test_ring_forward_backward_three_ranks():
+    _check_world(3, CASES_R3)
+
+
+@pytest.fixture
+def one_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_is_plain_attention_and_records_a_timeline(one_rank_group):
+    case = _case(0, 6, True, "contiguous", "float64")
+    want = _expected(case)
+    q, k, v, do = ring.sequence_inputs(2, 2, 6, 8, torch.float64, "cpu", case["seed"])
+    events = []
+    O, LSE = ring.ring_attention_forward(q, k, v, causal=True, timeline=events)
+    dQ, dK, dV = ring.ring_attention_backward(do, q, k, v, O, LSE, causal=True)
+    for name, got in (("O", O), ("LSE", LSE), ("dQ", dQ), ("dK", dK), ("dV", dV)):
+        assert (got - want[name]).abs().max() < 1e-12, name
+    assert [e["what"] for e in events] == ["post", "compute", "wait"]
+    assert all(e["end"] >= e["start"] for e in events)
+
+
+def test_shard_unshard_round_trip_and_layouts():
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    for R in (1, 2, 3, 4):
+        for layout in ring.LAYOUTS:
+            if 24 % (R * (2 if layout == "zigzag" else 1)):
+                continue
+            parts = ring.shard(x, R, layout, dim=1)
+            assert all(p.shape == (2, 24 // R, 3) for p in parts)
+            assert torch.equal(ring.unshard(parts, layout, dim=1), x)
+    zz = ring.positions(8, 2, "zigzag")
+    assert zz[0].tolist() == [0, 1, 6, 7] and zz[1].tolist() == [2, 3, 4, 5]
+
+
+def test_work_counts_match_the_plan_and_zigzag_is_balanced():
+    R, n = 4, 8
+    for layout in ring.LAYOUTS:
+        work = ring.step_work(R, layout, causal=True, n=n) * n * n
+        for r in range(R):
+            for s in range(R):
+                plan = ring.block_plan(r, (r - s) % R, R, n, True, layout)
+                if plan is None:
+                    entries = 0
+                else:
+                    rows, cols, masked = plan
+                    a, b = rows.stop - rows.start, cols.stop - cols.start
+                    entries = a * (a + 1) // 2 if masked else a * b
+                assert work[r, s] == entries, (layout, r, s)
+    per_rank = {layout: ring.step_work(R, layout, n=64).sum(1) for layout in ring.LAYOUTS}
+    assert per_rank["zigzag"].max() - per_rank["zigzag"].min() < 1e-6
+    assert per_rank["contiguous"].max() / per_rank["contiguous"].min() > 2 * R - 2
+
+
+def test_merge_with_a_base2_lse_is_wrong_and_shows_by_how_much():
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    O_ref, LSE_ref = reference.attention(q, k, v)
+    scale = 1 / 4
+    O_1, LSE_1 = ring.block_forward(q, k[:, :, :4], v[:, :, :4], False, scale)
+    O_2, LSE_2 = ring.block_forward(q, k[:, :, 4:], v[:, :, 4:], False, scale)
+    O_0, LSE_0 = torch.zeros_like(q), torch.full(q.shape[:3], -math.inf, dtype=q.dtype)
+    O, LSE = ring.merge(*ring.merge(O_0, LSE_0, O_1, LSE_1), O_2, LSE_2)
+    assert (O - O_ref).abs().max() < 1e-12 and (LSE - LSE_ref).abs().max() < 1e-12
+    O_bad, _ = ring.merge(*ring.merge(O_0, LSE_0, O_1, LSE_1), O_2, LSE_2 / math.log(2))
+    err = (O_bad - O_ref).abs().max().item()
+    print(f"a base-2 LSE in a natural-log merge: |O - O_ref| = {err:.2e}")
+    assert err > 1e-2
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ring.positions(6, 2, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        ring.shard(torch.zeros(4, 2), 2, "striped")
+    with pytest.raises(ValueError, match="R="):
+        ring.positions(4, 0)
+    q = torch.zeros(1, 1, 3, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="n even"):
+        ring.ring_attention_forward(q, q, q, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match="one shape"):
+        ring.ring_attention_forward(q, q[:, :, :2], q[:, :, :2])
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ring.ring_attention_forward(q, q, q)
+    with pytest.raises(ValueError, match="backend"):
+        ring.launch(ring.check_worker, 2, [], backend="mpi")
+
+
+def _in_main(rank, world_size):  # pretend to be a notebook cell's function
+    return rank
+
+
+_in_main.__module__ = "__main__"
+
+
+def test_launch_refuses_a_function_spawn_cannot_import():
+    with pytest.raises(ValueError, match="__main__"):
+        ring.launch(_in_main, 2)
