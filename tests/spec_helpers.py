@@ -1,6 +1,12 @@
 """Shared by the spec tests from chapter 10 on: a slip must fail in a visible case, saying why."""
 
+import json
+import re
+from pathlib import Path
+
 from course_utils import grader
+
+_MARKERS = re.compile(r"(?m)^[ \t]*### (BEGIN|END) SOLUTION[ \t]*\n")
 
 
 def fails_visibly(exercise_id, candidate, *words):
@@ -40,3 +46,11 @@ def module_builder(folder, base, stem):
         return module
 
     return make
+
+
+def solution_source(path, keep) -> str:
+    """The code cells of the solution notebook at ``path`` for which ``keep(source)`` holds,
+    joined, with the solution markers removed: the module that ``module_builder`` edits."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    return _MARKERS.sub("", "\n\n".join(s for s in sources if keep(s)))

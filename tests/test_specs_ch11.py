@@ -4,14 +4,12 @@ The right answers are the solution notebook's own cells (written to a module, si
 a kernel's source from its file); each slip is that code with one line changed.
 """
 
-import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 import torch
-from spec_helpers import fails_visibly, module_builder, stub
+from spec_helpers import fails_visibly, module_builder, solution_source, stub
 
 from course_utils import grader
 from course_utils.harness.ch11 import prefix_reads
@@ -24,11 +22,7 @@ IDS = ["11.shared_prefix", "11.chunked_mask", "11.num_splits", "11.paged_prefill
 
 
 def _solution_source() -> str:
-    cells = json.loads(SOLUTION.read_text())["cells"]
-    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
-    keep = [s for s in sources if "cu.setup()" not in s and "grader.check(" not in s]
-    text = "\n\n".join(keep)
-    return re.sub(r"(?m)^[ \t]*### (BEGIN|END) SOLUTION[ \t]*\n", "", text)
+    return solution_source(SOLUTION, lambda s: "cu.setup()" not in s and "grader.check(" not in s)
 
 
 @pytest.fixture(scope="module")

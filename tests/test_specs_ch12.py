@@ -5,13 +5,12 @@ chapters' tests do); each slip is that code with one line changed. Compiling is 
 second or two per compiled case on a CPU), so each slip test stops at its first failing case.
 """
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from spec_helpers import fails_visibly, module_builder, stub
+from spec_helpers import fails_visibly, module_builder, solution_source, stub
 
 from course_utils import grader
 from course_utils.harness import ch12 as harness
@@ -25,13 +24,9 @@ IDS = ["12.varlen_fake", "12.autograd_registration", "12.no_graph_break"]
 
 
 def _solution_source() -> str:
-    cells = json.loads(SOLUTION.read_text())["cells"]
-    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
     # the definitions only: no setup, no checks, no demonstrations that print or compile
-    keep = [s for s in sources if s.lstrip().startswith(("def ", "import ", "from "))
-            and "cu.setup()" not in s]
-    text = "\n\n".join(keep)
-    text = re.sub(r"(?m)^[ \t]*### (BEGIN|END) SOLUTION[ \t]*\n", "", text)
+    text = solution_source(SOLUTION, lambda s: s.lstrip().startswith(("def ", "import ", "from "))
+                           and "cu.setup()" not in s)
     # the demonstration lines after the block's definitions
     text = re.sub(r"(?ms)^problem = block_inputs.*?(?=^def |\Z)", "", text)
     text = re.sub(r"(?ms)^args = packed_problem.*?(?=^def |\Z)", "", text)
