@@ -493,6 +493,18 @@ def _check_output(name, t, shape, dtype, device):
         raise ValueError(f"{name} is not contiguous: call {name}.contiguous() first")
 
 
+def _outputs(given, names, shapes, dtypes, device):
+    """The two output tensors: those the caller gave (``out=`` or ``workspace=``), checked, or
+    fresh ones."""
+    if given is None:
+        given = [torch.empty(shape, dtype=dtype, device=device)
+                 for shape, dtype in zip(shapes, dtypes, strict=True)]
+    first, second = given
+    for name, t, shape, dtype in zip(names, (first, second), shapes, dtypes, strict=True):
+        _check_output(name, t, shape, dtype, device)
+    return first, second
+
+
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None,
                      window=(-1, -1), softcap=0.0, scale=None, return_partials=False, out=None,
                      workspace=None, check_values=True, config=None):
@@ -569,20 +581,10 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits={num_splits!r}: a whole number >= 1 (or None to choose)")
 
-    if out is None:
-        O = torch.empty_like(q)
-        LSE = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
-    else:
-        O, LSE = out
-    _check_output("O", O, q.shape, q.dtype, q.device)
-    _check_output("LSE", LSE, (B, Hq), torch.float32, q.device)
-    if workspace is None:
-        O_part = torch.empty(B, Hq, num_splits, d, dtype=torch.float32, device=q.device)
-        LSE_part = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        O_part, LSE_part = workspace
-    _check_output("O_parts", O_part, (B, Hq, num_splits, d), torch.float32, q.device)
-    _check_output("LSE_parts", LSE_part, (B, Hq, num_splits), torch.float32, q.device)
+    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, (B, Hq)), (q.dtype, torch.float32), q.device)
+    O_part, LSE_part = _outputs(workspace, ("O_parts", "LSE_parts"),
+                                ((B, Hq, num_splits, d), (B, Hq, num_splits)),
+                                (torch.float32, torch.float32), q.device)
 
     G = Hq // Hkv
     table = block_table if paged else cache_seqlens  # never read when not paged
@@ -675,13 +677,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if check_values:
         _check_varlen_values(cu_seqlens_q, cu_seqlens_k, Tq, Tk, max_seqlen_q, max_seqlen_k)
 
-    if out is None:
-        O = torch.empty_like(q)
-        LSE = torch.empty(Tq, Hq, dtype=torch.float32, device=q.device)
-    else:
-        O, LSE = out
-    _check_output("O", O, q.shape, q.dtype, q.device)
-    _check_output("LSE", LSE, (Tq, Hq), torch.float32, q.device)
+    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, (Tq, Hq)), (q.dtype, torch.float32), q.device)
     if max_seqlen_q == 0 or Tq == 0:
         return O, LSE
 
