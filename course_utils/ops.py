@@ -280,29 +280,10 @@ def _(dO, dLSE, q, k, v, O, LSE, causal, scale):
 
 
 def _backward_triton(dO, dLSE, q, k, v, O, LSE, causal, scale):
-    """Chapter 09's dK/dV and dQ kernels with ``D = rowsum(dO * O) - dLSE`` and pinned configs."""
-    B, H, Nq, Nk, d = fat.validate_inputs(q, k, v)
-    configs = pinned_configs(d, q.dtype)
-    Dv = fat.compute_delta(O, dO) - dLSE.float()
-    dQ, dK, dV = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    args = (q, k, v, dO, LSE, Dv)
-    lengths = fat._lengths(Nq, Nk)
-    inner, split = fat._DKDV_INNER, fat.causal_split
-
-    def grid_kv(meta):
-        return (-(-Nk // meta["BLOCK_N"]), H, B)
-
-    def grid_q(meta):
-        return (-(-Nq // meta["BLOCK_M"]), H, B)
-
-    qk_scale = scale * fat.LOG2E
-    fat._launch("dkdv", grid_kv, (*args, dK, dV, qk_scale, scale, *lengths),
-                dict(HEAD_DIM=d, CAUSAL=causal, INNER=inner, FN_HASH=fat.source_hash(inner)),
-                configs["dkdv"], q.dtype)
-    fat._launch("dq", grid_q, (*args, dQ, qk_scale, scale, *lengths),
-                dict(HEAD_DIM=d, CAUSAL=causal, SPLIT=split, FN_HASH=fat.source_hash(split)),
-                configs["dq"], q.dtype)
-    return dQ, dK, dV
+    """Chapter 09's backward with pinned configs; dLSE enters as D = rowsum(dO * O) - dLSE."""
+    configs = pinned_configs(q.shape[-1], q.dtype)
+    return fat.attention_backward(q, k, v, O, LSE, dO, causal, scale, dkdv_config=configs["dkdv"],
+                                  dq_config=configs["dq"], dlse=dLSE.float())
 
 
 def _setup_context(ctx, inputs, output):

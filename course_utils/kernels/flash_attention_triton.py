@@ -821,7 +821,8 @@ def compute_delta(o, do):
 
 
 def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=None,
-                       dkdv_config=None, dq_config=None, dkdv_inner=None, split=None):
+                       dkdv_config=None, dq_config=None, dkdv_inner=None, split=None,
+                       dlse=None):
     """FlashAttention-2 backward: ``(dQ, dK, dV)`` in the input dtype, shapes of q, k, v.
 
     Args:
@@ -831,6 +832,8 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=Non
         out: optional ``(dQ, dK, dV)`` to write into.
         dkdv_config, dq_config: fixed ``triton.Config`` for the two kernels (else autotuned).
         dkdv_inner, split: replace :func:`dkdv_inner` / :func:`causal_split` (the exercises).
+        dlse: dL/dLSE ``(B, H, Nq)`` when the LSE output is used too (chapter 12's operator):
+            since dLSE_i / dS_ij = P_ij, it enters as ``D = rowsum(dO * O) - dLSE``.
     """
     B, H, Nq, Nk, d = validate_inputs(q, k, v)
     scale = _scale(scale, d)
@@ -847,6 +850,9 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=Non
         _check_output(name, t, like.shape, like.dtype, like.device)
 
     Dv = compute_delta(o, do)
+    if dlse is not None:
+        _check_output("dLSE", dlse, (B, H, Nq), torch.float32, q.device)
+        Dv = Dv - dlse
     args = (q, k, v, do, lse, Dv)
     qk_scale = scale * LOG2E
 
