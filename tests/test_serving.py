@@ -215,11 +215,18 @@ def test_decode_split_kv_torch_matches_the_reference(num_splits):
 def test_waves_and_default_splits():
     assert serving.waves(4) == pytest.approx(4 / 132)
     assert serving.wave_efficiency(133) == pytest.approx(133 / 264)
-    assert fd.default_num_splits(1, 4, 131072, sms=132, block_n=64) == 66
-    assert fd.default_num_splits(16, 4, 131072, sms=132, block_n=64) == 5
-    assert fd.default_num_splits(64, 4, 32768, sms=132, block_n=64) == 2
+    assert fd.default_num_splits(1, 4, 131072, sms=132, block_n=64) == 33
+    assert fd.default_num_splits(4, 4, 131072, sms=132, block_n=64) == 8  # 128 programs, not 17
+    assert fd.default_num_splits(16, 4, 131072, sms=132, block_n=64) == 2
+    assert fd.default_num_splits(64, 4, 32768, sms=132, block_n=64) == 1
     assert fd.default_num_splits(300, 4, 131072, sms=132, block_n=64) == 1
     assert fd.default_num_splits(1, 4, 100, sms=132, block_n=64) == 2  # at most one per block
+    assert fd.default_num_splits(1, 4, 131072, sms=132, block_n=64, paged=True) == 66
+    assert fd.default_num_splits(64, 4, 32768, sms=132, block_n=64, paged=True) == 2
+    for B in range(1, 40):  # the grid never spills a few programs into one more wave
+        splits = fd.default_num_splits(B, 4, 1 << 20, sms=132)
+        assert B * 4 * splits <= 132 or splits == 1
+        assert B * 4 * (splits + 1) > 132 or splits == fd.MAX_SPLITS
 
 
 # =============================================================================================
@@ -284,6 +291,25 @@ def test_decode_matches_the_reference(case):
                                                     window=window, softcap=softcap, block_n=BN,
                                                     return_partials=True)
     assert torch.equal(torch.isinf(LSE_p), torch.isinf(LSE_t)), "splits cut at other keys"
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_decode_one_split_writes_O_and_LSE_itself(paged):
+    # one split and no partials asked for: no merge kernel, the split kernel's own stores
+    lens = [2 * BN + 5, 0, 1, BN]
+    q, k, v, seqlens = _decode_problem(4, 8, 2, lens, DTYPE, seed=21)
+    table = None
+    if paged:
+        k, v, table = serving.paginate(k, v, lens, 16, generator=_gen(3), fill=NAN)
+    for window, softcap in (((-1, -1), 0.0), ((BN // 2, -1), 1.5)):
+        out = (torch.full_like(q, NAN), torch.full(q.shape[:2], NAN, device=DEV))
+        O, LSE = fd.decode_attention(q, k, v, seqlens, block_table=table, num_splits=1,
+                                     window=window, softcap=softcap, out=out)
+        assert O is out[0] and LSE is out[1]
+        O_ref, LSE_ref = serving.reference_decode(q, k, v, seqlens, block_table=table,
+                                                  window=window, softcap=softcap)
+        _compare(O, LSE, O_ref, LSE_ref, DTYPE, _max_score(q, k, q.shape[2] ** -0.5, softcap),
+                 f"one split, window={window}, softcap={softcap}")
 
 
 def test_decode_large_logits_stay_finite():

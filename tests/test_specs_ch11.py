@@ -55,14 +55,14 @@ def _per_sequence(q, K_prefix, V_prefix, K_suffix, V_suffix, cu_seqlens_q, cu_se
     """Right O and LSE, but the prefix concatenated with each suffix: read B times."""
     Tq, Hq, d = q.shape
     P, Hkv, _ = K_prefix.shape
-    O, LSE = torch.empty_like(q), torch.empty(Tq, Hq)
+    O, LSE = torch.empty_like(q), torch.empty(Tq, Hq, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         K = torch.cat([K_prefix, K_suffix[ck[b]:ck[b + 1]]]).repeat_interleave(Hq // Hkv, 1)
         V = torch.cat([V_prefix, V_suffix[ck[b]:ck[b + 1]]]).repeat_interleave(Hq // Hkv, 1)
         nq, n = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
         S = scale * torch.einsum("ihd,jhd->hij", q[cq[b]:cq[b + 1]], K)
-        j, i = torch.arange(P + n), torch.arange(nq)[:, None]
+        j, i = torch.arange(P + n, device=q.device), torch.arange(nq, device=q.device)[:, None]
         S = S.masked_fill((j >= P) & (j - P > n - nq + i), -math.inf)
         LSE[cq[b]:cq[b + 1]] = torch.logsumexp(S, -1).T
         O[cq[b]:cq[b + 1]] = (torch.softmax(S, -1) @ V.transpose(0, 1)).transpose(0, 1)
@@ -88,7 +88,8 @@ def test_prefix_gathered_for_every_query_fails_the_reads_case(build):
     m = build(('LSE_pre, O_pre = part(scale * torch.einsum("tkgd,pkd->tkgp", qg, K_prefix), '
                'V_prefix)',
                'B = len(cq0) - 1\n'
-               '    seq = torch.repeat_interleave(torch.arange(B), torch.diff(cq0).long())\n'
+               '    seq = torch.repeat_interleave(torch.arange(B, device=q.device),\n'
+               '                                  torch.diff(cq0).long())\n'
                '    Kb = K_prefix.expand(B, -1, -1, -1)[seq]  # the prefix of every query\n'
                '    LSE_pre, O_pre = part(scale * torch.einsum("tkgd,tpkd->tkgp", qg, Kb), '
                'V_prefix)'),
@@ -162,19 +163,22 @@ def test_chunked_mask_wrong_types_are_named():
 # ----------------------------------------------------------------------------- num splits
 
 
-@pytest.mark.parametrize("edit, words", [
-    (("// (B * Hkv)))", "// B))"), ["long context", "Hkv=8", "B * Hkv * num_splits"]),
-    (("wave = num_sms * programs_per_sm", "wave = num_sms"), ["programs_per_sm=2",
-                                                             "num_sms * programs_per_sm"]),
-    (("    while splits < n_blocks and", "    while False and"),
-     ["leaves a split empty", "with no key block", "Skip those counts"]),
-    (("-(-target_waves * wave // (B * Hkv))", "target_waves * wave // (B * Hkv)"),
-     ["got 16, expected 17"]),
-    (("return min(splits, n_blocks)", "return splits"),
-     ["long context", "seqlen_k=32768", "more splits than"]),
-], ids=["no Hkv", "no programs per SM", "empty splits", "floor", "no cap"])
-def test_num_splits_slips_are_named(build, edit, words):
-    m = build(edit)
+@pytest.mark.parametrize("edits, words", [
+    ([("// (B * Hkv), n_blocks))", "// B, n_blocks))")],
+     ["long context", "Hkv=8", "B * Hkv * num_splits"]),
+    ([("wave = num_sms * programs_per_sm", "wave = num_sms")],
+     ["programs_per_sm=2", "num_sms * programs_per_sm"]),
+    ([("    while splits > 1 and", "    while False and")],
+     ["leave a split empty", "with no key block", "Skip those counts", "next smaller count"]),
+    ([("min(target_waves * wave // (B * Hkv), n_blocks)",
+       "min(-(-target_waves * wave // (B * Hkv)), n_blocks)")],
+     ["got 17, expected 16", "more than 1 wave(s) hold", "tail wave", "largest count that fits"]),
+    ([("min(target_waves * wave // (B * Hkv), n_blocks)", "target_waves * wave // (B * Hkv)"),
+      ("    while splits > 1 and", "    while False and")],
+     ["long context", "seqlen_k=32768", "more splits than the 256 key blocks"]),
+], ids=["no Hkv", "no programs per SM", "empty splits", "ceil", "no cap"])
+def test_num_splits_slips_are_named(build, edits, words):
+    m = build(*edits)
     fails_visibly("11.num_splits", m.num_splits, *words)
 
 
@@ -183,11 +187,27 @@ def test_num_splits_must_return_an_int():
 
 
 def test_best_num_splits_examples():
-    assert ch11.best_num_splits(1, 8, 131072, 64, 132, 1, 1) == 17
+    assert ch11.best_num_splits(1, 8, 131072, 64, 132, 1, 1) == 16  # 128 programs, not 136
+    assert ch11.best_num_splits(1, 8, 131072, 64, 132, 1, 1, fit=False) == 17
+    assert ch11.best_num_splits(4, 4, 65536, 64, 132, 1, 1) == 8
     assert ch11.best_num_splits(64, 8, 4096, 64, 132, 1, 1) == 1
-    assert ch11.best_num_splits(1, 1, 160, 16, 6, 1, 1) == 10  # 6..9 splits leave one empty
+    assert ch11.best_num_splits(1, 1, 160, 16, 6, 1, 1) == 5  # 6 splits leave one empty
+    assert ch11.best_num_splits(1, 1, 9000, 64, 132, 1, 1) == 71  # 72..132 leave some empty
     assert ch11.best_num_splits(1, 8, 1, 64, 132, 1, 1) == 1
     assert [len(r) for r in ch11.split_ranges(10, 6)] == [2, 2, 2, 2, 2, 0]
+
+
+def test_best_num_splits_is_the_largest_that_fits_with_no_empty_split():
+    """The brute force against the rule written another way: the most that fit the waves, at
+    most ``n_blocks``, then one fewer while the last split would start past the last block."""
+    for args in ch11._random_split_rows(3):
+        B, Hkv, seqlen_k, BLOCK_N, num_sms, programs_per_sm, target_waves = args
+        n_blocks = -(-seqlen_k // BLOCK_N)
+        fit = target_waves * num_sms * programs_per_sm // (B * Hkv)
+        s = max(1, min(fit, n_blocks))
+        while s > 1 and (s - 1) * -(-n_blocks // s) >= n_blocks:
+            s -= 1
+        assert ch11.best_num_splits(*args) == s, args
 
 
 # ----------------------------------------------------------------------------- paged prefill

@@ -18,8 +18,9 @@ key list, brute-force enumerations):
   position p sees the keys j <= p of its own chunk, j // chunk == p // chunk). Judged against a
   key-by-key enumeration.
 - ``11.num_splits``: ``num_splits(B, Hkv, seqlen_k, BLOCK_N, num_sms, programs_per_sm,
-  target_waves) -> int``, the split count of split-KV decoding. Judged against a search that
-  tries every count and builds its splits.
+  target_waves) -> int``, the split count of split-KV decoding: the most splits whose grid fits
+  in whole waves (no tail wave), none of them empty. Judged against a search that tries every
+  count and builds its splits.
 - ``11.paged_prefill``: a Triton kernel for chunked prefill that reads K/V through a block table
   (pages shuffled, unused memory NaN). O and LSE against the float64 softmax over each
   sequence's logical keys.
@@ -387,26 +388,32 @@ def split_ranges(n_blocks, splits):
 
 
 def best_num_splits(B, Hkv, seqlen_k, BLOCK_N, num_sms, programs_per_sm, target_waves, *,
-                    heads=True, per_sm=True, check_empty=True):
-    """The grader's answer, by trying every split count from 1 up.
+                    heads=True, per_sm=True, check_empty=True, fit=True):
+    """The grader's answer, by trying every split count and keeping the largest that passes.
 
     The grid has ``B * Hkv * splits`` programs (one per sequence, K/V head and split: the G
     query heads of a K/V head share its program); a wave is ``num_sms * programs_per_sm``
-    programs. The answer is the smallest count whose grid fills ``target_waves`` whole waves and
-    whose splits all hold at least one key block; when no count fills them, the largest count
-    with no empty split (one key block per split). The flags model the usual slips (hints).
+    programs. The answer is the largest count whose grid fits in ``target_waves`` waves (1 when
+    even one split overflows them: the batch fills the GPU alone), with no more splits than key
+    blocks and every split holding at least one key block. The flags model the usual slips
+    (hints); ``fit=False`` is the smallest count that fills the waves (a ceil for a floor): one
+    split more than fits, a few programs spilled into a tail wave.
     """
     n_blocks = -(-seqlen_k // BLOCK_N)
-    slots = num_sms * (programs_per_sm if per_sm else 1)
+    slots = target_waves * num_sms * (programs_per_sm if per_sm else 1)
     programs_per_split = B * (Hkv if heads else 1)
-    fallback = 1
-    for s in range(1, max(n_blocks, 1) + 1):
+    best = 1
+    for s in range(1, n_blocks + 1):
+        if fit:
+            fits = programs_per_split * s <= slots
+        else:
+            fits = programs_per_split * (s - 1) < slots  # s <= ceil(slots / programs_per_split)
+        if not fits:
+            break  # more splits only add programs
         if check_empty and any(len(r) == 0 for r in split_ranges(n_blocks, s)):
             continue
-        fallback = s
-        if programs_per_split * s >= target_waves * slots:
-            return s
-    return fallback
+        best = s
+    return best
 
 
 _HS = {
@@ -416,7 +423,10 @@ _HS = {
     "them at once.",
     "check_empty": "with ceil(n_blocks / num_splits) blocks per split, some counts leave the "
     "last split(s) with no block at all (10 blocks in 6 splits: 2+2+2+2+2+0). Skip those counts: "
-    "take the next count whose splits all hold a block.",
+    "take the next smaller count whose splits all hold a block.",
+    "fit": "that is the smallest count that fills the waves (a ceil): its grid spills a few "
+    "programs into one more, almost empty, tail wave. Take the largest count that fits: "
+    "B * Hkv * s <= target_waves * num_sms * programs_per_sm (a floor).",
 }
 
 
@@ -440,16 +450,19 @@ def _splits_case(name, rows):
                      f"target_waves={target})")
             detail = (f"got {got}, expected {want} ({n_blocks} key blocks; {B * Hkv * want} "
                       f"programs = {B * Hkv * want / slots:.3g} waves of {slots})")
-            if 1 <= got <= max(n_blocks, 1):
+            if got > 1 and B * Hkv * got > target * slots:
+                detail += (f"; your {got} splits make {B * Hkv * got} programs, more than "
+                           f"{target} wave(s) hold")
+            if 1 <= got <= n_blocks:
                 empty = sum(len(r) == 0 for r in split_ranges(n_blocks, got))
                 if empty:
                     detail += f"; your {got} splits leave {empty} split(s) with no key block"
-            hint = ("the smallest count s with B * Hkv * s >= target_waves * num_sms * "
-                    "programs_per_sm whose splits all hold a key block; no more splits than "
-                    "key blocks.")
-            if got > n_blocks >= 1:
+            hint = ("the largest count s with B * Hkv * s <= target_waves * num_sms * "
+                    "programs_per_sm (s = 1 if even that overflows) whose splits all hold a key "
+                    "block; no more splits than key blocks.")
+            if got > n_blocks:
                 hint = (f"more splits than the {n_blocks} key blocks: some splits are empty; "
-                        "when the waves cannot be filled, take one block per split.")
+                        "never take more splits than key blocks.")
             for flag, flag_hint in _HS.items():
                 if got == best_num_splits(*args, **{flag: False}):
                     hint = flag_hint
@@ -461,14 +474,17 @@ def _splits_case(name, rows):
 
 H100 = 132  # SMs of an H100 SXM
 _add(num_splits, "long context, B = 1 (H100)", _splits_case,
-     [(1, 8, 131072, 64, H100, 1, 1), (1, 8, 131072, 64, H100, 1, 2),
-      (1, 1, 32768, 128, H100, 2, 1)])
+     [(1, 8, 131072, 64, H100, 1, 1), (1, 4, 131072, 64, H100, 1, 1),
+      (1, 8, 131072, 64, H100, 1, 2), (1, 1, 32768, 128, H100, 2, 1)])
+_add(num_splits, "mid-size batches: whole waves, no tail wave", _splits_case,
+     [(4, 4, 65536, 64, H100, 1, 1), (16, 4, 65536, 64, H100, 1, 1)])
 _add(num_splits, "short context, B = 64: the batch fills the GPU", _splits_case,
-     [(64, 8, 4096, 64, H100, 1, 1), (32, 4, 1000, 64, H100, 1, 1)])
+     [(64, 8, 4096, 64, H100, 1, 1), (32, 4, 1000, 64, H100, 1, 1),
+      (64, 4, 131072, 64, H100, 1, 1)])
 _add(num_splits, "tiny caches: fewer key blocks than the waves want", _splits_case,
      [(1, 8, 1, 64, H100, 1, 1), (1, 2, 100, 16, H100, 2, 1), (2, 1, 64, 64, 108, 1, 1)])
-_add(num_splits, "the first count that fills the waves leaves a split empty", _splits_case,
-     [(2, 4, 1280, 64, H100, 1, 1), (1, 1, 160, 16, 6, 1, 1), (4, 2, 3000, 128, H100, 2, 1)])
+_add(num_splits, "the most that fit leave a split empty", _splits_case,
+     [(2, 4, 1280, 64, H100, 1, 1), (1, 1, 160, 16, 6, 1, 1), (1, 1, 9000, 64, H100, 1, 1)])
 _add(num_splits, "2 programs per SM, 3 waves (A100)", _splits_case,
      [(2, 8, 65536, 64, 108, 2, 3), (3, 4, 9000, 32, 108, 2, 3)])
 
