@@ -229,9 +229,11 @@ def merge(O, LSE, O_s, LSE_s):
     both LSE in natural log; a side with LSE = -inf (no key seen yet) weighs nothing."""
     LSE_new = torch.logaddexp(LSE, LSE_s)
     safe = torch.where(torch.isfinite(LSE_new), LSE_new, torch.zeros_like(LSE_new))
-    w_old = torch.exp(LSE - safe)[..., None]  # exp(-inf) = 0 for the empty start
-    w_new = torch.exp(LSE_s - safe)[..., None]
-    return w_old * O + w_new * O_s.to(O.dtype), LSE_new
+    w_new = torch.exp(LSE_s - safe)[..., None]  # exp(-inf) = 0 for a side with no key
+    # The two weights exp(LSE - LSE_new) and exp(LSE_s - LSE_new) add up to 1 (or are both 0
+    # when neither side has a key, and then O stays 0): the merge is a linear interpolation,
+    # w_old O + w_new O_s = O + w_new (O_s - O), one fused pass over O on a GPU.
+    return torch.lerp(O, O_s.to(O.dtype), w_new.to(O.dtype)), LSE_new
 
 
 # =============================================================================================
@@ -334,8 +336,7 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
     nxt, prv = _peer(group, (r + 1) % R), _peer(group, (r - 1) % R)
     clock = _Clock(timeline, q.device)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    O = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    LSE = torch.full(q.shape[:3], -math.inf, dtype=acc_dtype, device=q.device)
+    O = LSE = None  # the running merge, set by the first block a rank computes
     kv = torch.stack([k, v]).contiguous()  # one message per step: K and V together
     kv_next = torch.empty_like(kv)  # the second buffer
     for s in range(R):
@@ -350,8 +351,11 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
                 rows, cols, masked = plan
                 O_s, LSE_s = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                            masked, scale)
-                O[:, :, rows], LSE[:, :, rows] = merge(O[:, :, rows], LSE[:, :, rows], O_s,
-                                                       LSE_s.to(acc_dtype))
+                if O is None:  # step 0, the diagonal block, which covers every row
+                    O, LSE = O_s.to(acc_dtype), LSE_s.to(acc_dtype)
+                else:
+                    O[:, :, rows], LSE[:, :, rows] = merge(O[:, :, rows], LSE[:, :, rows], O_s,
+                                                           LSE_s.to(acc_dtype))
         with clock(s, "wait"):
             for w in works:
                 w.wait()  # the next block has arrived, and our send buffer is free again
@@ -382,7 +386,7 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     nxt, prv = _peer(group, (r + 1) % R), _peer(group, (r - 1) % R)
     clock = _Clock(timeline, q.device)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dQ = None  # set by step 0 (the diagonal block covers every row), accumulated after
     kv = torch.stack([k, v]).contiguous()
     kv_next = torch.empty_like(kv)
     dkv_out = None  # the dK/dV (stacked) this rank finished at the previous step
@@ -398,7 +402,6 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
             recvs.append((dkv_in, TAG_DKV))
         with clock(s, "post"):
             works = _exchange(sends, recvs, group, nxt, prv)
-        mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device)
         plan = block_plan(r, src, R, n, causal, layout)
         with clock(s, "compute"):
             if plan is not None:
@@ -406,22 +409,34 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
                 dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
                                             kv[1][:, :, cols], O[:, :, rows], LSE[:, :, rows],
                                             masked, scale)
-                dQ[:, :, rows] += dq
-                mine[0][:, :, cols] += dk
-                mine[1][:, :, cols] += dv
+                if dQ is None:  # step 0: rows and cols are every row of the local block
+                    dQ = dq.to(acc_dtype)
+                else:
+                    dQ[:, :, rows] += dq
         with clock(s, "wait"):
             for w in works:
                 w.wait()
-        if s > 0:
-            mine += dkv_in
+        # This step's dK/dV: the partial sum that came with the block plus our share of it
+        # (added in place into the received buffer; step 0 starts the sum with our own share).
+        if s == 0:
+            mine = torch.stack([dk, dv]).to(acc_dtype)
+        else:
+            mine = dkv_in
+            if plan is not None:
+                mine[0][:, :, cols] += dk
+                mine[1][:, :, cols] += dv
         dkv_out, dkv_in = mine, torch.empty_like(mine)  # a fresh buffer: dkv_out is in flight
         kv, kv_next = kv_next, kv
-    home = dkv_out  # one rank: its block never left
-    if R > 1:  # the last hop: every block's dK/dV to its owner
-        home = torch.empty_like(dkv_out)
-        for w in _exchange([(dkv_out, TAG_DKV)], [(home, TAG_DKV)], group, nxt, prv):
+    # The last hop brings every block's dK/dV to its owner. The sum is complete, so it travels
+    # in k's dtype: rounding before or after the hop gives the same bits, at half the bytes
+    # for bf16 (this hop is the one transfer that no compute hides).
+    home = torch.stack([dkv_out[0].to(k.dtype), dkv_out[1].to(v.dtype)])
+    if R > 1:
+        arrived = torch.empty_like(home)
+        for w in _exchange([(home, TAG_DKV)], [(arrived, TAG_DKV)], group, nxt, prv):
             w.wait()
-    return dQ.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
+        home = arrived
+    return dQ.to(q.dtype), home[0], home[1]
 
 
 class RingAttention(torch.autograd.Function):
