@@ -13,9 +13,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # Recordings a chapter saves but that no GPU run has made yet: its notebook says "not recorded
 # yet" on a CPU. Once a GPU run has made one, test_pending_recordings_are_really_pending fails
 # until the name leaves this set, and from then on the file must exist.
-PENDING: set[str] = {"11_decode_benchmark", "11_varlen_benchmark",  # chapter 11, first GPU run
-                     "12_training", "12_call_overhead"}  # chapter 12, first GPU run
-PENDING |= {"13_ring_benchmark", "13_ring_timeline", "13_ring_roofline"}  # ch 13, first GPU run
+PENDING: set[str] = set()
 CALL = re.compile(r"recorded\.(save|load)\(\s*\\?[\"']([\w.-]+)\\?[\"']")
 
 
