@@ -42,6 +42,56 @@ def test_sm80_has_less_shared_memory():
     assert occ.active_blocks(32, 164 * 1024, 128, arch=occ.SM80).blocks == 0
 
 
+# (arch, (registers, shared bytes, threads)) -> (blocks, limit), by the rules of each generation
+OTHER_ARCHS = [
+    ("sm_75", (32, 0, 256), (4, "warps")),  # 32 warp slots: 4 blocks of 8 warps
+    ("sm_75", (16, 0, 32), (16, "blocks")),  # at most 16 blocks
+    ("sm_75", (32, 20 * 1024, 128), (3, "shared memory")),  # 64 KiB, no reserved KiB
+    ("sm_75", (32, 64 * 1024, 128), (1, "shared memory")),  # the whole 64 KiB for one block
+    ("sm_75", (64, 0, 256), (4, "warps")),  # registers allow 4 too: warps are named on a tie
+    ("sm_80", (32, 0, 256), (8, "warps")),
+    ("sm_80", (32, 81 * 1024, 128), (2, "shared memory")),  # 2 x (81 + 1) KiB = 164 KiB
+    ("sm_80", (32, 82 * 1024, 128), (1, "shared memory")),  # 2 x 83 KiB > 164 KiB
+    ("sm_86", (32, 0, 256), (6, "warps")),  # 48 warp slots
+    ("sm_86", (64, 0, 128), (8, "registers")),  # 2048 per warp: 8 warps per quarter
+    ("sm_86", (16, 0, 32), (16, "blocks")),
+    ("sm_86", (32, 50 * 1024, 128), (1, "shared memory")),  # 51 KiB x 2 > 100 KiB
+    ("sm_86", (32, 99 * 1024, 128), (1, "shared memory")),
+    ("sm_89", (16, 0, 32), (24, "blocks")),  # Ada holds 24 small blocks, Ampere GA10x 16
+    ("sm_89", (32, 0, 256), (6, "warps")),
+    ("sm_89", (32, 32 * 1024, 128), (3, "shared memory")),  # 3 x 33 KiB <= 100 KiB
+]
+
+
+@pytest.mark.parametrize(("arch", "config", "expected"), OTHER_ARCHS,
+                         ids=[f"{a}-{c}" for a, c, _ in OTHER_ARCHS])
+def test_other_generations(arch, config, expected):
+    got = occ.active_blocks(*config, arch=arch)
+    assert (got.blocks, got.limit) == expected
+    assert got.occupancy == got.warps / occ.arch_limits(arch).max_warps_per_sm
+
+
+@pytest.mark.parametrize(("arch", "config"), [
+    ("sm_75", (32, 64 * 1024 + 1, 128)),  # more than a T4 block may have
+    ("sm_86", (32, 99 * 1024 + 1, 128)),  # the H100's chapter 07 tiles on an RTX 3090
+    ("sm_89", (32, 100 * 1024, 128)),
+    ("sm_75", (255, 0, 512)),  # 255 x 512 registers pass 64K per block
+])
+def test_other_generations_cannot_launch(arch, config):
+    got = occ.active_blocks(*config, arch=arch)
+    assert got.blocks == 0 and "cannot launch" in got.limit
+
+
+def test_arch_limits_by_name_and_capability():
+    assert occ.arch_limits("sm_86") is occ.arch_limits((8, 6)) is occ.arch_limits("8.6") is occ.SM86
+    assert occ.arch_limits(75) is occ.SM75 and occ.arch_limits(occ.SM90) is occ.SM90
+    assert not occ.SM75.bf16_tensor_cores and all(
+        occ.ARCHS[a].bf16_tensor_cores for a in ("sm_80", "sm_86", "sm_89", "sm_90"))
+    for bad in ("sm_70", (10, 0), "H100", 8.6):
+        with pytest.raises(ValueError, match="sm_75, sm_80, sm_86, sm_89, sm_90"):
+            occ.arch_limits(bad)
+
+
 def test_flash_budget():
     assert occ.fa_registers_per_thread(64, 128, 128) == 64 + 2
     assert occ.fa_registers_per_thread(128, 256, 128) == 256 + 2  # over 255: spills
