@@ -17,7 +17,9 @@ Modules (import them as ``from course_utils import grader`` etc.):
 - ``plots``     small drawing helpers (tile maps, thread maps)
 - ``recorded``  results measured on a GPU, shipped as JSON for CPU readers
 - ``trace``     memory-access tracer (simulator): sectors per request, bank conflicts
-- ``occupancy`` occupancy calculator (and the driver's, on a GPU); FlashAttention budgets
+- ``occupancy`` occupancy calculator for five GPU generations (and the driver's, on a GPU);
+  FlashAttention budgets
+- ``portability`` the compile matrix: will a kernel compile and launch on sm_75 .. sm_90?
 - ``hardware``  device facts, the FP32 FMA peak, kernel names, Nsight Compute counters
 - ``mma``       CPU model of the tensor-core instruction mma.sync.m16n8k16 and of ldmatrix:
                 which lane holds which element, and what one instruction computes
