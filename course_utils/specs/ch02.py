@@ -271,7 +271,7 @@ def merge_randomly(merge, states, rng, case=""):
 
 
 def _merge_case(case, R, N, dv, k, *, std=3.0, empty_parts=False, masked_parts=0,
-                empties_first=False):  # fmt: skip
+                empties_first=False, alternate_lead=False):  # fmt: skip
     def run(merge):
         rng = random.Random()
         s, v = _randn(R, N, std=std), _randn(N, dv)
@@ -282,6 +282,9 @@ def _merge_case(case, R, N, dv, k, *, std=3.0, empty_parts=False, masked_parts=0
         bounds = list(zip([0, *cuts], [*cuts, N], strict=True))
         for lo, hi in rng.sample(bounds, masked_parts):  # these parts see only masked keys
             s[:, lo:hi] = -math.inf
+        if alternate_lead:  # part p holds the row's largest score in rows r = p (mod k): every
+            for p, (lo, hi) in enumerate(bounds):  # merge has a side with the smaller max in
+                s[p::k, lo:hi] += 4 * std  # some row, whichever order the two come in
         unseen = ~torch.isfinite(s).any(dim=-1)
         s[unseen, rng.randrange(N)] = 1.0  # every row sees at least one key in the end
         states = [state_of(s[:, lo:hi], v[lo:hi]) for lo, hi in bounds]
@@ -301,7 +304,8 @@ def _merge_case(case, R, N, dv, k, *, std=3.0, empty_parts=False, masked_parts=0
     return run
 
 
-_add(merge_states, "two halves, 4 rows, 40 keys", _merge_case, 4, 40, 8, 2)
+_add(merge_states, "two halves, 4 rows, each half holding the max of 2 rows", _merge_case, 4, 40,
+     8, 2, alternate_lead=True)
 _add(merge_states, "5 parts merged along a random tree", _merge_case, 4, 50, 8, 5)
 _add(merge_states, "empty and fully masked parts (m = -inf)", _merge_case, 3, 40, 4, 6,
      empty_parts=True, masked_parts=2, empties_first=True)
