@@ -6,6 +6,7 @@ words that name the architecture and its limit, and a kernel that fits must pass
 """
 
 import pytest
+from test_cuda import SPILL_SRC as SPILLS  # 32 live accumulators: spills at -maxrregcount=16
 
 from course_utils import cuda as C
 from course_utils import portability as P
@@ -36,24 +37,6 @@ __global__ void bf16_mma_kernel(const unsigned* a, const unsigned* b, float* d) 
       : "r"(a[lane]), "r"(a[lane + 32]), "r"(a[lane + 64]), "r"(a[lane + 96]),
         "r"(b[lane]), "r"(b[lane + 32]));
   d[lane] = c0 + c1 + c2 + c3;
-}
-"""
-
-# 32 accumulators live across a loop: no spill unconstrained, spills at -maxrregcount=16
-SPILLS = r"""
-#define N_ACC 32
-__global__ void many_live_values(const float* in, float* out, int n) {
-  float acc[N_ACC];
-#pragma unroll
-  for (int i = 0; i < N_ACC; ++i) acc[i] = in[threadIdx.x + i * n];
-  for (int k = 0; k < n; ++k) {
-#pragma unroll
-    for (int i = 0; i < N_ACC; ++i) acc[i] = acc[i] * in[k] + acc[(i + 1) % N_ACC];
-  }
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < N_ACC; ++i) s += acc[i] * (i + 1);
-  out[threadIdx.x] = s;
 }
 """
 
