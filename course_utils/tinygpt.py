@@ -31,8 +31,8 @@ from . import ops
 VOCAB = "0123456789+=;"  # the characters of the sums
 ATTENTIONS = ("sdpa", "course")
 
-__all__ = ["ATTENTIONS", "GPT", "VOCAB", "chance_loss", "decode", "encode", "make_sums", "train",
-           "unigram_entropy"]
+__all__ = ["ATTENTIONS", "GPT", "VOCAB", "chance_loss", "decode", "encode", "learning_rate",
+           "make_sums", "train", "unigram_entropy"]
 
 
 # =============================================================================================
@@ -164,7 +164,7 @@ class GPT(nn.Module):
 
 def train(attention, *, seed=0, steps=200, batch=16, block=64, n_layer=2, n_head=4, n_embd=64,
           device="cpu", compile=False, lr=3e-3, warmup=5, data_chars=200_000, log=None,
-          cpu_threads=1):
+          cpu_threads=1, lr_warmup=0, cosine=False):
     """Train a fresh GPT on the sums; returns a dict.
 
     Keys: ``losses`` (training loss of every step, from the same batches for any attention),
@@ -176,6 +176,10 @@ def train(attention, *, seed=0, steps=200, batch=16, block=64, n_layer=2, n_head
     intra-op threads during a CPU run (restored after; None leaves them alone). The tiny model's
     matrices are too small to split: more threads only add synchronisation, and on a busy
     machine (2 cores shared) a 2-thread run was measured 5-10x slower than a 1-thread one.
+    ``lr_warmup``: steps over which the learning rate rises linearly from lr / lr_warmup to lr.
+    ``cosine``: then it falls along a half cosine to lr / 10 at the last step (else it stays at
+    lr). A decayed learning rate ends a run in a minimum instead of bouncing around one, so the
+    final losses of two runs can be compared.
     """
     device = torch.device(device)
     threads_before = torch.get_num_threads()
@@ -183,13 +187,23 @@ def train(attention, *, seed=0, steps=200, batch=16, block=64, n_layer=2, n_head
         torch.set_num_threads(cpu_threads)
     try:
         return _train(attention, seed, steps, batch, block, n_layer, n_head, n_embd, device,
-                      compile, lr, warmup, data_chars, log)
+                      compile, lr, warmup, data_chars, log, lr_warmup, cosine)
     finally:
         torch.set_num_threads(threads_before)
 
 
+def learning_rate(step, steps, lr, lr_warmup=0, cosine=False):
+    """The learning rate of ``step`` (0-based) of ``steps``: see :func:`train`."""
+    if step < lr_warmup:
+        return lr * (step + 1) / lr_warmup
+    if not cosine:
+        return lr
+    done = (step - lr_warmup) / max(1, steps - 1 - lr_warmup)  # 0 -> 1 over the rest of the run
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0))))
+
+
 def _train(attention, seed, steps, batch, block, n_layer, n_head, n_embd, device, compile, lr,
-           warmup, data_chars, log):
+           warmup, data_chars, log, lr_warmup, cosine):
     if attention not in ATTENTIONS:
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTIONS}")
     if steps <= warmup:
@@ -209,6 +223,8 @@ def _train(attention, seed, steps, batch, block, n_layer, n_head, n_embd, device
             _sync(device)
             t0 = time.perf_counter()
         x, y = _batch(data, batch, block, gen, device)
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, steps, lr, lr_warmup, cosine)
         t_step = time.perf_counter()
         loss = step_fn(x, y)
         loss.backward()
@@ -226,7 +242,8 @@ def _train(attention, seed, steps, batch, block, n_layer, n_head, n_embd, device
             "first_step_s": first_step_s, "final": sum(losses[-10:]) / len(losses[-10:]),
             "unigram": unigram_entropy(data), "seed": seed, "steps": steps, "batch": batch,
             "block": block, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
-            "device": str(device), "compile": compile, "lr": lr,
+            "device": str(device), "compile": compile, "lr": lr, "lr_warmup": lr_warmup,
+            "cosine": cosine,
             "params": sum(p.numel() for p in model.parameters())}
 
 

@@ -172,6 +172,22 @@ def test_tiny_gpt_course_matches_sdpa():
     assert sdpa[-1] < sdpa[0], "the loss did not fall in 8 steps"
 
 
+def test_learning_rate_schedule():
+    lr = tinygpt.learning_rate
+    assert [lr(s, 100, 1.0) for s in (0, 50, 99)] == [1.0, 1.0, 1.0]  # constant by default
+    assert lr(0, 100, 1.0, lr_warmup=10) == pytest.approx(0.1)  # linear warmup from lr / 10
+    assert lr(9, 100, 1.0, lr_warmup=10) == pytest.approx(1.0)
+    assert lr(10, 100, 1.0, lr_warmup=10, cosine=True) == pytest.approx(1.0)  # decay starts
+    assert lr(99, 100, 1.0, lr_warmup=10, cosine=True) == pytest.approx(0.1)  # ends at lr / 10
+    halfway = lr(10 + 89 // 2, 100, 1.0, lr_warmup=10, cosine=True)
+    assert 0.5 < halfway < 0.6  # the middle of the half cosine: (1 + 0.1) / 2, give or take
+    seen = [lr(s, 100, 1.0, lr_warmup=10, cosine=True) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(seen, seen[1:])), "the cosine never goes back up"
+    run = tinygpt.train("sdpa", steps=4, batch=2, block=16, n_layer=1, n_head=2, n_embd=16,
+                        device="cpu", warmup=1, lr_warmup=2, cosine=True)
+    assert run["lr_warmup"] == 2 and run["cosine"] is True
+
+
 def test_data_is_deterministic_and_structured():
     text = tinygpt.make_sums(200, seed=5)
     assert text == tinygpt.make_sums(200, seed=5) and text != tinygpt.make_sums(200, seed=6)

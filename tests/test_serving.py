@@ -220,7 +220,9 @@ def test_waves_and_default_splits():
     assert fd.default_num_splits(16, 4, 131072, sms=132, block_n=64) == 2
     assert fd.default_num_splits(64, 4, 32768, sms=132, block_n=64) == 1
     assert fd.default_num_splits(300, 4, 131072, sms=132, block_n=64) == 1
-    assert fd.default_num_splits(1, 4, 100, sms=132, block_n=64) == 2  # at most one per block
+    assert fd.default_num_splits(1, 4, 100, sms=132, block_n=64) == 1  # 2 blocks: too few to split
+    assert fd.default_num_splits(1, 4, 4096, sms=132, block_n=64) == 16  # >= 4 blocks per split
+    assert fd.default_num_splits(1, 4, 8192, sms=132, block_n=64) == 32
     assert fd.default_num_splits(1, 4, 131072, sms=132, block_n=64, paged=True) == 66
     assert fd.default_num_splits(64, 4, 32768, sms=132, block_n=64, paged=True) == 2
     for B in range(1, 40):  # the grid never spills a few programs into one more wave

@@ -50,6 +50,7 @@ kernels below are defined.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -632,7 +633,13 @@ def fixed_configs(head_dim, dtype=torch.bfloat16):
         return dict(CPU_CONFIGS)
     if dtype == torch.float32:
         return dict(FP32_GPU_CONFIGS)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    return dict(_fixed_configs(int(head_dim), dtype.itemsize))
+
+
+@functools.cache
+def _fixed_configs(head_dim, itemsize):
+    # Cached: ranking ~100 configurations costs a few hundred microseconds of Python, and
+    # chapter 12's operator asks on every call.
     return {kind: prune_configs(kind, CONFIGS[kind], head_dim, itemsize)[0] for kind in CONFIGS}
 
 
