@@ -1,4 +1,4 @@
-"""Command line: ``python -m course_utils {doctor,grade,assign,strip}``."""
+"""Command line: ``python -m course_utils {doctor,grade,record,assign,strip,portability}``."""
 
 from __future__ import annotations
 
@@ -76,6 +76,13 @@ def _strip(args) -> int:
     return 0
 
 
+def _portability(args) -> int:
+    from . import portability
+
+    return portability.main(tuple(args.arch) if args.arch else portability.ALL_ARCHS,
+                            args.file or None)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +106,15 @@ def main(argv=None) -> int:
     a.set_defaults(func=_assign)
     s = sub.add_parser("strip", help="clear outputs of notebooks/ and solutions/")
     s.set_defaults(func=_strip)
+    p = sub.add_parser("portability", help="compile the course's CUDA kernels for sm_75 .. sm_90 "
+                       "(no GPU) and check them against each generation's limits")
+    p.add_argument("--arch", action="append", choices=["sm_75", "sm_80", "sm_86", "sm_89", "sm_90"],
+                   help="an architecture to check (repeatable; default all five)")
+    p.add_argument("--file", action="append",
+                   choices=["flash_attention_forward.cu", "flash_attention_backward.cu",
+                            "flash_attention_mma.cu", "sgemm.cu"],
+                   help="a file of course_utils/kernels to check (repeatable; default all)")
+    p.set_defaults(func=_portability)
     args = parser.parse_args(argv)
     return args.func(args)
 

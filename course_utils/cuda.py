@@ -793,10 +793,21 @@ def parse_ptxas_log(log: str, *, source: str | None = None) -> list[KernelResour
     return kernels
 
 
+def _same_template_name(a: str, b: str) -> bool:
+    """``"k<64, true>"`` and ``"k<64,1>"`` name one kernel: ptxas writes a bool template
+    argument as ``true`` in some CUDA releases and as ``1`` in others (13.0 on the H100)."""
+    def normal(n):
+        return re.sub(r"\s+", "", re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", n)))
+    return normal(a) == normal(b)
+
+
 def _pick_kernel(kernels: list[KernelResources], name: str) -> KernelResources:
     exact = [k for k in kernels if name in (k.name, k.mangled, k.signature)]
     if exact:
         return exact[0]
+    same = [k for k in kernels if _same_template_name(k.name, name)]
+    if same:
+        return same[0]
     by_base = [k for k in kernels if _strip_template_args(k.name) == name]
     if len(by_base) == 1:
         return by_base[0]
@@ -807,7 +818,7 @@ def _pick_kernel(kernels: list[KernelResources], name: str) -> KernelResources:
     raise ValueError(
         f"no kernel named {name!r} in the ptxas report; kernels compiled: {names}. A template "
         "kernel is only compiled once it is instantiated (e.g. `template __global__ void "
-        f"{name}<64>(float*);`)."
+        f"{_strip_template_args(name)}<64>(float*);`)."
     )
 
 

@@ -68,6 +68,21 @@ def test_step_matches_float64(step, shape):
 
 
 @needs_gpu
+def test_pipeline_without_cp_async_gives_the_same_c():
+    # Before sm_80 (a T4) step 7's copies are plain loads and stores; force that path here.
+    module = C.load_cuda(sgemm.SOURCE, ["sgemm_into"], name="sgemm_sync_copies",
+                         extra_cuda_cflags=["-DSGEMM_SYNC_COPIES"])
+    for M, N, K in [(1, 1, 1), (129, 257, 67), (300, 301, 13)]:
+        A = torch.randn(M, K, device="cuda")
+        B = torch.randn(K, N, device="cuda")
+        C_ = torch.full((M, N), float("nan"), device="cuda")
+        module.sgemm_into(A, B, C_, sgemm.STEPS["pipeline"][0])
+        assert torch.isfinite(C_).all(), f"{(M, N, K)}: an element of C was never written"
+        torch.testing.assert_close(C_.double(), A.double() @ B.double(), atol=1e-4 * K**0.5,
+                                   rtol=1e-4)
+
+
+@needs_gpu
 def test_misaligned_and_empty():
     A = torch.randn(100 * 100 + 1, device="cuda")[1:].view(100, 100)
     B = torch.randn(100, 100, device="cuda")

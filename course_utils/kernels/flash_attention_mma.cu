@@ -23,7 +23,7 @@
 // 8 rows an ldmatrix phase reads (same chunk c, 8 consecutive rows) fall in 8 different bank
 // groups instead of one (rows are 128 or 256 bytes long, a multiple of the 128-byte bank width).
 
-#if !defined(__CUDACC_RTC__)
+#if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 #include <torch/types.h>
 #include <c10/cuda/CUDAStream.h>
 #include <string>
@@ -636,7 +636,29 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
 
 }  // namespace fa_mma
 
-#if !defined(__CUDACC_RTC__)
+#ifdef FA_KERNEL_ONLY
+// Compile-only reports without torch's headers (nvcc -DFA_KERNEL_ONLY: seconds instead of ~25 s):
+// instantiate every kernel the host code below launches, for both head dims.
+#define FA_MMA_INSTANTIATE(D)                                                                       \
+    template __global__ void fa_mma::flash_attention_mma_kernel<D>(                                 \
+        const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
+        const __nv_bfloat16* __restrict__, __nv_bfloat16* __restrict__, float* __restrict__, int,  \
+        int, float, int);                                                                          \
+    template __global__ void fa_mma::dkdv_kernel<D>(                                                \
+        const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
+        const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
+        const float* __restrict__, const float* __restrict__, __nv_bfloat16* __restrict__,         \
+        __nv_bfloat16* __restrict__, int, int, float, int);                                        \
+    template __global__ void fa_mma::dq_kernel<D>(                                                  \
+        const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
+        const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
+        const float* __restrict__, const float* __restrict__, __nv_bfloat16* __restrict__, int,    \
+        int, float, int);
+FA_MMA_INSTANTIATE(64)
+FA_MMA_INSTANTIATE(128)
+#endif
+
+#if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 static void check_launch(const char* what) {
     const cudaError_t err = cudaGetLastError();
     TORCH_CHECK(err == cudaSuccess, what, ": launch failed: ", cudaGetErrorString(err));

@@ -19,11 +19,12 @@
 //                    BK = 16; A stays row-major (cp.async cannot transpose), read 4 k at a time
 //
 // The host part is skipped under NVRTC (__CUDACC_RTC__), so course_utils.resource_usage can
-// read ptxas's report without nvcc.
+// read ptxas's report without nvcc; and under nvcc -DFA_KERNEL_ONLY, which compiles the kernels
+// without torch's headers (seconds instead of ~25 s: the compile matrix, course_utils.portability).
 // Numbers in TORCH_CHECK messages go through std::to_string (a raw number crashed load_inline
 // extensions on the machine the course is validated on).
 
-#ifndef __CUDACC_RTC__
+#if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 #include <torch/types.h>
 #include <c10/cuda/CUDAStream.h>
 #include <string>
@@ -313,19 +314,41 @@ sgemm_prefetch(const float* __restrict__ A, const float* __restrict__ B, float* 
 // cp.async copies global -> shared without passing through registers, and without waiting:
 // the thread goes on computing while the copy is in flight. It copies bytes as they are (no
 // transpose), so A's tile stays row-major, As[m][k], and a thread reads A 4 k values at a time.
+// cp.async exists from sm_80 (A100) on. Before that (a T4 is sm_75) the same four functions
+// copy synchronously, through registers: step 7 then runs and gives the same C, only without
+// the overlap that is its point.
+// (-DSGEMM_SYNC_COPIES forces the fallback on any GPU: how the tests check it on an H100.)
+#if (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800) && !defined(SGEMM_SYNC_COPIES)
+#define SGEMM_HAS_CP_ASYNC 1
+#endif
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     // src_bytes < 16 fills the rest of the 16 bytes with zeros (the matrix edge)
+#ifdef SGEMM_HAS_CP_ASYNC
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+#else
+    for (int i = 0; i < 4; ++i)
+        static_cast<float*>(smem)[i] = 4 * i < src_bytes ? static_cast<const float*>(gmem)[i] : 0.f;
+#endif
 }
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
+#ifdef SGEMM_HAS_CP_ASYNC
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+#else
+    *static_cast<float*>(smem) = src_bytes > 0 ? *static_cast<const float*>(gmem) : 0.f;
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef SGEMM_HAS_CP_ASYNC
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 template <int N_IN_FLIGHT>
 __device__ __forceinline__ void cp_async_wait() {
+#ifdef SGEMM_HAS_CP_ASYNC
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N_IN_FLIGHT));
+#endif
 }
 
 // Copy 4 consecutive elements X[r, c .. c+3] into dst (16-byte aligned shared memory), zeros
@@ -437,8 +460,9 @@ sgemm_pipeline(const float* __restrict__ A, const float* __restrict__ B, float* 
     store_micro_tile(C, M, N, m0, n0, rows, cols, acc);
 }
 
-#ifdef __CUDACC_RTC__
-// NVRTC compiles no host code, so nothing instantiates the template: do it here.
+#if defined(__CUDACC_RTC__) || defined(FA_KERNEL_ONLY)
+// NVRTC (or nvcc -DFA_KERNEL_ONLY) compiles no host code, so nothing instantiates the template:
+// do it here.
 template __global__ void sgemm_vec4<false>(const float*, const float*, float*, int, int, int);
 template __global__ void sgemm_vec4<true>(const float*, const float*, float*, int, int, int);
 #else
@@ -524,4 +548,4 @@ int64_t sgemm_blocks_per_sm(int64_t step) {
     TORCH_CHECK(err == cudaSuccess, "sgemm_blocks_per_sm: ", cudaGetErrorString(err));
     return blocks;
 }
-#endif  // __CUDACC_RTC__
+#endif  // __CUDACC_RTC__ || FA_KERNEL_ONLY
