@@ -35,6 +35,7 @@ Command line: ``python -m course_utils doctor | grade | record | assign | strip`
 from .runtime import (
     Mode,
     device,
+    half_dtype,
     kernel_array,
     mode,
     needs_gpu,
@@ -47,6 +48,7 @@ from .runtime import (
 __all__ = [
     "Mode",
     "device",
+    "half_dtype",
     "kernel_array",
     "mode",
     "needs_gpu",

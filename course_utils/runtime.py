@@ -130,6 +130,27 @@ def device():
     return torch.device("cuda" if on_gpu() else "cpu")
 
 
+_told_half: set = set()
+
+
+def half_dtype(verbose: bool = True):
+    """The 16-bit dtype for tensor cores on this machine: bfloat16 where the GPU has bf16 tensor
+    cores (sm_80, A100, and newer), float16 on older GPUs (a T4 is sm_75: it says so once) and
+    on the CPU (Triton's interpreter computes bf16 wrongly)."""
+    import torch
+
+    if not on_gpu():
+        return torch.float16
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) >= (8, 0):
+        return torch.bfloat16
+    if verbose and (major, minor) not in _told_half:
+        _told_half.add((major, minor))
+        print(f"this GPU (sm_{major}{minor}) has no bfloat16 tensor cores: using float16 "
+              "(same 16 bits, 5 exponent bits instead of 8: mind overflow above 65504)")
+    return torch.float16
+
+
 def synchronize() -> None:
     """Wait for queued GPU work (a no-op in simulator mode)."""
     if on_gpu():

@@ -143,6 +143,44 @@ def test_prune_keeps_valid_configurations_only():
                 assert (bn % bm == 0) if kind == "dkdv" else (bm % bn == 0), (kind, c)
 
 
+def test_prune_fits_the_shared_memory_of_each_generation():
+    # What a block may have: T4 64 KiB, RTX 30/40 99 KiB, A100 163 KiB, H100 227 KiB. Every
+    # configuration kept for a GPU must fit it; a smaller GPU keeps smaller tiles, never none.
+    def smem(kind, c, d):  # streamed tiles per stage + owned tiles, bf16, written out again
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        owned, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+        return 2 * d * (2 * streamed * c.num_stages + 2 * owned)
+
+    for kind in ("forward", "dkdv", "dq"):
+        for d in (64, 128):
+            biggest = {}
+            for kib in (64, 99, 163, 227):
+                kept = fat.prune_configs(kind, fat.CONFIGS[kind], d, shared_bytes=kib * 1024)
+                assert kept, (kind, d, kib)
+                assert all(fat.shared_estimate(kind, c, d) == smem(kind, c, d) for c in kept)
+                if not all(smem(kind, c, d) <= 0.9 * kib * 1024 for c in kept):
+                    # nothing fits the estimate: one configuration, the smallest there is
+                    least = min(smem(kind, c, d) for c in fat.CONFIGS[kind])
+                    assert len(kept) == 1 and smem(kind, kept[0], d) == least, (kind, d, kib)
+                biggest[kib] = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in kept)
+            assert biggest[64] <= biggest[227], (kind, d, biggest)
+    # a T4 at d = 64 still has a choice; at d = 128 its forward keeps the smallest tiles
+    assert len(fat.prune_configs("forward", fat.FWD_CONFIGS, 64, shared_bytes=64 * 1024)) > 1
+    # the default is this machine's GPU, or the H100's in the interpreter
+    assert fat.device_shared_memory_bytes() == (227 * 1024 if not GPU else
+                                                torch.cuda.get_device_properties(0)
+                                                .shared_memory_per_block_optin)
+
+
+@pytest.mark.skipif(not GPU, reason="the check reads the GPU's compute capability")
+def test_bf16_on_a_gpu_without_bf16_tensor_cores_says_use_float16(monkeypatch):
+    monkeypatch.setattr(fat, "_capability", lambda index: (7, 5))  # what a T4 reports
+    q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"sm_75\) has no bfloat16 tensor cores.*float16"):
+        fat.attention_forward(q, q, q)
+    fat.attention_forward(q.half(), q.half(), q.half())  # float16 runs
+
+
 @pytest.mark.skipif(not GPU, reason="autotuning runs on a GPU only")
 def test_every_configuration_the_tuner_may_pick_is_correct():
     # one ragged causal problem with Nq != Nk, every kept configuration of each kernel

@@ -70,3 +70,16 @@ def test_kernel_array_on_the_gpu():
     assert a.shape == (4,)
     with pytest.raises(ValueError, match="device"):
         cu.kernel_array(torch.arange(4.0))
+
+
+def test_half_dtype_is_bf16_only_where_the_gpu_has_bf16_tensor_cores(monkeypatch, capsys):
+    if not cu.on_gpu():
+        assert cu.half_dtype() is torch.float16  # Triton's interpreter: no bf16
+        return
+    assert cu.half_dtype() is (torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0)
+                               else torch.float16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))  # a T4
+    monkeypatch.setattr(cu.runtime, "_told_half", set())
+    assert cu.half_dtype() is torch.float16 and cu.half_dtype() is torch.float16
+    out = capsys.readouterr().out
+    assert out.count("sm_75") == 1 and "no bfloat16 tensor cores" in out  # said once

@@ -513,6 +513,22 @@ FP32_GPU_CONFIGS = {  # 16 x 16 tiles: IEEE fp32 dots keep their operands in reg
 DELTA_BLOCK_M = 32 if INTERPRETED else 128
 
 SHARED_MEMORY_BYTES = 227 * 1024  # per block on an H100 (the opt-in maximum)
+
+
+@functools.cache
+def device_shared_memory_bytes(index=None):
+    """Shared memory one block may have on this GPU (the opt-in maximum): 227 KiB on an H100,
+    163 KiB on an A100, 99 KiB on an RTX 30/40, 64 KiB on a T4. The H100's in the interpreter,
+    so the CPU prunes as the course's reference GPU does."""
+    if INTERPRETED or not torch.cuda.is_available():
+        return SHARED_MEMORY_BYTES
+    index = torch.cuda.current_device() if index is None else index
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+
+
+@functools.cache
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
 # Registers: fp32 tile elements per thread (accumulators + score tiles) above which ptxas
 # spilled, found by compiling every configuration of the search spaces for sm_90 (triton 3.9):
 # forward (Br*d + Br*Bc) / threads, dK/dV (2*Bc*d + Bc*Br) / threads, dQ (Br*d + 2*Br*Bc) /
@@ -520,42 +536,56 @@ SHARED_MEMORY_BYTES = 227 * 1024  # per block on an H100 (the opt-in maximum)
 REGISTER_LIMITS = {"forward": 160, "dkdv": 144, "dq": 160}
 
 
-def _valid(kind, config, head_dim, itemsize=2):
-    """Whether ``config`` suits ``kind`` at this head dim: tile rules, shared memory, registers."""
+def _valid(kind, config, head_dim, itemsize=2, shared_bytes=SHARED_MEMORY_BYTES):
+    """Whether ``config`` suits ``kind`` at this head dim: tile rules, shared memory (at most 90 %
+    of ``shared_bytes``, what one block may have), registers."""
     bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    warps, stages = config.num_warps, config.num_stages
+    warps = config.num_warps
     threads = 32 * warps
     if kind == "dkdv":  # the program owns Bc key rows and streams tiles of Br query rows
-        owned, streamed, tile_rule = bn, bm, bn % bm == 0
+        owned, tile_rule = bn, bn % bm == 0
         elements = 2 * bn * head_dim + bn * bm  # dK and dV accumulators, the S^T tile
     else:  # the program owns Br query rows and streams tiles of Bc key rows
-        owned, streamed, tile_rule = bm, bn, bm % bn == 0
+        owned, tile_rule = bm, bm % bn == 0
         scores = bm * bn if kind == "forward" else 2 * bm * bn  # dQ: dP and dS at once
         elements = bm * head_dim + scores
     if not tile_rule:  # the causal split starts the diagonal stage on a tile boundary
         return False
     if owned < 16 * warps:  # a tensor-core tile gives each warp 16 rows: no more warps
         return False
-    # Shared memory: the two streamed tiles (K and V, or Q and dO) of each pipeline stage, and
-    # the two tiles the program keeps, in the input dtype.
-    smem = itemsize * head_dim * (2 * streamed * stages + 2 * owned)
-    if smem > 0.9 * SHARED_MEMORY_BYTES:
+    if shared_estimate(kind, config, head_dim, itemsize) > 0.9 * shared_bytes:
         return False
     return elements / threads <= REGISTER_LIMITS[kind]
 
 
-def prune_configs(kind, configs, head_dim, itemsize=2, limit=MAX_TUNED_CONFIGS):
+def shared_estimate(kind, config, head_dim, itemsize=2):
+    """Bytes of shared memory ``config`` is taken to need: the two streamed tiles (K and V, or Q
+    and dO) of each pipeline stage and the two tiles the program keeps, in the input dtype."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    owned, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+    return itemsize * head_dim * (2 * streamed * config.num_stages + 2 * owned)
+
+
+def prune_configs(kind, configs, head_dim, itemsize=2, limit=MAX_TUNED_CONFIGS,
+                  shared_bytes=None):
     """The configurations of ``configs`` worth timing for ``kind`` at this head dim.
 
     ``kind``: "forward", "dkdv" or "dq". Keeps the valid ones (the tile rule of the causal
     split, at least 16 rows per warp, estimates of shared memory and registers: ``_valid``)
     and, of those, at most ``limit``: one of each tile shape first, largest tiles first, each
     with 3 pipeline stages if it fits (else 2, else 4) and the fewest warps; then the others
-    in the same order. Never empty.
+    in the same order. Never empty. ``shared_bytes``: what a block may have, default this GPU's
+    (:func:`device_shared_memory_bytes`): a T4 keeps smaller tiles than an H100.
     """
-    valid = [c for c in configs if _valid(kind, c, head_dim, itemsize)]
+    shared_bytes = device_shared_memory_bytes() if shared_bytes is None else shared_bytes
+    valid = [c for c in configs if _valid(kind, c, head_dim, itemsize, shared_bytes)]
     if not valid:
-        return list(configs[:1])
+        # Nothing fits the estimate (a T4, 64 KiB, at d = 128): the smallest tiles and fewest
+        # stages that keep the other rules. The estimate is generous; if Triton disagrees too,
+        # its launch says "out of resources".
+        ruled = [c for c in configs if _valid(kind, c, head_dim, itemsize, math.inf)]
+        return [min(ruled or list(configs),
+                    key=lambda c: (shared_estimate(kind, c, head_dim, itemsize), c.num_warps))]
     stage_rank = {3: 0, 2: 1, 4: 2}
     valid.sort(key=lambda c: (-c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"],
                               -max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]),
@@ -633,14 +663,15 @@ def fixed_configs(head_dim, dtype=torch.bfloat16):
         return dict(CPU_CONFIGS)
     if dtype == torch.float32:
         return dict(FP32_GPU_CONFIGS)
-    return dict(_fixed_configs(int(head_dim), dtype.itemsize))
+    return dict(_fixed_configs(int(head_dim), dtype.itemsize, device_shared_memory_bytes()))
 
 
 @functools.cache
-def _fixed_configs(head_dim, itemsize):
+def _fixed_configs(head_dim, itemsize, shared_bytes):
     # Cached: ranking ~100 configurations costs a few hundred microseconds of Python, and
     # chapter 12's operator asks on every call.
-    return {kind: prune_configs(kind, CONFIGS[kind], head_dim, itemsize)[0] for kind in CONFIGS}
+    return {kind: prune_configs(kind, CONFIGS[kind], head_dim, itemsize,
+                                shared_bytes=shared_bytes)[0] for kind in CONFIGS}
 
 
 def chosen_configs():
@@ -748,6 +779,11 @@ def _check_dtype_and_device(t):
         if t.dtype not in GPU_DTYPES:
             raise TypeError(f"dtype {t.dtype} is not supported: use float16 or bfloat16 (or "
                             "float32, exact but slow)")
+        if t.dtype == torch.bfloat16 and _capability(t.device.index or 0) < (8, 0):
+            major, minor = _capability(t.device.index or 0)
+            raise TypeError(f"this GPU (sm_{major}{minor}) has no bfloat16 tensor cores, and "
+                            "Triton compiles no bf16 tl.dot for it: use float16 (x.half()); "
+                            "course_utils.half_dtype() picks the right one for the GPU")
 
 
 def _causal(causal):
