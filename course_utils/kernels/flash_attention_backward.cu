@@ -434,6 +434,14 @@ template <typename Kernel>
 static void opt_in(Kernel kernel, int smem_bytes, bool& done) {
     // Above 48 KiB of dynamic shared memory a kernel must opt in, once per kernel.
     if (done) return;
+    int device = 0, most = 0;  // a T4 gives a block 64 KiB, an RTX 30/40 99 KiB, an A100 163
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    TORCH_CHECK(smem_bytes <= most, "flash_attention_backward: this head dim's tiles need ",
+                std::to_string(smem_bytes), " bytes of shared memory per block and this GPU "
+                "gives a block at most ", std::to_string(most), ": use a smaller head dim "
+                "here, or a GPU with more shared memory (python -m course_utils portability "
+                "shows which kernels fit where)");
     TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      smem_bytes) == cudaSuccess,
                 "flash_attention_backward: cannot opt into ", std::to_string(smem_bytes),

@@ -288,9 +288,19 @@ static void launch_flash_forward(const torch::Tensor& Q, const torch::Tensor& K,
                                  const torch::Tensor& V, torch::Tensor& O, torch::Tensor& LSE,
                                  int Nq, int Nk, int H, int B, float scale, bool causal) {
     const int smem_bytes = fa07::shared_floats(D) * (int)sizeof(float);
-    // Above 48 KiB of dynamic shared memory a kernel must opt in, once per kernel.
+    // Above 48 KiB of dynamic shared memory a kernel must opt in, once per kernel. A GPU that
+    // gives a block less than the tiles need (a T4: 64 KiB; this kernel at D = 128: 83 KiB)
+    // refuses: say so in its numbers rather than as a failed launch.
     static bool opted_in = false;
     if (!opted_in) {
+        int device = 0, most = 0;
+        cudaGetDevice(&device);
+        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        TORCH_CHECK(smem_bytes <= most, "flash_attention_forward: at D = ", std::to_string(D),
+                    " the tiles need ", std::to_string(smem_bytes), " bytes of shared memory "
+                    "per block and this GPU gives a block at most ", std::to_string(most),
+                    ": use a smaller head dim here, or a GPU with more shared memory "
+                    "(python -m course_utils portability shows which kernels fit where)");
         TORCH_CHECK(cudaFuncSetAttribute(flash_attention_forward_kernel<D>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          smem_bytes) == cudaSuccess,
