@@ -1,4 +1,4 @@
-"""Command line: ``python -m course_utils {doctor,grade,record,assign,strip,portability}``."""
+"""Command line: ``python -m course_utils {doctor,grade,record,assign,strip,portability,text}``."""
 
 from __future__ import annotations
 
@@ -83,6 +83,14 @@ def _portability(args) -> int:
                             args.file or None)
 
 
+def _text(args) -> int:
+    from .text import to_percent
+
+    for path in args.notebooks:
+        sys.stdout.write(to_percent(path))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +123,10 @@ def main(argv=None) -> int:
                             "flash_attention_mma.cu", "sgemm.cu"],
                    help="a file of course_utils/kernels to check (repeatable; default all)")
     p.set_defaults(func=_portability)
+    t = sub.add_parser("text", help="print notebooks as percent-format text (# %% cells); "
+                       "also git's textconv for *.ipynb diffs")
+    t.add_argument("notebooks", nargs="+", type=Path)
+    t.set_defaults(func=_text)
     args = parser.parse_args(argv)
     return args.func(args)
 
