@@ -71,6 +71,11 @@ import course_utils as cu
 cu.setup(verbose=False)
 import torch
 from numba import cuda
+# numba-cuda replaces numba's old built-in CUDA target through a .pth file; when that file is not
+# run (a venv that reaches the package through a plain path in its own .pth), the old target
+# loads, and the course's kernels fail later on keywords it lacks (launch_bounds)
+assert "numba_cuda" in cuda.__file__, ("numba.cuda is numba's built-in target "
+    f"({cuda.__file__}), not the numba-cuda package")
 @cuda.jit
 def add_one(x):
     i = cuda.grid(1)
@@ -185,8 +190,11 @@ def rows() -> list[Row]:
 
     np_fix = "pip install 'numpy<2.5' (numba's CUDA compiler fails with numpy 2.5)"
     ok, text = _probe(_NUMBA, cpu=True)
+    numba_fix = ("pip install numba numba-cuda (installed already? its numba_cuda redirect .pth "
+                 "must be in a site-packages folder Python processes, not reached by a path)"
+                 if "built-in target" in text else "pip install numba numba-cuda")
     out.append(Row("Numba CUDA simulator", OK if ok else FAIL, text,
-                   "" if ok else "pip install numba numba-cuda", critical=True))
+                   "" if ok else numba_fix, critical=True))
     if gpu:
         ok, text = _probe(_NUMBA)
         fix = np_fix if "row_stack" in text else "pip install -U numba-cuda; check the driver"
