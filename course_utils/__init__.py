@@ -34,6 +34,7 @@ Command line: ``python -m course_utils doctor | grade | record | assign | strip`
 
 from .runtime import (
     Mode,
+    capability,
     device,
     half_dtype,
     kernel_array,
@@ -47,6 +48,7 @@ from .runtime import (
 
 __all__ = [
     "Mode",
+    "capability",
     "device",
     "half_dtype",
     "kernel_array",

@@ -131,6 +131,29 @@ def device():
 
 
 _told_half: set = set()
+PRETEND_ENV = "COURSE_PRETEND_CAPABILITY"  # e.g. "7.5": features of a T4, for testing
+
+
+def capability() -> tuple[int, int]:
+    """The GPU's compute capability, ``(9, 0)`` on an H100, ``(7, 5)`` on a T4; ``(0, 0)`` in CPU
+    mode. ``COURSE_PRETEND_CAPABILITY=7.5`` makes a newer GPU report an older one, so that the
+    course's feature checks (bf16 tensor cores, mma.sync) can be tried on it: features only,
+    the speed stays the real GPU's."""
+    import os
+
+    if not on_gpu():
+        return (0, 0)
+    pretend = os.environ.get(PRETEND_ENV, "").strip()
+    if pretend:
+        try:
+            major, minor = (int(x) for x in pretend.split("."))
+        except ValueError:
+            raise ValueError(f"{PRETEND_ENV}={pretend!r}: write it as major.minor, "
+                             "e.g. 7.5") from None
+        return (major, minor)
+    import torch
+
+    return tuple(torch.cuda.get_device_capability())
 
 
 def half_dtype(verbose: bool = True):
@@ -141,7 +164,7 @@ def half_dtype(verbose: bool = True):
 
     if not on_gpu():
         return torch.float16
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = capability()
     if (major, minor) >= (8, 0):
         return torch.bfloat16
     if verbose and (major, minor) not in _told_half:

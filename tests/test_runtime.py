@@ -83,3 +83,22 @@ def test_half_dtype_is_bf16_only_where_the_gpu_has_bf16_tensor_cores(monkeypatch
     assert cu.half_dtype() is torch.float16 and cu.half_dtype() is torch.float16
     out = capsys.readouterr().out
     assert out.count("sm_75") == 1 and "no bfloat16 tensor cores" in out  # said once
+
+
+def test_capability_and_pretending_an_older_gpu(monkeypatch):
+    monkeypatch.delenv(cu.runtime.PRETEND_ENV, raising=False)
+    if not cu.on_gpu():
+        assert cu.capability() == (0, 0)
+        return
+    assert cu.capability() == tuple(torch.cuda.get_device_capability())
+    monkeypatch.setenv(cu.runtime.PRETEND_ENV, "7.5")  # a T4's features on this GPU
+    assert cu.capability() == (7, 5)
+    assert cu.half_dtype(verbose=False) is torch.float16
+    from course_utils.kernels import flash_attention_triton as fat
+
+    q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="sm_75"):
+        fat.attention_forward(q, q, q)
+    monkeypatch.setenv(cu.runtime.PRETEND_ENV, "seven")
+    with pytest.raises(ValueError, match="major.minor"):
+        cu.capability()
