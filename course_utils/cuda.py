@@ -900,7 +900,9 @@ def _nvcc_cubin(
     source: str, *, arch: str, flags, stem: str, display_name: str, verbose: bool = False
 ) -> tuple[str, bool]:
     """Compile ``source`` to a cubin with ``nvcc -cubin -Xptxas -v`` (no GPU needed), cached
-    on disk by source, flags, arch and nvcc version. Returns (ptxas log, was it cached)."""
+    on disk by source, flags, arch and nvcc version. Returns (ptxas log, was it cached). A
+    compile that fails is cached too (its log), so that a source known not to compile for an
+    arch (the compile matrix's bf16 mma on sm_75) is not compiled again to say so."""
     nvcc = nvcc_path()
     assert nvcc is not None
     flags = list(flags)
@@ -908,8 +910,16 @@ def _nvcc_cubin(
     key = _digest(CACHE_VERSION, _nvcc_version(nvcc), arch, includes, flags, source)[:24]
     folder = _cache_dir() / "nvcc" / key
     cu, cubin, log_file = folder / f"{stem}.cu", folder / f"{stem}.cubin", folder / "ptxas.log"
+    error_file = folder / "nvcc-error.log"
+
+    def failed(log):
+        return _compile_error(log, source, tool=f"nvcc, compile-only for {arch}",
+                              display_name=display_name, source_files=(cu.name, str(cu)))
+
     if log_file.is_file() and cubin.is_file():
         return log_file.read_text(), True
+    if error_file.is_file():
+        raise failed(error_file.read_text())
     folder.mkdir(parents=True, exist_ok=True)
     cu.write_text(source)
     cmd = [
@@ -937,17 +947,14 @@ def _nvcc_cubin(
     log = done.stdout + done.stderr
     if verbose:
         print(log)
-    if done.returncode != 0:
-        raise _compile_error(
-            log,
-            source,
-            tool=f"nvcc, compile-only for {arch}",
-            display_name=display_name,
-            source_files=(cu.name, str(cu)),
-        )
-    tmp = log_file.with_suffix(".tmp")
+    # the log is written last (through a temporary file), so that a half-finished compile is
+    # never taken as cached
+    done_file = log_file if done.returncode == 0 else error_file
+    tmp = done_file.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(log)
-    tmp.replace(log_file)  # written last, so a half-finished compile is never taken as cached
+    tmp.replace(done_file)
+    if done.returncode != 0:
+        raise failed(log)
     return log, False
 
 

@@ -167,29 +167,6 @@ def _compile(source, arch, extra_flags):
         return _first_error(err)
 
 
-def _compile_remembering_errors(source, arch, extra_flags):
-    """:func:`_compile`, with compile errors remembered on disk beside course_utils.cuda's cache
-    of successful compiles (which keeps no failures), under the same kind of key: source text,
-    arch, flags, nvcc version. A kernel that is expected not to compile (bf16 mma on sm_75)
-    then costs nothing the second time."""
-    nvcc = C.nvcc_path()
-    if nvcc is None:  # NVRTC: no cache to lean on
-        return _compile(source, arch, extra_flags)
-    text, _ = C._read_source(source)
-    key = C._digest(C.CACHE_VERSION, "compile error", C._nvcc_version(nvcc), arch,
-                    [str(f) for f in extra_flags], text)[:24]
-    path = C._cache_dir() / "nvcc-errors" / f"{key}.txt"
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    result = _compile(source, arch, extra_flags)
-    if isinstance(result, str):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(result, encoding="utf-8")
-        tmp.replace(path)
-    return result
-
-
 def _check_launches(report, arch, launches) -> list[Cell]:
     """One Cell per kernel of ``launches`` on ``arch``, from ptxas's report (a list) or the
     first compile error (a str)."""
@@ -602,7 +579,7 @@ def course_matrix(archs=ALL_ARCHS, *, files=None, sources=None, workers=None) ->
     inputs = {f: sources[f] if sources and f in sources else KERNELS_DIR / f for f in files}
     jobs = [(f, arch) for f in files for arch in archs]
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        reports = pool.map(lambda job: _compile_remembering_errors(inputs[job[0]], job[1],
+        reports = pool.map(lambda job: _compile(inputs[job[0]], job[1],
                                                                     KERNEL_ONLY_FLAGS), jobs)
         reports = dict(zip(jobs, reports, strict=True))
     cells = []
