@@ -34,10 +34,7 @@ def to_percent(notebook) -> str:
         source = cell.source.rstrip("\n")
         if cell.cell_type == "code":
             blocks.append("# %%\n" + source)
-        elif cell.cell_type == "markdown":
+        else:  # markdown or raw: its lines behind "# "
             lines = [("# " + line).rstrip() for line in source.split("\n")]
-            blocks.append("# %% [markdown]\n" + "\n".join(lines))
-        else:  # raw
-            lines = [("# " + line).rstrip() for line in source.split("\n")]
-            blocks.append("# %% [raw]\n" + "\n".join(lines))
+            blocks.append(f"# %% [{cell.cell_type}]\n" + "\n".join(lines))
     return "\n\n".join(blocks) + "\n"
