@@ -43,6 +43,7 @@ __all__ = [
     "check_against_sdpa",
     "check_attention",
     "check_guard",
+    "check_nan_cause",
     "compare",
     "guarded",
     "poison_like",
@@ -185,6 +186,35 @@ def check_guard(buffer, numel, *, name, case, hint=""):
         )
 
 
+UNWRITTEN_SENTINEL = -12345.0  # a finite value that no randn-based result takes
+
+
+def check_nan_cause(out, launch_into, *, name, case, hint_unwritten, hint_values):
+    """Tell "never written" from "written with NaN read from never-stored shared memory".
+
+    ``out`` came back from a launch into a NaN-poisoned output and holds NaN. Shared memory
+    starts with leftover bits (NaN or not, from one run to the next), so a kernel that reads a
+    tile slot no thread stored can write NaN too. ``launch_into(t)`` launches the kernel again
+    into ``t``, pre-filled with a finite sentinel: elements still holding it were never written.
+
+    Returns ``hint_unwritten`` when some element was never written (the caller then lets
+    :func:`compare` report the NaN); raises :class:`CheckFailure` with ``hint_values`` when the
+    kernel wrote every element and the NaN came from shared memory.
+    """
+    again = torch.full_like(out, UNWRITTEN_SENTINEL)
+    launch_into(again)
+    if (again == UNWRITTEN_SENTINEL).any():
+        return hint_unwritten
+    nan = torch.isnan(out)
+    raise CheckFailure(
+        case,
+        f"{int(nan.sum())} elements of {name} are NaN, at {_where(nan)}, although every "
+        f"element of {name} is written: they were computed from shared-memory slots that no "
+        "thread stored (shared memory starts with leftover bits, NaN or not)",
+        hint_values,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Comparing one result
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +311,8 @@ def compare(
         if poisoned:
             why = (
                 "outputs are pre-filled with NaN, so these were never written, e.g. the last "
-                "partial tile or a missing bounds guard (or a NaN was computed: 0/0, inf - inf)"
+                "partial tile or a missing bounds guard (or a NaN was computed: 0/0, inf - inf, "
+                "or a read of a shared-memory slot that no thread stored)"
             )
         else:
             why = (

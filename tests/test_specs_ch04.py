@@ -87,6 +87,17 @@ def test_tiled_qk_stale_tile_is_named():
     assert r.status == "failed" and "not keep the previous step" in r.message
 
 
+@pytest.mark.skipif(on_gpu(), reason="sets the simulator's leftover shared memory")
+def test_tiled_qk_stale_tile_of_nan_is_still_named(nan_shared_memory):
+    """d = 3 < TILE: tile columns 3..7 are never stored, so they keep the leftover NaN."""
+    case = next(c for c in ch04.tiled_qk.cases if c.name == "d = 3 < TILE")
+    with pytest.raises(CheckFailure) as failure:
+        case.run(_qk_kernel(zero_outside=False))
+    message = str(failure.value)
+    assert "no thread stored" in message and "not keep the previous step" in message
+    assert "never written" not in message
+
+
 def test_tiled_qk_unguarded_loads_and_store_are_named():
     # The simulator stops an out-of-bounds access and the check names it; a GPU reads garbage
     # (or writes past S, into the guard region), which fails a visible case all the same.

@@ -2,7 +2,6 @@
 
 import math
 
-import numpy as np
 import pytest
 from numba import cuda, float32
 
@@ -133,26 +132,11 @@ def test_transpose_swizzle_on_one_side_only_fails():
 
 
 @pytest.mark.skipif(runtime.on_gpu(), reason="sets the simulator's leftover shared memory")
-def test_transpose_reading_unstored_slots_is_not_called_unwritten(monkeypatch):
+def test_transpose_reading_unstored_slots_is_not_called_unwritten(nan_shared_memory):
     """Leftover shared memory may be NaN: then the swizzle bug must still get the swizzle hint.
 
-    The simulator's tile starts as np.empty: whatever bits were there. CI once drew NaN, and the
-    grader blamed a missing bounds guard. Here every new shared array starts as NaN.
+    CI once drew NaN in the simulator's tile, and the grader blamed a missing bounds guard.
     """
-    from numba.cuda.simulator import kernelapi
-
-    class NumpyWithNanEmpty:  # numpy, except that np.empty of floats is all NaN
-        def __getattr__(self, name):
-            return getattr(np, name)
-
-        @staticmethod
-        def empty(shape, dtype=float, **kw):
-            out = np.empty(shape, dtype, **kw)
-            if out.dtype.kind == "f":
-                out[...] = np.nan
-            return out
-
-    monkeypatch.setattr(kernelapi, "np", NumpyWithNanEmpty())
     r = grader.check("05.swizzled_transpose", _transpose(store_swizzle=False))
     assert r.status == "failed" and "40 x 24" in r.message and "c ^ r" in r.message
     assert "no thread stored" in r.message and "bounds guard" not in r.message

@@ -41,7 +41,15 @@ import math
 import numpy as np
 import torch
 
-from ..checks import CheckFailure, assert_unchanged, check_guard, compare, guarded, snapshot
+from ..checks import (
+    CheckFailure,
+    assert_unchanged,
+    check_guard,
+    check_nan_cause,
+    compare,
+    guarded,
+    snapshot,
+)
 from ..grader import Exercise, NeedsGPU, invoke
 from ..harness.ch04 import (
     BC,
@@ -98,15 +106,22 @@ def _qk_case(Nq: int, Nk: int, d: int):
         S, buffer = guarded((Nq, Nk))
         snap = snapshot(Q, K, names=("Q", "K"))
         grid = (math.ceil(Nk / TILE), math.ceil(Nq / TILE))
-        try:
-            kernel[grid, (TILE, TILE)](kernel_array(Q), kernel_array(K), kernel_array(S))
+
+        def launch(out):
+            kernel[grid, (TILE, TILE)](kernel_array(Q), kernel_array(K), kernel_array(out))
             synchronize()
+
+        try:
+            launch(S)
         except IndexError as exc:  # the simulator checks every index; a GPU would not
             detail = f"a thread indexed out of bounds: {exc}"
             raise CheckFailure(case, detail, HINT_BOUNDS) from None
         assert_unchanged(snap, case=case)
         check_guard(buffer, Nq * Nk, name="S", case=case, hint=HINT_BOUNDS)
-        hint = HINT_UNWRITTEN if torch.isnan(S).any() else HINT_VALUES
+        hint = HINT_VALUES
+        if torch.isnan(S).any():
+            hint = check_nan_cause(S, launch, name="S", case=case,
+                                   hint_unwritten=HINT_UNWRITTEN, hint_values=HINT_VALUES)
         atol, rtol = matmul_tolerance(d)
         compare("S", S, _reference(Q, K), case=case, atol=atol, rtol=rtol, poisoned=True,
                 hint=hint)  # fmt: skip

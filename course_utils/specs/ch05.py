@@ -36,9 +36,9 @@ from numba import cuda  # specs are imported after course_utils.setup() has chos
 from .. import trace
 from ..checks import (
     CheckFailure,
-    _where,
     assert_unchanged,
     check_guard,
+    check_nan_cause,
     compare,
     guarded,
     snapshot,
@@ -170,8 +170,6 @@ swizzled_transpose = Exercise(
     "05.swizzled_transpose", "Coalesced transpose through an XOR-swizzled shared tile", points=4
 )
 
-SENTINEL = -12345.0  # a value no float32 randn draw takes
-
 HINT_BOUNDS = (
     "guard both sides: load src[row, col] only when row < M and col < N; store dst[r, c] only "
     "when r < N and c < M (dst is N x M). Sizes need not be multiples of TILE."
@@ -196,26 +194,6 @@ def _launch(kernel, src, dst):
     synchronize()
 
 
-def _why_nan(kernel, src, dst, case):
-    """NaN in ``dst``: never written, or written from a tile slot that no thread stored?
-
-    Shared memory starts with whatever was there before (NaN or not, from one run to the
-    next), so a kernel that reads a slot it never stored can write NaN. Run it again into a
-    finite sentinel: elements still holding it were never written.
-    """
-    again = torch.full_like(dst, SENTINEL)
-    _launch(kernel, src, again)
-    if (again == SENTINEL).any():
-        return HINT_UNWRITTEN
-    raise CheckFailure(
-        case,
-        f"{int(torch.isnan(dst).sum())} elements of dst are NaN, at {_where(torch.isnan(dst))}, "
-        "although every element of dst is written: they were read from tile slots that no "
-        "thread stored (shared memory starts with leftover bits, NaN or not)",
-        HINT_VALUES,
-    )
-
-
 def _transpose_case(M, N):
     def run(kernel):
         m, n = (M(), N()) if callable(M) else (M, N)
@@ -233,7 +211,8 @@ def _transpose_case(M, N):
         check_guard(buffer, m * n, name="dst", case=case, hint=HINT_BOUNDS)
         hint = HINT_VALUES
         if torch.isnan(dst).any():
-            hint = _why_nan(kernel, src, dst, case)
+            hint = check_nan_cause(dst, lambda t: _launch(kernel, src, t), name="dst", case=case,
+                                   hint_unwritten=HINT_UNWRITTEN, hint_values=HINT_VALUES)
         compare("dst", dst, src.T.contiguous(), case=case, atol=0, rtol=0, poisoned=True,
                 hint=hint)  # fmt: skip
 
