@@ -1,0 +1,503 @@
+// FlashAttention forward for Hopper (sm_90a): TMA copies, wgmma, warp specialization. Chapter 14.
+//
+// Shapes (row-major, contiguous): Q (B, H, Nq, D), K and V (B, H, Nk, D), bf16; O (B, H, Nq, D)
+// bf16; LSE (B, H, Nq) float32 (natural log). D is 64 or 128. Causal is top-left aligned, as in
+// chapters 07 and 10 (key c is masked for query r when c > r).
+//
+// One block computes BLOCK_M = 128 query rows of one head with 3 warpgroups of 128 threads:
+//   * warpgroup 0, the producer: one thread issues the TMA copies. Q once, then K(j) and V(j)
+//     into a ring of STAGES buffers. Each buffer has a "full" mbarrier (the copy landed: TMA
+//     counts the bytes) and an "empty" one (both consumers are done reading it). The producer
+//     gives most of its registers away (setmaxnreg.dec) since it only computes addresses.
+//   * warpgroups 1 and 2, the consumers: 64 query rows each. S = Q K(j)^T is one wgmma chain
+//     (m64 n128 k16, A and B read from shared memory), the online softmax runs on S in
+//     registers, O += P V(j) is a second chain with P as the A operand straight from registers.
+// Shared tiles are written by TMA with the 128-byte swizzle: a tile of R rows x D columns is
+// stored as D / 64 column panels of R rows x 64 bf16 (128 bytes a row), and within each group of
+// 8 rows the 16-byte chunk c of row r sits at chunk c ^ (r % 8). wgmma reads the same layout
+// through a matrix descriptor (start address, the byte distances between 8-row groups and
+// between panels, and the swizzle mode), so no thread ever moves a tile element itself.
+//
+// The ladder of chapter 14 is the template flags:
+//   PINGPONG  the two consumers take turns on the tensor cores (named barriers 1 and 2): while
+//             one warpgroup runs its softmax, the other's matmuls run.
+//   OVERLAP   inside one warpgroup, S(j + 1) = Q K(j + 1)^T is issued before the softmax of
+//             S(j) and O += P(j) V(j) runs under it: the exp units and the tensor cores work
+//             at the same time.
+
+#if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
+#include <torch/types.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cudaTypedefs.h>
+#include <string>
+#include <vector>
+#endif
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace fa_hopper {
+
+constexpr int CONSUMERS = 2;                  // consumer warpgroups, 64 query rows each
+constexpr int BLOCK_M = 64 * CONSUMERS;       // query rows per block
+constexpr int BLOCK_N = 128;                  // keys per K or V tile
+constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr int STAGES = 2;                     // K and V buffers in the ring
+constexpr float LOG2E = 1.4426950408889634f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo -> the lower 16 bits
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// ---------------------------------------------------------------- mbarriers and TMA
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+// One arrival that also tells the barrier how many bytes the coming TMA copies will deliver.
+__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Wait until the phase of parity `phase` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int phase) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(phase) : "memory");
+}
+
+// Copy box (c0, c1, c2) of a 3D tensor map (c0 the fastest dimension) into shared memory; the
+// barrier's transaction count drops by the box's bytes when it lands. Rows past the tensor's end
+// arrive as zeros.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                         int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
+// ---------------------------------------------------------------- wgmma
+
+// A shared-memory matrix descriptor for a 128-byte-swizzled tile: start address, the byte
+// distance between panels of 64 columns (LBO) and between groups of 8 rows (SBO), swizzle mode 1.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+    const uint64_t a = smem_addr(p);
+    return ((a & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
+           (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keep the compiler from moving reads or writes of accumulator registers across a wait.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+    #pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void fence_regs(uint32_t (&d)[R]) {
+    #pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B in shared memory, both K-major.
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D[64 x 64] += A[64 x 16] B[16 x 64], A in registers (4 x bf16x2), B in shared memory MN-major.
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// D[64 x 128] += A[64 x 16] B[16 x 128], A in registers (4 x bf16x2), B in shared memory MN-major.
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 1;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <int D, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b);
+template <>
+__device__ __forceinline__ void wgmma_rs<64, 64>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) { wgmma_rs_n64(d, a, b); }
+template <>
+__device__ __forceinline__ void wgmma_rs<128, 128>(float (&d)[64], const uint32_t (&a)[4], uint64_t b) { wgmma_rs_n128(d, a, b); }
+
+// ---------------------------------------------------------------- the kernel
+
+template <int D>
+struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boundary (8 rows x 128 B)
+    __nv_bfloat16 Q[BLOCK_M * D];
+    __nv_bfloat16 K[STAGES][BLOCK_N * D];
+    __nv_bfloat16 V[STAGES][BLOCK_N * D];
+    uint64_t q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+};
+
+// Named barriers for ping-pong: consumer w waits on 1 + w for its turn on the tensor cores.
+__device__ __forceinline__ void named_sync(int id) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
+}
+
+template <int D, bool PINGPONG, bool OVERLAP>
+__global__ void __launch_bounds__(THREADS, 1)
+flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
+                              const __grid_constant__ CUtensorMap k_map,
+                              const __grid_constant__ CUtensorMap v_map,
+                              __nv_bfloat16* __restrict__ O, float* __restrict__ LSE, int H,
+                              int Nq, int Nk, float scale, int causal) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int PANELS = D / 64;          // 64-column panels of a tile
+    constexpr int S_REGS = BLOCK_N / 2;     // a thread's share of its warpgroup's 64 x BLOCK_N S
+    constexpr int O_REGS = D / 2;           // ... and of its 64 x D O
+    constexpr int P_REGS = BLOCK_N / 4;     // P as bf16 pairs
+    extern __shared__ unsigned char smem_raw[];
+    Tiles<D>& sm = *reinterpret_cast<Tiles<D>*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+    const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
+    const int qb = causal ? q_blocks - 1 - blockIdx.x : blockIdx.x;  // the longest rows first
+    const int q0 = qb * BLOCK_M, bh = blockIdx.z * H + blockIdx.y;
+    const int key_end = causal ? min(Nk, q0 + BLOCK_M) : Nk;
+    const int n_blocks = (key_end + BLOCK_N - 1) / BLOCK_N;
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&sm.q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&sm.k_full[s], 1);
+            mbar_init(&sm.v_full[s], 1);
+            mbar_init(&sm.k_empty[s], 128 * CONSUMERS);
+            mbar_init(&sm.v_empty[s], 128 * CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ------------------------------------------------ the producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == 0) {
+            mbar_expect_bytes(&sm.q_full, BLOCK_M * D * 2);
+            for (int p = 0; p < PANELS; ++p)
+                tma_load(sm.Q + p * BLOCK_M * 64, &q_map, &sm.q_full, 64 * p, q0, bh);
+            for (int j = 0; j < n_blocks; ++j) {
+                const int s = j % STAGES, phase = (j / STAGES) & 1;
+                mbar_wait(&sm.k_empty[s], phase ^ 1);  // a fresh barrier counts as emptied
+                mbar_expect_bytes(&sm.k_full[s], BLOCK_N * D * 2);
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load(sm.K[s] + p * BLOCK_N * 64, &k_map, &sm.k_full[s], 64 * p, j * BLOCK_N, bh);
+                mbar_wait(&sm.v_empty[s], phase ^ 1);
+                mbar_expect_bytes(&sm.v_full[s], BLOCK_N * D * 2);
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load(sm.V[s] + p * BLOCK_N * 64, &v_map, &sm.v_full[s], 64 * p, j * BLOCK_N, bh);
+            }
+        }
+        return;
+    }
+
+    // -------------------------------------------------------------- the consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int w = wg - 1;                          // consumer 0 or 1: rows 64w .. 64w + 63
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;          // a lane holds rows g and g + 8, columns 2t, 2t + 1
+    const int row0 = q0 + 64 * w + 16 * warp + g;  // its two query rows: row0 and row0 + 8
+    const float scale_log2 = scale * LOG2E;
+
+    // descriptors: Q's rows of this consumer (K-major), K (K-major), V (MN-major: D runs along
+    // the 128-byte rows); step k of 16 columns inside a panel moves the start by 32 bytes
+    auto q_desc = [&](int k) {
+        return smem_desc(sm.Q + (k / 4) * BLOCK_M * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024);
+    };
+    auto k_desc = [&](int s, int k) {
+        return smem_desc(sm.K[s] + (k / 4) * BLOCK_N * 64 + (k % 4) * 16, 16, 1024);
+    };
+    auto v_desc = [&](int s, int k) {  // keys 16k .. 16k + 15
+        return smem_desc(sm.V[s] + k * 16 * 64, BLOCK_N * 128, 1024);
+    };
+    auto turn_begin = [&]() { if (PINGPONG) named_sync(1 + w); };
+    auto turn_end = [&](bool last) { if (PINGPONG && !(w == 1 && last)) named_arrive(2 - w); };
+    if (PINGPONG && w == 1) named_arrive(1);       // consumer 0 takes the first turn
+
+    float o[O_REGS], s_acc[S_REGS];
+    uint32_t p[P_REGS];
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    #pragma unroll
+    for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+
+    auto issue_s = [&](int j) {  // S = Q K(j)^T, asynchronous
+        const int s = j % STAGES;
+        mbar_wait(&sm.k_full[s], (j / STAGES) & 1);
+        wgmma_fence();
+        #pragma unroll
+        for (int k = 0; k < D / 16; ++k) wgmma_ss_n128(s_acc, q_desc(k), k_desc(s, k), k > 0);
+        wgmma_commit();
+    };
+    auto issue_pv = [&](int j) {  // O += P V(j), asynchronous
+        const int s = j % STAGES;
+        mbar_wait(&sm.v_full[s], (j / STAGES) & 1);
+        wgmma_fence();
+        #pragma unroll
+        for (int k = 0; k < BLOCK_N / 16; ++k) {
+            const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
+            wgmma_rs<D, D>(o, a, v_desc(s, k));
+        }
+        wgmma_commit();
+    };
+    // The online softmax of S(j) in place: s_acc becomes P in float (still to be rescaled into
+    // p); returns nothing, updates m, and leaves alpha (the factor for O and l) and the row sums.
+    float alpha[2], rowsum[2];
+    auto softmax = [&](int j) {
+        const int c0 = j * BLOCK_N + 2 * t;
+        const bool edge = (j + 1) * BLOCK_N > Nk || (causal && (j + 1) * BLOCK_N - 1 > q0 + 64 * w);
+        float mx[2] = {m[0], m[1]};
+        #pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int r = row0 + (i % 4 >= 2 ? 8 : 0), c = c0 + 8 * (i / 4) + (i % 2);
+            float x = s_acc[i] * scale_log2;
+            if (edge && (c >= Nk || (causal && c > r))) x = neg_inf();
+            s_acc[i] = x;
+            mx[(i % 4) / 2] = fmaxf(mx[(i % 4) / 2], x);
+        }
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+            const float base = mx[h] == neg_inf() ? 0.f : mx[h];  // a row with no key yet
+            alpha[h] = fast_exp2(m[h] - base);
+            m[h] = mx[h];
+            rowsum[h] = 0.f;
+        }
+        #pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int h = (i % 4) / 2;
+            const float base = m[h] == neg_inf() ? 0.f : m[h];
+            s_acc[i] = fast_exp2(s_acc[i] - base);
+            rowsum[h] += s_acc[i];
+        }
+    };
+    auto rescale_and_pack = [&]() {
+        #pragma unroll
+        for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i % 4) / 2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
+        #pragma unroll
+        for (int i = 0; i < P_REGS; ++i) p[i] = pack_bf16(s_acc[2 * i], s_acc[2 * i + 1]);
+    };
+
+    mbar_wait(&sm.q_full, 0);
+    if (!OVERLAP) {
+        for (int j = 0; j < n_blocks; ++j) {
+            turn_begin();
+            issue_s(j);
+            turn_end(false);
+            wgmma_wait<0>();
+            fence_regs(s_acc);
+            mbar_arrive(&sm.k_empty[j % STAGES]);
+            softmax(j);
+            rescale_and_pack();
+            turn_begin();
+            issue_pv(j);
+            turn_end(j == n_blocks - 1);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(&sm.v_empty[j % STAGES]);
+        }
+    } else {
+        turn_begin();
+        issue_s(0);
+        turn_end(false);
+        wgmma_wait<0>();
+        fence_regs(s_acc);
+        mbar_arrive(&sm.k_empty[0]);
+        softmax(0);
+        rescale_and_pack();
+        for (int j = 1; j < n_blocks; ++j) {
+            turn_begin();
+            issue_s(j);          // S(j) = Q K(j)^T ...
+            issue_pv(j - 1);     // ... and O += P(j - 1) V(j - 1), both in flight
+            turn_end(false);
+            wgmma_wait<1>();     // S(j) is done; O += P V still runs under the softmax
+            fence_regs(s_acc);
+            mbar_arrive(&sm.k_empty[j % STAGES]);
+            softmax(j);
+            wgmma_wait<0>();
+            fence_regs(o);
+            fence_regs(p);
+            mbar_arrive(&sm.v_empty[(j - 1) % STAGES]);
+            rescale_and_pack();
+        }
+        turn_begin();
+        issue_pv(n_blocks - 1);
+        turn_end(true);
+        wgmma_wait<0>();
+        fence_regs(o);
+        mbar_arrive(&sm.v_empty[(n_blocks - 1) % STAGES]);
+    }
+
+    // ---------------------------------------------------------------- epilogue
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
+    }
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + 8 * h;
+        if (r >= Nq) continue;
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        __nv_bfloat16* out = O + ((size_t)bh * Nq + r) * D + 2 * t;
+        #pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            const __nv_bfloat162 v = __floats2bfloat162_rn(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+            *reinterpret_cast<__nv_bfloat162*>(out + 8 * i) = v;
+        }
+        if (t == 0)
+            LSE[(size_t)bh * Nq + r] = l[h] > 0.f ? (m[h] + __log2f(l[h])) / LOG2E : neg_inf();
+    }
+#else
+    __trap();  // built for a GPU without sm_90a's wgmma and TMA: the host refuses to launch
+#endif
+}
+
+#if defined(FA_KERNEL_ONLY)  // compile-only builds (the compile matrix, ptxas -v): every variant
+#define FA_INSTANTIATE(DD, PP, OV)                                                               \
+    template __global__ void flash_attention_hopper_kernel<DD, PP, OV>(                          \
+        const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
+        const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
+FA_INSTANTIATE(64, false, false) FA_INSTANTIATE(64, true, false)
+FA_INSTANTIATE(64, false, true) FA_INSTANTIATE(64, true, true)
+FA_INSTANTIATE(128, false, false) FA_INSTANTIATE(128, true, false)
+FA_INSTANTIATE(128, false, true) FA_INSTANTIATE(128, true, true)
+#undef FA_INSTANTIATE
+#endif
+
+}  // namespace fa_hopper
+
+#if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
+
+static void check_cuda(cudaError_t err, const char* what) {
+    TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
+}
+
+// A 3D TMA map over a (B*H, N, D) bf16 tensor: boxes of `rows` rows x 64 columns of one head,
+// 128-byte swizzle, zeros past row N.
+static CUtensorMap make_map(const torch::Tensor& X, int rows) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult found;
+        check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled",
+                                                    reinterpret_cast<void**>(&encode), 12000,
+                                                    cudaEnableDefault, &found),
+                   "flash_attention_hopper: looking up cuTensorMapEncodeTiled");
+        TORCH_CHECK(found == cudaDriverEntryPointSuccess && encode,
+                    "flash_attention_hopper: the driver has no cuTensorMapEncodeTiled (CUDA 12+ needed)");
+    }
+    const int64_t D = X.size(3), N = X.size(2), BH = X.size(0) * X.size(1);
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)N, (cuuint64_t)BH};
+    const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)(N * D * 2)};
+    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1}, step[3] = {1, 1, 1};
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, X.data_ptr(), dims, strides,
+                              box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(r == CUDA_SUCCESS, "flash_attention_hopper: cuTensorMapEncodeTiled failed (", (int)r, ")");
+    return map;
+}
+
+template <int D, bool PINGPONG, bool OVERLAP>
+static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
+                   torch::Tensor& O, torch::Tensor& LSE, float scale, bool causal) {
+    using namespace fa_hopper;
+    const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
+    const CUtensorMap q_map = make_map(Q, BLOCK_M), k_map = make_map(K, BLOCK_N),
+                      v_map = make_map(V, BLOCK_N);
+    constexpr int SMEM = sizeof(Tiles<D>) + 1024;  // + room to align the start to 1024 bytes
+    auto kernel = flash_attention_hopper_kernel<D, PINGPONG, OVERLAP>;
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
+               "flash_attention_hopper: asking for shared memory");
+    dim3 grid((Nq + BLOCK_M - 1) / BLOCK_M, H, B);
+    kernel<<<grid, THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>(
+        q_map, k_map, v_map, reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(),
+        H, Nq, Nk, scale, causal ? 1 : 0);
+    check_cuda(cudaGetLastError(), "flash_attention_hopper: launch");
+}
+
+// O, LSE = attention(Q, K, V) with TMA and wgmma (sm_90 only). variant: 0 = warp specialized,
+// 1 = + ping-pong of the two consumers, 2 = + overlap inside a warpgroup, 3 = both.
+std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
+                                                  bool causal, int64_t variant) {
+    const char* fn = "flash_attention_hopper";
+    for (const auto* X : {&Q, &K, &V}) {
+        TORCH_CHECK(X->is_cuda(), fn, ": Q, K and V must be CUDA tensors");
+        TORCH_CHECK(X->scalar_type() == torch::kBFloat16, fn, ": Q, K and V must be bfloat16 (call .bfloat16())");
+        TORCH_CHECK(X->dim() == 4, fn, ": Q, K and V must be 4D (B, H, N, D)");
+        TORCH_CHECK(X->is_contiguous(), fn, ": Q, K and V must be contiguous (call .contiguous())");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(X->data_ptr()) % 16 == 0,
+                    fn, ": Q, K and V must start on a 16-byte boundary (call .clone())");
+    }
+    TORCH_CHECK(Q.device() == K.device() && Q.device() == V.device(), fn, ": Q, K and V must be on the same GPU");
+    TORCH_CHECK(K.sizes() == V.sizes(), fn, ": K and V must have the same shape");
+    TORCH_CHECK(Q.size(0) == K.size(0) && Q.size(1) == K.size(1) && Q.size(3) == K.size(3),
+                fn, ": Q and K must agree in B, H and D");
+    const int64_t D = Q.size(3);
+    TORCH_CHECK(D == 64 || D == 128, fn, ": head dim D must be 64 or 128, got ", std::to_string(D));
+    TORCH_CHECK(variant >= 0 && variant <= 3, fn, ": variant must be 0..3, got ", std::to_string(variant));
+    cudaDeviceProp prop;
+    check_cuda(cudaGetDeviceProperties(&prop, Q.get_device()), fn);
+    TORCH_CHECK(prop.major == 9, fn, ": needs an sm_90 GPU (H100/H200: TMA and wgmma); this one is sm_",
+                std::to_string(prop.major * 10 + prop.minor), ". Use chapter 09 or 10's kernel instead.");
+    const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
+    TORCH_CHECK(B * H <= 65535 * 65535LL && H <= 65535 && B <= 65535, fn, ": B and H must be at most 65535");
+    auto O = torch::empty_like(Q);
+    auto LSE = torch::empty({B, H, Nq}, Q.options().dtype(torch::kFloat32));
+    if (B == 0 || H == 0 || Nq == 0) return {O, LSE};
+    if (Nk == 0) return {O.zero_(), LSE.fill_(-INFINITY)};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    c10::cuda::CUDAGuard guard(Q.device());
+#define FA_LAUNCH(DD, PP, OV) launch<DD, PP, OV>(Q, K, V, O, LSE, scale, causal)
+    if (D == 64) {
+        if (variant == 0) FA_LAUNCH(64, false, false); else if (variant == 1) FA_LAUNCH(64, true, false);
+        else if (variant == 2) FA_LAUNCH(64, false, true); else FA_LAUNCH(64, true, true);
+    } else {
+        if (variant == 0) FA_LAUNCH(128, false, false); else if (variant == 1) FA_LAUNCH(128, true, false);
+        else if (variant == 2) FA_LAUNCH(128, false, true); else FA_LAUNCH(128, true, true);
+    }
+#undef FA_LAUNCH
+    return {O, LSE};
+}
+#endif
