@@ -1003,7 +1003,8 @@ class CompileOnlyModule(types.SimpleNamespace):
 _built_modules: dict[str, object] = {}  # module name -> built torch extension (this process)
 
 
-def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), verbose=False):
+def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), verbose=False,
+              arch=None):
     """Build CUDA C++ into a Python module whose functions take and return torch tensors.
 
     Args:
@@ -1020,6 +1021,9 @@ def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), ver
         extra_cuda_cflags (sequence of str): more nvcc flags, e.g. ``["-lineinfo"]``; added
             after ``-O3 -std=c++17``.
         verbose (bool): show the compiler's commands and output.
+        arch (str | None): build for this one architecture, e.g. ``"sm_90a"`` for code that uses
+            sm_90a's wgmma and TMA instructions (the ``a`` targets exactly that chip); default:
+            the GPU's own (on a GPU), sm_90 (without one).
 
     Returns:
         On a GPU: the built extension module (``mod.vector_add(x, y)``).
@@ -1054,18 +1058,24 @@ def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), ver
         )
     prototypes = cpp_prototypes(text, functions)
     extra = [str(f) for f in extra_cuda_cflags]
+    arch_list = _torch_arch_list(arch)
     if not runtime.on_gpu():
-        return _load_cuda_compile_only(text, functions, extra, display_name, verbose)
+        return _load_cuda_compile_only(text, functions, extra, display_name, verbose,
+                                       arch or DEFAULT_ARCH)
 
     import torch
     from torch.utils.cpp_extension import load_inline
 
-    key = _digest(CACHE_VERSION, text, functions, extra, torch.__version__, torch.version.cuda)
+    key = _digest(CACHE_VERSION, text, functions, extra, torch.__version__, torch.version.cuda,
+                  arch_list or "")
     module_name = f"{_safe_stem(name or functions[0])}_{key[:12]}"
     if module_name in _built_modules:
         return _built_modules[module_name]
     started = time.perf_counter()
+    saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
     try:
+        if arch_list:  # torch turns "9.0a" into -gencode=arch=compute_90a,code=sm_90a
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
         module = load_inline(
             name=module_name,
             cpp_sources=["\n".join(prototypes)],
@@ -1086,13 +1096,30 @@ def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), ver
         raise _compile_error(
             log, text, tool="torch load_inline: nvcc + g++", display_name=display_name
         ) from None
+    finally:
+        if arch_list:
+            if saved_arch_list is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch_list
     if verbose:
         print(f"built {module_name} in {time.perf_counter() - started:.1f} s")
     _built_modules[module_name] = module
     return module
 
 
-def _load_cuda_compile_only(text, functions, extra, display_name, verbose) -> CompileOnlyModule:
+def _torch_arch_list(arch) -> str | None:
+    """``"sm_90a"`` -> ``"9.0a"`` (torch's TORCH_CUDA_ARCH_LIST spelling); None stays None."""
+    if arch is None:
+        return None
+    m = re.fullmatch(r"sm_(\d)(\d)(a?)", str(arch))
+    if not m:
+        raise ValueError(f"arch={arch!r}: expected a name like 'sm_80', 'sm_90' or 'sm_90a'")
+    return f"{m.group(1)}.{m.group(2)}{m.group(3)}"
+
+
+def _load_cuda_compile_only(text, functions, extra, display_name, verbose,
+                            arch=DEFAULT_ARCH) -> CompileOnlyModule:
     clash = [f for f in functions if f in _RESERVED_ATTRIBUTES]
     if clash:
         raise ValueError(
@@ -1109,12 +1136,12 @@ def _load_cuda_compile_only(text, functions, extra, display_name, verbose) -> Co
             resource_usage=None,
             log="",
             functions=functions,
-            arch=DEFAULT_ARCH,
+            arch=arch,
             compiled=False,
         )
     stem = _safe_stem(Path(display_name).stem if display_name != "<source>" else functions[0])
     log, _cached = _nvcc_cubin(
-        text, arch=DEFAULT_ARCH, flags=extra, stem=stem, display_name=display_name, verbose=verbose
+        text, arch=arch, flags=extra, stem=stem, display_name=display_name, verbose=verbose
     )
     kernels = parse_ptxas_log(log, source=text)
     summary = (
@@ -1124,13 +1151,13 @@ def _load_cuda_compile_only(text, functions, extra, display_name, verbose) -> Co
         )
         or "no __global__ kernels in the source"
     )
-    print(f"compiled with nvcc for {DEFAULT_ARCH} (compile-only, no GPU): {summary}")
+    print(f"compiled with nvcc for {arch} (compile-only, no GPU): {summary}")
     return CompileOnlyModule(
         **{f: _NeedsGpu(f, compiled=True) for f in functions},
         resource_usage=kernels,
         log=log,
         functions=functions,
-        arch=DEFAULT_ARCH,
+        arch=arch,
         compiled=True,
     )
 

@@ -1,0 +1,116 @@
+"""A CPU model of how Hopper's TMA writes a tile into shared memory and how ``wgmma`` reads it.
+
+Chapter 14's kernel (``kernels/flash_attention_hopper.cu``) never moves a tile element with a
+thread: TMA copies a box of global memory into shared memory, and ``wgmma`` reads its operands
+straight from there through a 64-bit **matrix descriptor**. The two must agree on the layout,
+and a mistake does not crash: the tensor cores just multiply the wrong numbers. This module
+computes, byte by byte, both sides of that agreement, so the layout can be checked without a GPU.
+
+**TMA with the 128-byte swizzle.** A box of ``rows x 64`` bf16 values (128 bytes a row) lands
+row after row, and inside each group of 8 rows the 16-byte chunk ``c`` of row ``r`` is stored at
+chunk ``c ^ (r % 8)``. In address bits: bits 4-6 of the byte offset (the chunk) are XORed with
+bits 7-9 (the row within its group of 8), which is :func:`swizzle128`. The 8 rows that hold the
+same chunk of 8 consecutive rows then sit in 8 different 16-byte bank groups: reading one chunk
+from each of 8 rows has no bank conflict. A tile wider than 64 columns is copied as
+``cols / 64`` boxes, one **panel** after the other.
+
+**The matrix descriptor** (PTX ISA, "Matrix Descriptor Format"): bits 0-13 the start address,
+16-29 the *leading* byte offset (LBO), 32-45 the *stride* byte offset (SBO), each divided by 16;
+bits 62-63 the swizzle mode (1 = 128 bytes). What LBO and SBO mean depends on which dimension of
+the operand runs along the 128-byte rows:
+
+* **K-major** (the reduction dimension K is contiguous; e.g. Q and K in ``S = Q K^T``): element
+  ``(mn, k)`` of the 64 x 16 or N x 16 operand is at ``start + (mn % 8) * 128 + (mn // 8) * SBO +
+  2 k`` before the swizzle. SBO is the distance between groups of 8 rows (1024 bytes when the
+  rows are packed); LBO is unused. The next 16 columns of K: ``start + 32`` bytes.
+* **MN-major** (M or N contiguous; e.g. V in ``O = P V``, whose rows are keys, the K dimension):
+  element ``(mn, k)`` is at ``start + 2 (mn % 64) + (mn // 64) * LBO + (k % 8) * 128 + (k // 8) *
+  SBO``: LBO jumps from one 64-column panel to the next, SBO from one group of 8 rows to the next.
+
+The swizzle is applied to the final address, which is why tiles start on 1024-byte boundaries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ELEMENT_BYTES = 2  # bf16 / fp16
+ROW_BYTES = 128  # one row of a 128-byte-swizzled panel: 64 bf16
+PANEL_COLS = ROW_BYTES // ELEMENT_BYTES
+ATOM_BYTES = 8 * ROW_BYTES  # 8 rows: the unit the swizzle repeats over
+SWIZZLE_128B = 1  # the descriptor's code for the 128-byte swizzle
+
+__all__ = [
+    "ATOM_BYTES",
+    "PANEL_COLS",
+    "decode_descriptor",
+    "encode_descriptor",
+    "operand_addresses",
+    "swizzle128",
+    "tile_addresses",
+]
+
+
+def swizzle128(offset):
+    """The 128-byte swizzle of a byte offset: bits 4-6 XOR bits 7-9 (numpy arrays welcome)."""
+    offset = np.asarray(offset, dtype=np.int64)
+    return offset ^ (((offset >> 7) & 7) << 4)
+
+
+def tile_addresses(rows: int, cols: int, base: int = 0) -> np.ndarray:
+    """Byte address of every element of a ``rows x cols`` bf16 tile that TMA wrote, swizzled.
+
+    The tile is ``cols / 64`` panels of ``rows x 64`` (what one TMA box of 64 columns delivers),
+    panel after panel from ``base``, which must be a multiple of 1024. Returns an int64 array
+    of shape ``(rows, cols)``.
+    """
+    if base % ATOM_BYTES:
+        raise ValueError(f"base={base}: a swizzled tile must start on a multiple of {ATOM_BYTES} "
+                         "bytes, or the XOR pattern shifts against the rows")
+    if cols % PANEL_COLS or rows % 8:
+        raise ValueError(f"a {rows} x {cols} tile: rows must be a multiple of 8 and cols of "
+                         f"{PANEL_COLS} (one 128-byte row of bf16 per panel row)")
+    r = np.arange(rows)[:, None]
+    c = np.arange(cols)[None, :]
+    panel, inner = c // PANEL_COLS, c % PANEL_COLS
+    plain = base + panel * rows * ROW_BYTES + r * ROW_BYTES + inner * ELEMENT_BYTES
+    return swizzle128(plain)
+
+
+def encode_descriptor(start: int, lbo: int, sbo: int, swizzle: int = SWIZZLE_128B) -> int:
+    """The 64-bit wgmma matrix descriptor of a tile at shared-memory byte address ``start``."""
+    for name, value in (("start", start), ("lbo", lbo), ("sbo", sbo)):
+        if value % 16 or not 0 <= value >> 4 < 1 << 14:
+            raise ValueError(f"{name}={value}: must be a multiple of 16 below {16 << 14} bytes "
+                             "(the descriptor stores it divided by 16 in 14 bits)")
+    return (start >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (swizzle << 62)
+
+
+def decode_descriptor(desc: int) -> dict:
+    """The fields of a descriptor, in bytes: ``start``, ``lbo``, ``sbo``, ``swizzle``."""
+    field = lambda shift: (desc >> shift) & 0x3FFF  # noqa: E731
+    return {"start": field(0) << 4, "lbo": field(16) << 4, "sbo": field(32) << 4,
+            "swizzle": (desc >> 62) & 3}
+
+
+def operand_addresses(desc: int, mn: int, major: str, k: int = 16) -> np.ndarray:
+    """The byte addresses one ``wgmma`` reads for its ``mn x k`` operand, element ``(i, kk)``.
+
+    ``major="K"``: the operand's K dimension runs along the 128-byte rows (A of ``S = Q K^T`` is
+    Q, B is K: both store d contiguously). ``major="MN"``: M or N runs along them (B of ``O = P V``
+    is V, whose rows are keys, the K dimension of that product). Only the 128-byte swizzle is
+    modelled.
+    """
+    f = decode_descriptor(desc)
+    if f["swizzle"] != SWIZZLE_128B:
+        raise ValueError(f"only the 128-byte swizzle (mode 1) is modelled, got mode {f['swizzle']}")
+    i = np.arange(mn)[:, None]
+    kk = np.arange(k)[None, :]
+    if major == "K":
+        plain = f["start"] + (i % 8) * ROW_BYTES + (i // 8) * f["sbo"] + kk * ELEMENT_BYTES
+    elif major == "MN":
+        plain = (f["start"] + (i % PANEL_COLS) * ELEMENT_BYTES + (i // PANEL_COLS) * f["lbo"]
+                 + (kk % 8) * ROW_BYTES + (kk // 8) * f["sbo"])
+    else:
+        raise ValueError(f'major must be "K" or "MN", got {major!r}')
+    return swizzle128(plain)

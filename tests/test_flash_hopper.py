@@ -1,0 +1,181 @@
+"""Chapter 14's Hopper FlashAttention (course_utils/kernels/flash_attention_hopper.cu) and the CPU
+model of its shared-memory layout (course_utils/hopper.py).
+
+On a CPU: the 128-byte swizzle model against its defining properties; the kernel's wgmma
+descriptors (mirrored here from the .cu) read exactly the tile elements each product needs, as
+TMA laid them out; the source compiles for sm_90a without spills. On an H100: every variant
+(warp specialized, + ping-pong, + intra-warpgroup overlap, both) against the float64 reference on
+edge cases, with the allocator's memory filled with NaN first, and its errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import cuda as C
+from course_utils import hopper, portability, reference, runtime
+
+KERNELS = Path(__file__).resolve().parents[1] / "course_utils" / "kernels"
+SOURCE = KERNELS / "flash_attention_hopper.cu"
+CONST = portability.cxx_constants(SOURCE.read_text())
+BLOCK_M, BLOCK_N = CONST["fa_hopper::BLOCK_M"], CONST["fa_hopper::BLOCK_N"]
+
+
+def _is_h100_class():
+    return runtime.on_gpu() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_sm90 = pytest.mark.skipif(not _is_h100_class(), reason="needs an sm_90 GPU (H100/H200)")
+
+
+# ------------------------------------------------------------------ the CPU model
+
+
+def test_swizzle_keeps_16_byte_chunks_and_permutes_each_8_row_atom():
+    addr = hopper.tile_addresses(64, 128)
+    assert len(np.unique(addr)) == addr.size  # a bijection onto the tile's bytes
+    assert addr.min() == 0 and addr.max() == 64 * 128 * 2 - 2
+    # the 8 elements of a 16-byte chunk stay together and in order
+    assert (np.diff(addr.reshape(64, 16, 8), axis=-1) == 2).all()
+    # an 8-row atom stays within its own 1024 bytes of its panel
+    atom = addr[:8, :64] // hopper.ATOM_BYTES
+    assert (atom == atom[0, 0]).all()
+
+
+def test_swizzle_makes_a_column_of_chunks_conflict_free():
+    """8 consecutive rows, the same 16-byte chunk: 8 different bank groups (of 4 banks each)."""
+    addr = hopper.tile_addresses(128, 64)
+    for r0 in range(0, 128, 8):
+        for chunk in range(8):
+            groups = (addr[r0:r0 + 8, 8 * chunk] % 128) // 16
+            assert sorted(groups) == list(range(8)), (r0, chunk)
+    plain = np.arange(8)[:, None] * 128  # unswizzled: one bank group for all 8 rows
+    assert len(set(((plain % 128) // 16).ravel())) == 1
+
+
+def test_descriptor_round_trip_and_errors():
+    d = hopper.encode_descriptor(4096 + 32, 16384, 1024)
+    assert hopper.decode_descriptor(d) == {"start": 4128, "lbo": 16384, "sbo": 1024, "swizzle": 1}
+    with pytest.raises(ValueError, match="multiple of 16"):
+        hopper.encode_descriptor(8, 16, 1024)
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        hopper.tile_addresses(64, 64, base=512)
+
+
+# The kernel's descriptors, as flash_attention_hopper.cu builds them (q_desc, k_desc, v_desc):
+# element offsets from the tile's start, times 2 bytes; tiles start on 1024-byte boundaries.
+def _q_desc(base, w, k, D):
+    offset = (k // 4) * BLOCK_M * 64 + w * 64 * 64 + (k % 4) * 16
+    return hopper.encode_descriptor(base + 2 * offset, 16, 1024)
+
+
+def _k_desc(base, k):
+    return hopper.encode_descriptor(base + 2 * ((k // 4) * BLOCK_N * 64 + (k % 4) * 16), 16, 1024)
+
+
+def _v_desc(base, k):
+    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_N * 128, 1024)
+
+
+def test_kernel_source_builds_the_descriptors_mirrored_here():
+    text = SOURCE.read_text()
+    for line in ("smem_desc(sm.Q + (k / 4) * BLOCK_M * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024)",
+                 "smem_desc(sm.K[s] + (k / 4) * BLOCK_N * 64 + (k % 4) * 16, 16, 1024)",
+                 "smem_desc(sm.V[s] + k * 16 * 64, BLOCK_N * 128, 1024)"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_wgmma_reads_the_elements_each_product_needs(D):
+    """S = Q K^T and O += P V step by step: each descriptor's 16 columns are the right ones."""
+    q_base, k_base, v_base = 0, 1024 * 64, 1024 * 128
+    Q = hopper.tile_addresses(BLOCK_M, D, q_base)
+    K = hopper.tile_addresses(BLOCK_N, D, k_base)
+    V = hopper.tile_addresses(BLOCK_N, D, v_base)
+    for w in range(BLOCK_M // 64):  # each consumer warpgroup: its 64 rows of Q
+        for k in range(D // 16):  # A = Q[64w:64w+64, 16k:16k+16], B = K[:, 16k:16k+16]
+            a = hopper.operand_addresses(_q_desc(q_base, w, k, D), 64, "K")
+            np.testing.assert_array_equal(a, Q[64 * w:64 * w + 64, 16 * k:16 * k + 16])
+            b = hopper.operand_addresses(_k_desc(k_base, k), BLOCK_N, "K")
+            np.testing.assert_array_equal(b, K[:, 16 * k:16 * k + 16])
+    for k in range(BLOCK_N // 16):  # B of O += P V: keys 16k..16k+15 (K dim) x all D (N dim)
+        b = hopper.operand_addresses(_v_desc(v_base, k), D, "MN")
+        np.testing.assert_array_equal(b, V[16 * k:16 * k + 16, :].T)
+
+
+def test_a_wrong_stride_reads_other_elements():
+    """The check above can fail: V read with the K tile's descriptor reads the wrong bytes."""
+    V = hopper.tile_addresses(BLOCK_N, 128, 0)
+    wrong = hopper.operand_addresses(hopper.encode_descriptor(0, 16, 1024), 128, "MN")
+    assert not np.array_equal(wrong, V[:16, :].T)
+    transposed = hopper.operand_addresses(_v_desc(0, 0), 128, "K")
+    assert not np.array_equal(transposed, V[:16, :].T)
+
+
+@pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
+def test_compiles_for_sm90a_without_spills():
+    report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=["-DFA_KERNEL_ONLY"])
+    assert len(report) == 8  # D in {64, 128} x PINGPONG x OVERLAP
+    for r in report:
+        # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
+        # before setmaxnreg moves them from the producer to the consumers
+        assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
+
+
+# ------------------------------------------------------------------ on an H100
+
+_module = None
+
+
+def _load():
+    global _module
+    if _module is None:
+        _module = C.load_cuda(SOURCE, ["flash_attention_hopper"], name="flash_attention_hopper",
+                              arch="sm_90a")
+    return _module
+
+
+def _poison_allocator(nbytes=1 << 26):
+    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del junk  # the caching allocator hands this NaN-filled block out again
+
+
+@needs_sm90
+@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+@pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
+    (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0),
+    (1, 2, 130, 130, 128, True, 1.0), (1, 1, 64, 300, 128, False, 1.0),
+    (1, 1, 300, 300, 64, True, 1.0), (1, 1, 300, 64, 128, True, 1.0),
+    (1, 2, 129, 65, 128, False, 20.0), (2, 1, 513, 513, 128, True, 1.0),
+    (1, 2, 1024, 1024, 64, False, 1.0)])
+def test_matches_float64(variant, B, H, Nq, Nk, D, causal, big):
+    Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
+    K = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
+    V = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
+    _poison_allocator()
+    O, lse = _load().flash_attention_hopper(Q, K, V, causal, variant)
+    O_ref, lse_ref = reference.attention(Q, K, V, causal=causal)
+    seen = torch.isfinite(lse_ref)
+    assert torch.isfinite(O).all(), "an element of O was never written (NaN from the poison)"
+    torch.testing.assert_close(O.double(), O_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double()[seen], lse_ref[seen], atol=1e-2 * big, rtol=1e-3)
+    assert torch.isneginf(lse[~seen]).all()
+
+
+@needs_sm90
+def test_bad_input_says_what_is_wrong():
+    f = _load().flash_attention_hopper
+    Q = torch.randn(1, 1, 8, 64, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        f(Q.half(), Q.half(), Q.half(), False, 3)
+    with pytest.raises(RuntimeError, match="head dim D must be 64 or 128, got 32"):
+        q = Q[..., :32].contiguous()
+        f(q, q, q, False, 3)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        f(Q.transpose(2, 3), Q, Q, False, 3)
+    with pytest.raises(RuntimeError, match="variant must be 0..3"):
+        f(Q, Q, Q, False, 4)
