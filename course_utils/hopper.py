@@ -46,6 +46,8 @@ __all__ = [
     "decode_descriptor",
     "encode_descriptor",
     "operand_addresses",
+    "SCHEDULES",
+    "schedule",
     "swizzle128",
     "tile_addresses",
 ]
@@ -114,3 +116,90 @@ def operand_addresses(desc: int, mn: int, major: str, k: int = 16) -> np.ndarray
     else:
         raise ValueError(f'major must be "K" or "MN", got {major!r}')
     return swizzle128(plain)
+
+
+# ---------------------------------------------------------------------------------------------
+# A timing model of the consumer loop: who waits for whom on the tensor cores and the exp units
+# ---------------------------------------------------------------------------------------------
+
+SCHEDULES = ("one warpgroup", "two warpgroups", "ping-pong", "ping-pong + overlap")
+
+
+def schedule(kind: str, n_blocks: int, t_gemm: float, t_softmax: float) -> dict:
+    """Simulate the key-block loop of one thread block; return what ran where, and when.
+
+    Each key block j takes two matrix products per consumer warpgroup, ``S = Q K_j^T`` ("S") and
+    ``O += P V_j`` ("PV"), each ``t_gemm`` long on the SM's tensor cores, and one softmax
+    ("softmax", ``t_softmax``) on the exp units and ALUs. The tensor cores run one product at a
+    time, in the order they were issued; the exp units one softmax at a time. ``kind``:
+
+    * ``"one warpgroup"``: S, softmax, PV, one after the other, one consumer;
+    * ``"two warpgroups"``: two consumers, each as above, in lockstep: both wait for the same K
+      and V tiles, so they issue their products together and the tensor cores interleave them
+      (each takes twice as long), then both run their softmax at the same time, sharing the exp
+      units, while the tensor cores have nothing to do;
+    * ``"ping-pong"``: the two take turns on the tensor cores (0, 1, 0, 1, ...: a named barrier
+      in the kernel), so that one's softmax runs while the other's products run;
+    * ``"ping-pong + overlap"``: and inside each consumer, S(j) and PV(j - 1) are issued together,
+      before the softmax of S(j): PV(j - 1) runs under that softmax.
+
+    A consumer issues a *turn* (one or two products), waits for what its next turn needs (its
+    S for the softmax, and without overlap its PV too), and issues the next.
+
+    Returns ``{"ops": [(warpgroup, name, j, unit, start, end), ...], "time": the total,
+    "tensor_busy": the fraction of that time the tensor cores work}``.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"kind must be one of {SCHEDULES}, got {kind!r}")
+    if n_blocks < 1 or t_gemm <= 0 or t_softmax < 0:
+        raise ValueError("need n_blocks >= 1, t_gemm > 0 and t_softmax >= 0")
+    groups = 1 if kind == "one warpgroup" else 2
+    overlap, alternate = kind == "ping-pong + overlap", kind.startswith("ping-pong")
+    if overlap:  # (products issued together, the softmax that follows them)
+        turns = [([("S", 0)], 0)]
+        turns += [([("S", j), ("PV", j - 1)], j) for j in range(1, n_blocks)]
+        turns += [([("PV", n_blocks - 1)], None)]
+    else:
+        turns = [t for j in range(n_blocks) for t in (([("S", j)], j), ([("PV", j)], None))]
+
+    free = {"tensor": 0.0, "exp": 0.0}
+    ops, ends = [], {}
+
+    def run(w, name, j, unit, ready, length):
+        start = max(ready, free[unit])
+        free[unit] = start + length
+        ends[(w, name, j)] = start + length
+        ops.append((w, name, j, unit, start, start + length))
+        return start + length
+
+    if not alternate:  # lockstep: every unit is shared by all consumers at once
+        ready = 0.0
+        for products, softmax_of in turns:
+            start = max(ready, free["tensor"])
+            for name, j in products:
+                end = start + groups * t_gemm
+                for w in range(groups):
+                    ops.append((w, name, j, "tensor", start, end))
+                    ends[(w, name, j)] = end
+                start = free["tensor"] = end
+            ready = start
+            if softmax_of is not None:
+                begin = max(ends[(0, "S", softmax_of)], free["exp"])
+                ready = free["exp"] = begin + groups * t_softmax
+                ops.extend((w, "softmax", softmax_of, "exp", begin, ready) for w in range(groups))
+    else:  # ping-pong: the consumers issue their turns strictly one after the other
+        position, ready, last_issue = [0] * groups, [0.0] * groups, 0.0
+        for k in range(groups * len(turns)):
+            w = k % groups
+            issue = max(ready[w], last_issue)
+            products, softmax_of = turns[position[w]]
+            after = max(run(w, name, j, "tensor", issue, t_gemm) for name, j in products)
+            if softmax_of is not None:
+                after = max(after, run(w, "softmax", softmax_of, "exp",
+                                       ends[(w, "S", softmax_of)], t_softmax))
+            ready[w], last_issue = after, issue
+            position[w] += 1
+    busy_until = sorted({(op[4], op[5]) for op in ops if op[3] == "tensor"})
+    total = max(op[5] for op in ops)
+    busy = sum(end - start for start, end in busy_until)  # shared intervals counted once
+    return {"ops": ops, "time": total, "tensor_busy": busy / total}

@@ -179,3 +179,37 @@ def test_bad_input_says_what_is_wrong():
         f(Q.transpose(2, 3), Q, Q, False, 3)
     with pytest.raises(RuntimeError, match="variant must be 0..3"):
         f(Q, Q, Q, False, 4)
+
+
+# ------------------------------------------------------------------ the schedule model
+
+
+@pytest.mark.parametrize("kind", hopper.SCHEDULES)
+@pytest.mark.parametrize("t_softmax", [0.5, 1.0, 2.0])
+def test_schedule_respects_every_dependency(kind, t_softmax):
+    r = hopper.schedule(kind, 6, 1.0, t_softmax)
+    when = {(w, name, j): (start, end) for w, name, j, _, start, end in r["ops"]}
+    groups = 1 if kind == "one warpgroup" else 2
+    assert len(when) == groups * 6 * 3  # S, softmax and PV of every block, per consumer
+    for (w, name, j), (start, _) in when.items():
+        if name == "softmax":
+            assert start >= when[(w, "S", j)][1]  # needs its S
+        if name == "PV":
+            assert start >= when[(w, "softmax", j)][1]  # needs its P
+        if name == "S" and j > 0 and kind != "ping-pong + overlap":
+            assert start >= when[(w, "PV", j - 1)][1]  # waits for its PV without overlap
+    if kind.startswith("ping-pong"):  # one product at a time on the tensor cores
+        spans = sorted((s, e) for _, _, _, unit, s, e in r["ops"] if unit == "tensor")
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_schedule_shows_why_each_step_matters():
+    """Lockstep consumers leave the tensor cores idle during the softmax; taking turns hides a
+    softmax as long as one product; overlap inside a consumer hides a longer one."""
+    busy = {k: hopper.schedule(k, 32, 1.0, 2.0)["tensor_busy"] for k in hopper.SCHEDULES}
+    assert busy["two warpgroups"] == pytest.approx(busy["one warpgroup"])
+    assert busy["ping-pong"] > busy["two warpgroups"] + 0.1
+    assert busy["ping-pong + overlap"] > busy["ping-pong"] + 0.2
+    assert hopper.schedule("ping-pong", 32, 1.0, 1.0)["tensor_busy"] > 0.95
+    with pytest.raises(ValueError, match="kind must be one of"):
+        hopper.schedule("pingpong", 4, 1.0, 1.0)
