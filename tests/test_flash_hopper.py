@@ -134,8 +134,9 @@ _module = None
 def _load():
     global _module
     if _module is None:
+        # the watchdog build: a deadlocked mbarrier wait traps after ~1 s instead of hanging
         _module = C.load_cuda(SOURCE, ["flash_attention_hopper"], name="flash_attention_hopper",
-                              arch="sm_90a")
+                              arch="sm_90a", extra_cuda_cflags=["-DFA_HOPPER_WATCHDOG"])
     return _module
 
 

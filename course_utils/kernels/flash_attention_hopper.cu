@@ -76,12 +76,30 @@ __device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes)
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
-// Wait until the phase of parity `phase` has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int phase) {
+// Has the phase of parity `phase` completed? (try_wait suspends the thread for a while first.)
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, int phase) {
+    uint32_t done;
     asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(phase) : "memory");
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
+    return done != 0;
+}
+// Wait until the phase of parity `phase` has completed. A wrong parity or a missing arrival
+// waits forever and hangs the GPU, and whatever waits on it (a notebook, a test). Built with
+// -DFA_HOPPER_WATCHDOG (the tests do), a wait gives up after 2^31 cycles (about a second) with
+// __trap(), and the next CUDA call reports "unspecified launch failure" instead of hanging. Not
+// by default: its one extra register makes the d = 128 overlapped consumers spill.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int phase) {
+#if defined(FA_HOPPER_WATCHDOG)
+    if (mbar_try_wait(bar, phase)) return;
+    const unsigned start = static_cast<unsigned>(clock());
+    while (!mbar_try_wait(bar, phase))
+        if (static_cast<unsigned>(clock()) - start > (1u << 31)) __trap();
+#else
+    while (!mbar_try_wait(bar, phase)) {
+    }
+#endif
 }
 
 // Copy box (c0, c1, c2) of a 3D tensor map (c0 the fastest dimension) into shared memory; the
