@@ -48,9 +48,12 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// 2^x in one MUFU.EX2. volatile: the exponentials stay after the wgmma issued before them in
+// program order, so that they run while the tensor cores work (instead of the compiler moving
+// the issue behind them).
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    asm volatile("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
 
