@@ -214,3 +214,85 @@ def test_schedule_shows_why_each_step_matters():
     assert hopper.schedule("ping-pong", 32, 1.0, 1.0)["tensor_busy"] > 0.95
     with pytest.raises(ValueError, match="kind must be one of"):
         hopper.schedule("pingpong", 4, 1.0, 1.0)
+
+
+# ------------------------------------------------------------------ the consumer's loop, in numpy
+
+
+def _consumer_loop(S_blocks, V_blocks, overlap):
+    """O, LSE of one row block as the .cu's consumer computes them, in the same order.
+
+    Without overlap: S(j), softmax(j) (m, alpha, P in float), O *= alpha, O += P V(j).
+    With overlap: S(j) and P(j-1) V(j-1) in flight together; the softmax of S(j) runs before
+    O += P(j-1) V(j-1) has landed, and O *= alpha(j) only after it has (in rescale_and_pack).
+    Base 2, the scale folded in, like the kernel.
+    """
+    rows, D = S_blocks[0].shape[0], V_blocks[0].shape[1]
+    m = np.full(rows, -np.inf)
+    l = np.zeros(rows)
+    O = np.zeros((rows, D))
+
+    def softmax(S):
+        nonlocal m
+        mx = np.maximum(m, S.max(axis=1))
+        base = np.where(np.isneginf(mx), 0.0, mx)
+        alpha = np.exp2(m - base)
+        m = mx
+        P = np.exp2(S - base[:, None])
+        return P, alpha, P.sum(axis=1)
+
+    if not overlap:
+        for S, V in zip(S_blocks, V_blocks, strict=True):
+            P, alpha, rowsum = softmax(S)
+            O *= alpha[:, None]
+            l = l * alpha + rowsum
+            O += P @ V
+    else:
+        P, alpha, rowsum = softmax(S_blocks[0])
+        O *= alpha[:, None]
+        l = l * alpha + rowsum
+        for j in range(1, len(S_blocks)):
+            in_flight = P @ V_blocks[j - 1]  # issued with S(j), lands after softmax(j)
+            P_next, alpha, rowsum = softmax(S_blocks[j])
+            O += in_flight
+            O *= alpha[:, None]
+            l = l * alpha + rowsum
+            P = P_next
+        O += P @ V_blocks[-1]
+    return O / l[:, None], (m + np.log2(l)) / np.log2(np.e)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("n_blocks", [1, 2, 5])
+def test_the_overlapped_order_computes_attention(overlap, n_blocks):
+    rng = np.random.default_rng()
+    rows, keys, D = 8, 16, 4
+    S = rng.normal(size=(rows, keys * n_blocks)) * 5.0  # in log2 units, scale folded in
+    S[:, keys * n_blocks - 3:] = -np.inf  # masked keys at the end, as past Nk
+    V = rng.normal(size=(keys * n_blocks, D))
+    O, lse = _consumer_loop(np.split(S, n_blocks, axis=1), np.split(V, n_blocks), overlap)
+    P = np.exp2(S - S.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(O, (P / P.sum(axis=1, keepdims=True)) @ V, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, np.log(np.exp2(S).sum(axis=1)), rtol=1e-12)
+
+
+def test_rescaling_before_the_in_flight_product_lands_would_be_wrong():
+    """The order matters: O *= alpha(j) before P(j-1) V(j-1) is added leaves that product
+    unscaled; the numpy loop above with the two lines swapped must fail."""
+    rng = np.random.default_rng(0)
+    S = [rng.normal(size=(4, 8)) * 5.0 for _ in range(3)]
+    S[2] += 10.0  # a larger max later: alpha < 1
+    V = [rng.normal(size=(8, 2)) for _ in range(3)]
+    O, _ = _consumer_loop(S, V, overlap=True)
+    m, l, O_wrong = np.full(4, -np.inf), np.zeros(4), np.zeros((4, 2))
+    P = None
+    for j in range(3):
+        mx = np.maximum(m, S[j].max(axis=1))
+        alpha, m = np.exp2(m - mx), mx
+        O_wrong *= alpha[:, None]
+        if P is not None:
+            O_wrong += P @ V[j - 1]  # added after the rescale: wrong
+        P = np.exp2(S[j] - m[:, None])
+        l = l * alpha + P.sum(axis=1)
+    O_wrong = (O_wrong + P @ V[2]) / l[:, None]
+    assert not np.allclose(O_wrong, O)
