@@ -91,6 +91,25 @@ def _text(args) -> int:
     return 0
 
 
+def _colab(args) -> int:
+    from . import colab
+
+    if args.repository:
+        colab.set_repository(args.repository, args.branch)
+    if not args.check:
+        for path in colab.apply():
+            print(f"updated {path.relative_to(colab.ROOT)}")
+        if args.repository:
+            print("now run `python -m course_utils assign` to carry it into exercises/")
+    problems = colab.check()
+    for line in problems:
+        print(line)
+    conf = colab.settings()
+    where = conf["repository"] or "no repository set (plain setup cells, no badges)"
+    print(f"Colab: {where}; {'all notebooks agree' if not problems else 'out of date'}")
+    return 1 if problems else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +142,12 @@ def main(argv=None) -> int:
                             "flash_attention_mma.cu", "sgemm.cu"],
                    help="a file of course_utils/kernels to check (repeatable; default all)")
     p.set_defaults(func=_portability)
+    c = sub.add_parser("colab", help="put an Open-in-Colab badge and an installing first cell "
+                       "on every notebook, for the course's public repository")
+    c.add_argument("--repository", help="https://github.com/OWNER/REPO (stored in pyproject.toml)")
+    c.add_argument("--branch", default="main", help="the branch the badges open (default main)")
+    c.add_argument("--check", action="store_true", help="only report notebooks out of date")
+    c.set_defaults(func=_colab)
     t = sub.add_parser("text", help="print notebooks as percent-format text (# %% cells); "
                        "also git's textconv for *.ipynb diffs")
     t.add_argument("notebooks", nargs="+", type=Path)
