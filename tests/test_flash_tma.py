@@ -520,3 +520,311 @@ def test_gpu_fp8_hardware_and_fp32_rounding_of_p_agree():
     O_hw, LSE_hw = tma.attention_forward_fp8_quantized(inputs, True, round_in_fp32=False)
     O_sw, LSE_sw = tma.attention_forward_fp8_quantized(inputs, True, round_in_fp32=True)
     assert torch.equal(O_hw, O_sw) and torch.equal(LSE_hw, LSE_sw)
+
+
+# ---------------------------------------------------------------------------------------------
+# TMA backward (attention_backward_tma) and the autograd wrapper (flash_attention_tma)
+# ---------------------------------------------------------------------------------------------
+# Against float64 autograd-free gradients of exact attention (chapter 09's closed form,
+# reference_gradients), with chapter 09's gradient tolerances, into NaN-poisoned outputs.
+
+from course_utils.harness.ch09 import grad_tolerance, reference_gradients  # noqa: E402
+from course_utils.kernels import flash_attention_triton as fat  # noqa: E402
+
+
+def _bwd_problem(shape, dtype, d=D, score_std=1.0):
+    """Fresh ``(q, k, v, dO)`` and the forward's ``(O, LSE)`` from attention_forward_tma."""
+    q, k, v = _problem(shape, dtype, d=d, score_std=score_std)
+    dO = torch.randn(q.shape, device=DEV).to(dtype)
+    O, LSE = tma.attention_forward_tma(q, k, v, shape[4])
+    return q, k, v, dO, O, LSE
+
+
+def _poisoned_grads(q, k, v):
+    return checks.poison_like(q), checks.poison_like(k), checks.poison_like(v)
+
+
+def _check_grads(grads, q, k, v, dO, causal, scale, case):
+    ref = reference_gradients(q, k, v, dO, causal, scale)
+    max_score = _max_score(q, k, scale)
+    for name, got, want in zip(("dQ", "dK", "dV"), grads, ref[2:5], strict=True):
+        atol, rtol = grad_tolerance(q.dtype, want, max_score)
+        checks.compare(name, got, want, case=case, atol=atol, rtol=rtol, dtype=q.dtype,
+                       poisoned=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=_name)
+def test_tma_backward_matches_float64(shape, dtype):
+    q, k, v, dO, O, LSE = _bwd_problem(shape, dtype)
+    grads = tma.attention_backward_tma(q, k, v, O, LSE, dO, shape[4],
+                                       out=_poisoned_grads(q, k, v))
+    _check_grads(grads, q, k, v, dO, shape[4], 1 / math.sqrt(D), _name(shape))
+
+
+@pytest.mark.parametrize("d", (16, 32, 64, 128))
+def test_tma_backward_every_head_dim(d):
+    shape = cu.pick(gpu=(2, 2, 700, 650, True), cpu=(1, 2, 40, 37, True))
+    q, k, v, dO, _, _ = _bwd_problem(shape, HALF, d=d)
+    O, LSE = tma.attention_forward_tma(q, k, v, True, scale=0.3)
+    grads = tma.attention_backward_tma(q, k, v, O, LSE, dO, True, scale=0.3,
+                                       out=_poisoned_grads(q, k, v))
+    _check_grads(grads, q, k, v, dO, True, 0.3, f"d={d}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES[-2:], ids=str)
+@pytest.mark.parametrize("causal", (False, True))
+def test_tma_backward_large_logits(causal, dtype):
+    # scores of std 20 (max ~80): P = exp2(S - LSE) must stay <= 1 with the LSE of the forward
+    shape = cu.pick(gpu=(1, 2, 1000, 1000, causal), cpu=(1, 2, 40, 35, causal))
+    q, k, v, dO, O, LSE = _bwd_problem(shape, dtype, score_std=20.0)
+    grads = tma.attention_backward_tma(q, k, v, O, LSE, dO, causal, out=_poisoned_grads(q, k, v))
+    _check_grads(grads, q, k, v, dO, causal, 1 / math.sqrt(D), f"std 20 logits, {dtype}")
+
+
+# The interpreter warns about the rows of dK, dV that keys past Nk give (inf, NaN: dropped)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2",
+                            "ignore:invalid value encountered in matmul")
+def test_tma_backward_rows_whose_every_score_is_below_minus_88():
+    # Every score about -150, so every LSE < -88: a key past Nk (loaded as zeros, score 0) that
+    # were not masked would have P = exp(0 - LSE) = inf, and inf * 0 (its zero K row) = NaN in
+    # dQ. Nk = 37 is not a multiple of the key tile.
+    B, H, Nq, Nk = 1, 2, 40, 37
+    u = torch.nn.functional.normalize(torch.randn(D, device=DEV), dim=0)
+    c = math.sqrt(150 * math.sqrt(D))  # scores c * -c / sqrt(d) = -150
+    q = (c * u + 0.3 * torch.randn(B, H, Nq, D, device=DEV)).to(DTYPES[0])
+    k = (-c * u + 0.3 * torch.randn(B, H, Nk, D, device=DEV)).to(DTYPES[0])
+    v, dO = (torch.randn(B, H, n, D, device=DEV).to(DTYPES[0]) for n in (Nk, Nq))
+    for causal in (False, True):
+        O, LSE = tma.attention_forward_tma(q, k, v, causal)
+        assert float(LSE.max()) < -88
+        grads = tma.attention_backward_tma(q, k, v, O, LSE, dO, causal,
+                                           out=_poisoned_grads(q, k, v))
+        _check_grads(grads, q, k, v, dO, causal, 1 / math.sqrt(D), f"scores ~ -150, {causal=}")
+
+
+def test_tma_backward_rows_that_saw_no_key_get_no_gradient():
+    # LSE = -inf and O = 0 for the first rows (what a forward gives a row with no key): their
+    # P must be 0 (not exp2(S + inf) = inf) in both kernels, and their dQ 0.
+    B, H, Nq, Nk, dead = 1, 2, 40, 29, 5
+    q, k, v = _problem((B, H, Nq, Nk, False), torch.float32)
+    dO = torch.randn(q.shape, device=DEV)
+    keep = torch.ones(Nq, Nk, dtype=torch.bool, device=DEV)
+    keep[:dead] = False
+    scale = 1 / math.sqrt(D)
+    q64, k64, v64, dO64 = (t.double() for t in (q, k, v, dO))
+    O64, LSE64 = reference.attention(q64, k64, v64, mask=keep, scale=scale)
+    assert (LSE64[..., :dead] == -math.inf).all()
+    grads = tma.attention_backward_tma(q, k, v, O64.float(), LSE64.float(), dO, False,
+                                       out=_poisoned_grads(q, k, v))
+    S = scale * q64 @ k64.transpose(-2, -1)
+    P = torch.where(keep, torch.exp(S - LSE64[..., None].clamp(min=-1e300)), 0.0)
+    dS = P * (dO64 @ v64.transpose(-2, -1) - (dO64 * O64).sum(-1, keepdim=True))
+    want = (scale * dS @ k64, scale * dS.transpose(-2, -1) @ q64, P.transpose(-2, -1) @ dO64)
+    for name, got, w in zip(("dQ", "dK", "dV"), grads, want, strict=True):
+        checks.compare(name, got, w, case="LSE = -inf in rows 0..4", atol=1e-4, rtol=1e-4,
+                       poisoned=True)
+    assert (grads[0][:, :, :dead] == 0).all()
+
+
+def test_tma_backward_stores_stop_at_each_heads_end_and_loads_past_it_read_zeros():
+    # dQ, dK, dV in guarded buffers (a store past the last head's last row would write into the
+    # guard); q, k, v, dO and LSE followed by NaN in memory (a load past the last head's row Nq
+    # or Nk that did not give zeros, or an unmasked LSE load, would put NaN into the gradients).
+    B, H, Nq, Nk = 2, 3, 45, 37
+    q, k, v = _problem((B, H, Nq, Nk, True), DTYPES[-1])
+    dO = torch.randn(q.shape, device=DEV).to(q.dtype)
+    nan_after = []
+    for t in (q, k, v, dO):
+        buffer = torch.full((t.numel() + 4096,), math.nan, dtype=t.dtype, device=DEV)
+        nan_after.append(buffer[:t.numel()].view(t.shape).copy_(t))
+    for causal in (False, True):
+        O, LSE = tma.attention_forward_tma(q, k, v, causal)
+        LSE = torch.full((LSE.numel() + 64,), math.nan, device=DEV)[:LSE.numel()].view(
+            LSE.shape).copy_(LSE)
+        outs, buffers = zip(*(checks.guarded(t.shape, t.dtype) for t in (q, k, v)), strict=True)
+        grads = tma.attention_backward_tma(*nan_after[:3], O, LSE, nan_after[3], causal,
+                                           out=outs)
+        for name, g, buffer in zip(("dQ", "dK", "dV"), grads, buffers, strict=True):
+            checks.check_guard(buffer, g.numel(), name=name, case=f"guarded, {causal=}")
+        _check_grads(grads, q, k, v, dO, causal, 1 / math.sqrt(D), f"guarded, {causal=}")
+
+
+def test_tma_backward_is_deterministic_and_allocates_its_outputs():
+    shape = cu.pick(gpu=(1, 2, 1000, 1000, True), cpu=(1, 2, 45, 45, True))
+    q, k, v, dO, O, LSE = _bwd_problem(shape, DTYPES[0])
+    first = tma.attention_backward_tma(q, k, v, O, LSE, dO, True)
+    second = tma.attention_backward_tma(q, k, v, O, LSE, dO, True)
+    for a, b, like in zip(first, second, (q, k, v), strict=True):
+        assert a.shape == like.shape and a.dtype == like.dtype and torch.equal(a, b)
+
+
+def test_tma_backward_takes_other_tiles():
+    q, k, v, dO, O, LSE = _bwd_problem((2, 1, 70, 50, True), DTYPES[-1])
+    for config in ({"dkdv": triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4,
+                                          num_stages=2)},
+                   {"dq": triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4,
+                                        num_stages=2)},
+                   {"dkdv": triton.Config({"BLOCK_M": 16, "BLOCK_N": 64}, num_warps=4,
+                                          num_stages=3),
+                    "dq": triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4,
+                                        num_stages=3)}):
+        grads = tma.attention_backward_tma(q, k, v, O, LSE, dO, True, config=config,
+                                           out=_poisoned_grads(q, k, v))
+        _check_grads(grads, q, k, v, dO, True, 1 / math.sqrt(D), str(config))
+
+
+@pytest.mark.parametrize("dtype", DTYPES[-2:], ids=str)
+def test_flash_attention_tma_autograd_matches_chapter_09(dtype):
+    # The wrapper's O and gradients against chapter 09's flash_attention_triton (the same math,
+    # on a GPU with other tiles: equal to rounding) and against float64. The first loss puts O
+    # after one other element: autograd hands the backward a dO that starts one element into a
+    # buffer (not 16-byte aligned, which TMA needs); the second, O.sum(), a broadcast one.
+    shape = cu.pick(gpu=(2, 2, 700, 900, True), cpu=(1, 2, 40, 29, True))
+    q, k, v = _problem(shape, dtype, d=32)
+    w = torch.randn(q.numel() + 1, device=DEV).to(dtype)
+    for loss_of in (lambda O: (torch.cat([O.new_ones(1), O.flatten()]) * w).sum(),
+                    lambda O: O.sum()):
+        grads, outs = [], []
+        for f in (tma.flash_attention_tma, fat.flash_attention_triton):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            O = f(*leaves, causal=True, scale=0.3)
+            loss_of(O).backward()
+            outs.append(O.detach())
+            grads.append([t.grad for t in leaves])
+        # In the interpreter both run the same tiles (chapter 09's CPU_CONFIGS): bit for bit.
+        tol = cu.pick(gpu={torch.float32: 1e-4, torch.float16: 6e-3}[dtype], cpu=0.0)
+        checks.compare("O", outs[0], outs[1], case="TMA vs chapter 09", atol=tol, rtol=tol)
+        for name, got, want in zip(("dQ", "dK", "dV"), *grads, strict=True):
+            checks.compare(name, got, want, case=f"TMA vs chapter 09, {dtype}",
+                           atol=tol * max(1.0, float(want.abs().max())), rtol=tol)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dO = torch.randn(q.shape, device=DEV).to(dtype)
+    tma.flash_attention_tma(*leaves, causal=True, scale=0.3).backward(dO)
+    _check_grads([t.grad for t in leaves], q, k, v, dO, True, 0.3, "autograd")
+
+
+def _backward_inputs(dtype=None):
+    q, k, v = _qkv(dtype=dtype)
+    O, LSE = tma.attention_forward_tma(q, k, v)
+    return q, k, v, O, LSE, torch.randn(q.shape, device=DEV).to(q.dtype)
+
+
+def test_backward_bad_inputs_are_named():
+    q, k, v, O, LSE, dO = _backward_inputs()
+    bwd = tma.attention_backward_tma
+    with pytest.raises(ValueError, match="one value row per key"):  # chapter 09's checks
+        bwd(q, k, v[:, :, :5], O, LSE, dO)
+    with pytest.raises(TypeError, match="causal="):
+        bwd(q, k, v, O, LSE, dO, causal="no")
+    with pytest.raises(ValueError, match="scale > 0"):
+        bwd(q, k, v, O, LSE, dO, scale=-1.0)
+    with pytest.raises(ValueError, match=r"O has shape \(1, 2, 7, 32\).*expected \(1, 2, 8, 32\)"):
+        bwd(q, k, v, O[:, :, :7], LSE, dO)
+    with pytest.raises(ValueError, match=r"LSE has shape \(1, 2, 8, 1\).*expected \(1, 2, 8\)"):
+        bwd(q, k, v, O, LSE[..., None], dO)
+    with pytest.raises(ValueError, match=r"LSE has .*dtype torch.float16.*expected .*float32"):
+        bwd(q, k, v, O, LSE.half(), dO)
+    with pytest.raises(ValueError, match=r"dO has shape \(1, 2, 8, 16\).*expected \(1, 2, 8, 32\)"):
+        bwd(q, k, v, O, LSE, dO[..., :16])
+    with pytest.raises(ValueError, match=r"dO has .*dtype torch.float64"):
+        bwd(q, k, v, O, LSE, dO.double())
+    with pytest.raises(ValueError, match=r"O has .*device meta"):
+        bwd(q, k, v, O.to("meta"), LSE, dO)
+    with pytest.raises(TypeError, match="dO must be a torch.Tensor"):
+        bwd(q, k, v, O, LSE, dO.tolist())
+    with pytest.raises(ValueError, match="O is not contiguous"):
+        bwd(q, k, v, O.transpose(2, 3).contiguous().transpose(2, 3), LSE, dO)
+    with pytest.raises(ValueError, match="dK is not contiguous"):
+        bwd(q, k, v, O, LSE, dO, out=(torch.empty_like(q), k.transpose(2, 3).contiguous()
+                                      .transpose(2, 3), torch.empty_like(v)))
+    with pytest.raises(ValueError, match=r"dV has shape .*expected \(1, 2, 8, 32\)"):
+        bwd(q, k, v, O, LSE, dO, out=(torch.empty_like(q), torch.empty_like(k), v[..., :16]))
+    shifted = torch.empty(dO.numel() + 1, device=DEV, dtype=dO.dtype)[1:].view(dO.shape)
+    with pytest.raises(ValueError, match="do starts at an address .* 16 bytes .* do.clone"):
+        bwd(q, k, v, O, LSE, shifted.copy_(dO))
+    # dO that is not contiguous is copied (as chapter 09 does): same result
+    want = bwd(q, k, v, O, LSE, dO)
+    got = bwd(q, k, v, O, LSE, dO.transpose(2, 3).contiguous().transpose(2, 3))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_backward_bad_configs_are_named():
+    q, k, v, O, LSE, dO = _backward_inputs()
+
+    def cfg(bm, bn, stages=2):
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=stages)
+
+    bwd = tma.attention_backward_tma
+    with pytest.raises(ValueError, match="dkdv: BLOCK_N=16 must be a multiple of BLOCK_M=32"):
+        bwd(q, k, v, O, LSE, dO, config={"dkdv": cfg(32, 16)})
+    with pytest.raises(ValueError, match="dq: BLOCK_M=16 must be a multiple of BLOCK_N=32"):
+        bwd(q, k, v, O, LSE, dO, config={"dq": cfg(16, 32)})
+    with pytest.raises(ValueError, match="dq: BLOCK_N=8: tiles are powers of two from 16"):
+        bwd(q, k, v, O, LSE, dO, config={"dq": cfg(32, 8)})
+    with pytest.raises(ValueError, match="dkdv: num_stages=0"):
+        bwd(q, k, v, O, LSE, dO, config={"dkdv": cfg(16, 32, stages=0)})
+    with pytest.raises(TypeError, match="expected a dict with the keys 'dkdv' and / or 'dq'"):
+        bwd(q, k, v, O, LSE, dO, config=cfg(16, 32))
+    with pytest.raises(TypeError, match="expected a dict with the keys"):
+        bwd(q, k, v, O, LSE, dO, config={"forward": cfg(32, 16)})
+    with pytest.raises(TypeError, match="dq config=.*triton.Config with BLOCK_M and BLOCK_N"):
+        bwd(q, k, v, O, LSE, dO, config={"dq": {"BLOCK_M": 32}})
+
+
+def test_flash_attention_tma_bad_inputs_are_named():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="causal="):
+        tma.flash_attention_tma(q, k, v, causal="no")
+    with pytest.raises(ValueError, match="needs the same d"):
+        tma.flash_attention_tma(q, *_qkv(shape_kv=(1, 2, 8, 64))[1:])
+
+
+def test_backward_default_configs_follow_the_tile_rules_and_fit_an_h100():
+    for d, configs in tma.TMA_BWD_CONFIGS.items():
+        assert set(configs) == set(tma.BACKWARD_KINDS)
+        for kind, config in configs.items():
+            bm, bn, launch = tma._backward_tiles(kind, config)
+            owned = bn if kind == "dkdv" else bm
+            assert owned >= 16 * launch["num_warps"], (d, kind)  # 16 rows a warp at least
+            need = tma.backward_shared_bytes(kind, bm, bn, launch["num_stages"], d, 2)
+            assert need <= 227 * 1024, (d, kind, need)
+
+
+def test_backward_configs_that_cannot_fit_shared_memory_are_named(monkeypatch):
+    # the numbers of an H100 (227 KiB a block), as for the forward
+    monkeypatch.setattr(tma, "INTERPRETED", False)
+    monkeypatch.setattr(tma.fat, "device_shared_memory_bytes", lambda: 227 * 1024)
+    tma._check_shared_backward("dkdv", 64, 256, 3, 128, 2)  # 128 + 3 x 32 KiB + 1 = 225 KiB
+    with pytest.raises(ValueError, match=r"dkdv: BLOCK_M=64, BLOCK_N=256, num_stages=4 at "
+                                         r"d=128 needs about 257 KiB .*K, V, 4 x \(Q, dO\).*"
+                                         r"may have 227 KiB"):
+        tma._check_shared_backward("dkdv", 64, 256, 4, 128, 2)
+    with pytest.raises(ValueError, match=r"dq: .*num_stages=4 at d=128 needs about 321 KiB .*"
+                                         r"Q, dO, 4 x \(K, V\).* 227 KiB .* fewer stages"):
+        tma._check_shared_backward("dq", 128, 128, 4, 128, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward, GPU only
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not GPU, reason="the shared memory of a real GPU")
+def test_gpu_backward_config_too_big_for_this_gpu_is_refused_before_launch():
+    q, k, v = _problem((1, 1, 256, 256, False), torch.bfloat16, d=128)
+    O, LSE = tma.attention_forward_tma(q, k, v, False)
+    big = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=6)
+    with pytest.raises(ValueError, match=r"dq: .* needs about \d+ KiB .* a block may have"):
+        tma.attention_backward_tma(q, k, v, O, LSE, torch.randn_like(q), config={"dq": big})
+
+
+@pytest.mark.skipif(not GPU, reason="the compiled default configurations need a GPU")
+@pytest.mark.parametrize("d", (64, 128))
+def test_gpu_backward_default_configs_every_length(d):
+    for shape in [(2, 3, 2048, 2048, True), (1, 2, 1000, 1000, False), (1, 2, 300, 77, True),
+                  (1, 2, 77, 300, True), (2, 2, 4097, 4097, True)]:
+        q, k, v, dO, O, LSE = _bwd_problem(shape, torch.bfloat16, d=d)
+        grads = tma.attention_backward_tma(q, k, v, O, LSE, dO, shape[4],
+                                           out=_poisoned_grads(q, k, v))
+        _check_grads(grads, q, k, v, dO, shape[4], 1 / math.sqrt(d), f"{_name(shape)}, d={d}")

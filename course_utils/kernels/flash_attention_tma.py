@@ -845,3 +845,215 @@ def _dq_tma_kernel(Q_desc, K_desc, V_desc, dO_desc, dQ_desc, LSE, Dv, qk_scale, 
                           diag_lo, diag_hi, Nk, HEAD_DIM, BLOCK_N, True, EVEN_N)
     dq = dq * sm_scale  # dQ = scale * dS K
     dQ_desc.store([bh, start_m, 0], dq.to(dQ_desc.dtype).reshape(1, BLOCK_M, HEAD_DIM))
+
+
+# Configurations of the backward, {"dkdv": .., "dq": ..}, fixed (not tuned): BLOCK_M = Br query
+# rows and BLOCK_N = Bc key rows in both kernels, as in chapter 09. What limits the tiles is the
+# register file more than shared memory: a dK/dV program keeps two fp32 (Bc, d) accumulators
+# (dK, dV) and two fp32 (Bc, Br) tiles (S^T, dP^T) live; a dQ program one (Br, d) accumulator
+# and two (Br, Bc) tiles (S, dP). bf16 / fp16 on a GPU, compiled for sm_90 (triton 3.9):
+#   d <= 64: dK/dV Bc = 128 keys, Br = 64, 8 warps (two warpgroups of 64 key rows each); dQ
+#     Br = 128 queries, Bc = 64, 8 warps. At d = 64: at most 222 and 144 registers, no spills.
+#   d = 128: dK/dV Br = 32: dK + dV alone are 2 x 128 x 128 / 256 threads = 128 fp32 registers
+#     a thread, and Br = 64 adds 2 x 32 more for S^T, dP^T: it compiles to 252 of the 255
+#     registers a thread may have (no spill, no headroom); Br = 32 to 214. dQ: at most 173.
+#     4 warps spill at d = 128 in both kernels (each thread would hold twice as much).
+# Shared memory, 2 bytes an element, s = 3 stages each (a TMA copy costs shared memory only,
+# and at d >= 64 the registers allow one 256-thread program per SM anyway):
+#   dK/dV: K_j, V_j + s x (Q_i, dO_i) = 2 d (2 Bc + 2 Br s):
+#     d = 128: 64 KiB + 3 x 16 KiB = 112 KiB;  d = 64: 32 + 3 x 16 = 80 KiB
+#   dQ:    Q_i, dO_i + s x (K_j, V_j) = 2 d (2 Br + 2 Bc s):
+#     d = 128: 64 KiB + 3 x 32 KiB = 160 KiB;  d = 64: 32 + 3 x 16 = 80 KiB
+# of the H100's 227 KiB a block; compiled, each is within 1 KiB of that plus 1 KiB (barriers,
+# the LSE and Delta rows), see backward_shared_bytes. (dK, dV and dQ are staged for their TMA
+# stores where the loop's tiles were.) Compiled without a GPU: triton.compile(ASTSource(kernel,
+# signature, constants), target=GPUTarget("cuda", 90, 128)), each descriptor typed
+# "tensordesc<bf16[1,BLOCK,d]>"; registers and spills from ptxas -v on its PTX, shared memory
+# from its metadata. Not yet timed on an H100.
+_BWD_SMALL_D = {"dkdv": _config(64, 128, 8, 3), "dq": _config(128, 64, 8, 3)}
+TMA_BWD_CONFIGS = {
+    16: dict(_BWD_SMALL_D),
+    32: dict(_BWD_SMALL_D),
+    64: dict(_BWD_SMALL_D),
+    128: {"dkdv": _config(32, 128, 8, 3), "dq": _config(128, 64, 8, 3)},
+}
+# float32 on a GPU: exact IEEE products on CUDA cores (tile_dot), for checking. 16 x 16 tiles on
+# 8 warps: no spills at d = 32 and 64 (4 warps spill from d = 64), 12 bytes in dK/dV at d = 16;
+# at d = 128 a CUDA-core product over d = 128 holds a row of each operand per thread, and ptxas
+# reports 368 to 492 bytes of spill stores with 8 warps, about 1.8 KiB with 4 (chapter 09's
+# pointer kernels, same tiles, do not spill). Slower, still exact.
+_FP32_BWD_CONFIGS = {"dkdv": _config(16, 16, 8, 2), "dq": _config(16, 16, 8, 2)}
+# The interpreter: chapter 09's CPU_CONFIGS (the dK/dV kernel owns the larger tile).
+_CPU_BWD_CONFIGS = {"dkdv": _config(16, 32, 4, 1), "dq": _config(32, 16, 4, 1)}
+
+
+def default_backward_config(head_dim, dtype):
+    """``{"dkdv": triton.Config, "dq": triton.Config}`` used by :func:`attention_backward_tma`
+    when none is given: fixed per head dim for bfloat16 / float16 on a GPU, small exact tiles
+    for float32 there, small tiles in the interpreter."""
+    if INTERPRETED:
+        return dict(_CPU_BWD_CONFIGS)
+    if dtype == torch.float32:
+        return dict(_FP32_BWD_CONFIGS)
+    return dict(TMA_BWD_CONFIGS[head_dim])
+
+
+def _backward_tiles(kind, config):
+    """``(BLOCK_M, BLOCK_N, launch kwargs)`` of the ``kind`` ("dkdv" or "dq") kernel's config."""
+    if not isinstance(config, triton.Config) or not {"BLOCK_M", "BLOCK_N"} <= set(config.kwargs):
+        raise TypeError(f"{kind} config={config!r}: expected a triton.Config with BLOCK_M and "
+                        "BLOCK_N, e.g. triton.Config({'BLOCK_M': 32, 'BLOCK_N': 128}, "
+                        "num_warps=8, num_stages=3)")
+    bm, bn = int(config.kwargs["BLOCK_M"]), int(config.kwargs["BLOCK_N"])
+    for name, b in (("BLOCK_M", bm), ("BLOCK_N", bn)):
+        if b < 16 or b > MAX_TMA_BOX or b & (b - 1):
+            raise ValueError(f"{kind}: {name}={b}: tiles are powers of two from 16 to "
+                             f"{MAX_TMA_BOX} (a tensor core tile is 16 rows; a TMA block at most "
+                             "256)")
+    # The causal split starts its diagonal stage on a boundary of the tiles it streams, which
+    # is one of the owned tile's boundaries only if the owned tile is a multiple of them.
+    if kind == "dkdv" and bn % bm:
+        raise ValueError(f"dkdv: BLOCK_N={bn} must be a multiple of BLOCK_M={bm} (the program "
+                         "owns BLOCK_N keys; the causal split starts the diagonal query tiles "
+                         "on a query-tile boundary)")
+    if kind == "dq" and bm % bn:
+        raise ValueError(f"dq: BLOCK_M={bm} must be a multiple of BLOCK_N={bn} (the causal "
+                         "split starts the diagonal key tiles on a key-tile boundary)")
+    stages = config.num_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"{kind}: num_stages={stages!r}: a whole number >= 1 (tiles in flight)")
+    return bm, bn, dict(num_warps=config.num_warps, num_stages=stages)
+
+
+def backward_shared_bytes(kind, bm, bn, stages, d, itemsize):
+    """Shared memory the ``kind`` kernel takes (bytes): the two tiles the program owns,
+    ``stages`` x the two it streams, 1 KiB more (the pipeline's barriers, LSE and Delta rows).
+    Compiled for sm_90 (16-bit inputs), the kernels take within 1 KiB of this with the default
+    configs and up to 2 KiB more with Br = Bc = 128 (layout conversions). See TMA_BWD_CONFIGS."""
+    owned, streamed = (bn, bm) if kind == "dkdv" else (bm, bn)
+    return itemsize * d * (2 * owned + 2 * streamed * stages) + 1024
+
+
+def _check_shared_backward(kind, bm, bn, stages, d, itemsize):
+    """Refuse, with the numbers, a backward config that cannot fit the GPU's shared memory."""
+    if INTERPRETED:
+        return
+    need = backward_shared_bytes(kind, bm, bn, stages, d, itemsize)
+    have = fat.device_shared_memory_bytes()
+    if need > have:
+        owned, streamed = ("K, V", "Q, dO") if kind == "dkdv" else ("Q, dO", "K, V")
+        raise ValueError(f"{kind}: BLOCK_M={bm}, BLOCK_N={bn}, num_stages={stages} at d={d} "
+                         f"needs about {need // 1024} KiB of shared memory ({owned}, {stages} x "
+                         f"({streamed})); a block may have {have // 1024} KiB on this GPU: use "
+                         "fewer stages or smaller tiles")
+
+
+def _backward_configs(config, d, dtype):
+    """The two kernels' configs: ``config`` (a dict with "dkdv" and / or "dq") over the defaults."""
+    configs = default_backward_config(d, dtype)
+    if config is not None:
+        if not isinstance(config, dict) or not set(config) <= set(BACKWARD_KINDS):
+            raise TypeError(f"config={config!r}: expected a dict with the keys 'dkdv' and / or "
+                            "'dq', each a triton.Config, e.g. {'dq': triton.Config({'BLOCK_M': "
+                            "128, 'BLOCK_N': 64}, num_warps=8, num_stages=2)}")
+        configs.update(config)
+    return configs
+
+
+def attention_backward_tma(q, k, v, o, lse, do, causal=False, scale=None, *, config=None,
+                           out=None):
+    """FlashAttention-2 backward reading Q, K, V, dO and writing dQ, dK, dV through TMA descriptors.
+
+    Args:
+        q, k, v, causal, scale: as in :func:`attention_forward_tma`.
+        o: the forward's O ``(B, H, Nq, d)``, like q; lse: its LSE ``(B, H, Nq)`` float32
+            (natural log), as :func:`attention_forward_tma` returns them. Contiguous.
+        do: dL/dO, shape and dtype of o (made contiguous here if it is not; 16-byte aligned).
+        config: ``{"dkdv": triton.Config, "dq": triton.Config}``, either key optional (the rest
+            from :func:`default_backward_config`). dkdv: BLOCK_N keys per program, a multiple
+            of BLOCK_M; dq: BLOCK_M queries per program, a multiple of BLOCK_N.
+        out: optional ``(dQ, dK, dV)`` to write into (shapes and dtypes of q, k, v, contiguous,
+            16-byte aligned).
+
+    Returns:
+        ``(dQ, dK, dV)``, shapes and dtype of q, k, v. Deterministic: no atomics.
+    """
+    B, H, Nq, Nk, d = validate_inputs(q, k, v)
+    scale = fat._scale(scale, d)
+    causal = fat._causal(causal)
+    _check_bh(B, H)
+    if isinstance(do, torch.Tensor):
+        do = do.contiguous()  # autograd may hand over a broadcast dO (O.sum().backward())
+    fat._check_output("O", o, q.shape, q.dtype, q.device)
+    fat._check_output("LSE", lse, (B, H, Nq), torch.float32, q.device)
+    fat._check_output("dO", do, q.shape, q.dtype, q.device)
+    if out is None:
+        dQ, dK, dV = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dQ, dK, dV = out
+    for name, t, like in (("dQ", dQ, q), ("dK", dK, k), ("dV", dV, v)):
+        fat._check_output(name, t, like.shape, like.dtype, like.device)
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dQ", dQ), ("dK", dK),
+                    ("dV", dV)):
+        _check_tma(name, t)
+    configs = _backward_configs(config, d, q.dtype)
+    tiles = {}
+    for kind in BACKWARD_KINDS:
+        bm, bn, launch = tiles[kind] = _backward_tiles(kind, configs[kind])
+        _check_shared_backward(kind, bm, bn, launch["num_stages"], d, q.element_size())
+
+    Dv = fat.compute_delta(o, do)  # Delta = rowsum(dO * O), (B, H, Nq) float32
+    qk_scale = scale * LOG2E
+    bm, bn, launch = tiles["dkdv"]
+    _dkdv_tma_kernel[(triton.cdiv(Nk, bn), H, B)](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(do, bm),
+        _descriptor(dK, bn), _descriptor(dV, bn), lse, Dv, qk_scale, scale, Nq,
+        HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=Nq % bm == 0, **launch)
+    bm, bn, launch = tiles["dq"]
+    _dq_tma_kernel[(triton.cdiv(Nq, bm), H, B)](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(do, bm),
+        _descriptor(dQ, bm), lse, Dv, qk_scale, scale, Nq, Nk, HEAD_DIM=d, CAUSAL=causal,
+        BLOCK_M=bm, BLOCK_N=bn, EVEN_M=Nq % bm == 0, EVEN_N=Nk % bn == 0, **launch)
+    return dQ, dK, dV
+
+
+class _FlashAttentionTMA(torch.autograd.Function):
+    """O = attention(q, k, v) with the TMA forward and backward; saves q, k, v, O and LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        O, LSE = attention_forward_tma(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, O, LSE)
+        ctx.causal, ctx.scale = causal, scale
+        return O
+
+    @staticmethod
+    def backward(ctx, dO):
+        q, k, v, O, LSE = ctx.saved_tensors
+        dO = dO.contiguous()
+        if dO.data_ptr() % TMA_ALIGN:  # a view into a larger gradient: TMA needs 16 bytes
+            dO = dO.clone()
+        dQ, dK, dV = attention_backward_tma(q, k, v, O, LSE, dO, ctx.causal, ctx.scale)
+        return dQ, dK, dV, None, None
+
+
+def flash_attention_tma(q, k, v, causal=False, scale=None):
+    """Attention O = softmax(scale * Q K^T [causal mask]) V with a backward pass (autograd).
+
+    Chapter 09's :func:`flash_attention_triton` on the TMA kernels: the forward is
+    :func:`attention_forward_tma` (O and LSE saved), ``O.backward(dO)`` runs
+    :func:`attention_backward_tma`. q, k, v, causal, scale as in attention_forward_tma.
+    """
+    return _FlashAttentionTMA.apply(q, k, v, fat._causal(causal), scale)
+
+
+__all__ += [
+    "BACKWARD_KINDS",
+    "TMA_BWD_CONFIGS",
+    "attention_backward_tma",
+    "backward_shared_bytes",
+    "default_backward_config",
+    "dkdv_inner_tma",
+    "dq_inner_tma",
+    "flash_attention_tma",
+]
