@@ -402,7 +402,8 @@ def dq_inner(dq, q, do, lse2, Di, K, V, qk_scale, offs_m, offs_n, offs_d, lo, hi
 
     dq (BLOCK_M, HEAD_DIM) fp32 (without the final scale); q, do (BLOCK_M, HEAD_DIM) input
     dtype; lse2 (BLOCK_M,) the rows' LSE in log2 units; Di (BLOCK_M,) their D. Keys past Nk
-    are loaded as zero rows, so their dS K terms vanish without a mask:
+    are loaded as zero rows, so their dS K terms vanish (their P is masked to 0 too, against
+    an overflow when every score of the row is very negative):
         S = Q_i K_j^T, P = exp2(S * qk_scale - lse2), dP = dO_i V_j^T, dS = P * (dP - D_i),
         dQ_i += dS K_j.
     """
@@ -420,6 +421,10 @@ def dq_inner(dq, q, do, lse2, Di, K, V, qk_scale, offs_m, offs_n, offs_d, lo, hi
         if DIAGONAL:
             s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
         p = tl.exp2(s * qk_scale - lse2[:, None])
+        if not EVEN_N:
+            # A key past Nk has score 0, and exp2(0 - lse2) overflows to inf when every real
+            # score of the row is below about -88 (lse2 < -128): inf * 0 would be NaN in dQ.
+            p = tl.where(cols[None, :] < Nk, p, 0.0)
         dp = tile_dot(do, tl.trans(v), None)
         ds = p * (dp - Di[:, None])
         dq = tile_dot(ds.to(k.dtype), k, dq)
