@@ -1,12 +1,14 @@
-"""FlashAttention forward on Hopper in Triton: TMA descriptors, a persistent grid, FP8. Chapter 14.
+"""FlashAttention on Hopper in Triton: TMA descriptors, persistent grid, FP8, backward. Chapter 14.
 
 The first rungs of the chapter's ladder above chapter 09's FlashAttention-2 forward
 (:mod:`course_utils.kernels.flash_attention_triton`), each one change away from the last::
 
     O, LSE = attention_forward_tma(q, k, v, causal, scale)                  # 1. TMA descriptors
-    O, LSE = attention_forward_tma(q, k, v, causal, scale, num_stages=4)    # 2. deeper pipeline
-    O, LSE = attention_forward_tma(q, k, v, causal, scale, persistent=True) # 3. persistent grid
-    O, LSE = attention_forward_fp8(q, k, v, causal, scale)                  # 4. FP8 (e4m3) inputs
+    O, LSE = attention_forward_tma(q, k, v, causal, scale, persistent=True) # 2. persistent grid
+    O, LSE = attention_forward_tma(q, k, v, causal, scale, num_stages=4)    # 3. deeper pipeline
+    O, LSE = attention_forward_fp8(q, k, v, causal, scale)                  # FP8 (e4m3) inputs
+    dQ, dK, dV = attention_backward_tma(q, k, v, O, LSE, dO, causal, scale) # the backward
+    O = flash_attention_tma(q, k, v, causal, scale)                         # both, autograd
 
 Shapes and names are chapter 09's: q ``(B, H, Nq, d)``, k, v ``(B, H, Nk, d)``, contiguous, d in
 (16, 32, 64, 128); O like q (bfloat16 for FP8), LSE ``(B, H, Nq)`` float32 in natural log;
@@ -27,21 +29,24 @@ head). A 2-D ``(B*H*N, d)`` view would need N to be a multiple of the tile. Keys
 still zeros, not absent, so S is still masked to -inf there. (On GPUs without TMA, before
 sm_90, Triton turns the descriptors back into pointer loads: the kernels still run.)
 
-**2. Pipelining.** ``num_stages`` is how many K/V tiles are in flight: with TMA a copy needs
-no registers and no threads, so deeper pipelines cost shared memory only.
-
-**3. Persistent grid.** One program per SM, each looping over (query tile, head) work items,
+**2. Persistent grid.** One program per SM, each looping over (query tile, head) work items,
 instead of one program per work item: no launch tail of half-empty waves, and the next tile's
 setup overlaps the last one's epilogue. With causal masking the work items are handed out
 longest first (the last query tiles of every head), so what is left at the end is short.
 
-**4. FP8.** Q, K, V are quantized on the host to e4m3 (4 exponent bits, 3 mantissa bits, at
+**3. Pipelining.** ``num_stages`` is how many K/V tiles are in flight: with TMA a copy needs
+no registers and no threads, so deeper pipelines cost shared memory only.
+
+**FP8.** Q, K, V are quantized on the host to e4m3 (4 exponent bits, 3 mantissa bits, at
 most 448) with one float32 scale per block of rows (:func:`quantize_blockwise`); S = Q K^T runs
 on the FP8 tensor cores (twice the bf16 rate on an H100) and is rescaled by the two block
 scales; the online softmax stays in fp32; P is quantized to e4m3 in the kernel for O += P V.
 See :func:`attention_forward_fp8` for the choices (scale granularity, the scaling of P, the
 fp32 accumulation of P V per key tile) and :func:`round_to_e4m3` for an interpreter bug that
 the kernel works around.
+
+**The backward** (:func:`attention_backward_tma`) is chapter 09's FlashAttention-2 backward
+with the same descriptors: a dK/dV kernel and a dQ kernel, deterministic, no atomics.
 
 In Triton's interpreter (the course's CPU mode) every function runs with small fixed tiles;
 ``num_stages`` is ignored there. Import this module after ``course_utils.setup()``.
