@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spec_helpers import poison_free_cuda_memory
 
 from course_utils import cuda as C
 from course_utils import reference, runtime
@@ -47,10 +48,6 @@ def _load():
     return _module
 
 
-def _poison_allocator(nbytes=1 << 26):
-    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
-    del junk  # the caching allocator hands this NaN-filled block out again
-
 
 @needs_gpu
 @pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
@@ -61,7 +58,7 @@ def test_matches_float64(B, H, Nq, Nk, D, causal, big):
     Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
     K = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
     V = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
-    _poison_allocator()
+    poison_free_cuda_memory()
     O, lse = _load().flash_attention_mma(Q, K, V, causal)
     O_ref, lse_ref = reference.attention(Q, K, V, causal=causal)
     seen = torch.isfinite(lse_ref)
@@ -111,7 +108,7 @@ def test_backward_matches_float64(B, H, Nq, Nk, D, causal, big):
     V = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
     dO = torch.randn(B, H, Nq, D, device="cuda").bfloat16()
     O, lse = f.flash_attention_mma(Q, K, V, causal)
-    _poison_allocator()
+    poison_free_cuda_memory()
     dQ, dK, dV = f.flash_attention_mma_backward(Q, K, V, O, dO, lse, causal)
     dQ_ref, dK_ref, dV_ref = _grads64(Q, K, V, dO, causal)
     for name, got, want in (("dQ", dQ, dQ_ref), ("dK", dK, dK_ref), ("dV", dV, dV_ref)):

@@ -144,17 +144,26 @@ def default_config(head_dim, dtype, fp8=False):
     return _FP32_CONFIG if dtype == torch.float32 else TMA_CONFIGS[head_dim]
 
 
-def _tiles(config, num_stages, fp8=False):
-    """``(BLOCK_M, BLOCK_N, launch kwargs)`` of ``config``; ``num_stages`` overrides its stages."""
+def _block_sizes(config, kind, example):
+    """``(BLOCK_M, BLOCK_N)`` of a ``triton.Config``, each a power of two from 16 to 256;
+    ``kind`` names the kernel in the error messages ("dq", "dkdv"; None for the forward)."""
+    prefix = f"{kind}: " if kind else ""
     if not isinstance(config, triton.Config) or not {"BLOCK_M", "BLOCK_N"} <= set(config.kwargs):
-        raise TypeError(f"config={config!r}: expected a triton.Config with BLOCK_M and BLOCK_N, "
-                        "e.g. triton.Config({'BLOCK_M': 128, 'BLOCK_N': 64}, num_warps=4, "
-                        "num_stages=3)")
+        raise TypeError(f"{kind + ' ' if kind else ''}config={config!r}: expected a "
+                        f"triton.Config with BLOCK_M and BLOCK_N, e.g. {example}")
     bm, bn = int(config.kwargs["BLOCK_M"]), int(config.kwargs["BLOCK_N"])
     for name, b in (("BLOCK_M", bm), ("BLOCK_N", bn)):
         if b < 16 or b > MAX_TMA_BOX or b & (b - 1):
-            raise ValueError(f"{name}={b}: tiles are powers of two from 16 to {MAX_TMA_BOX} (a "
-                             "tensor core tile is 16 rows; a TMA block at most 256)")
+            raise ValueError(f"{prefix}{name}={b}: tiles are powers of two from 16 to "
+                             f"{MAX_TMA_BOX} (a tensor core tile is 16 rows; a TMA block at most "
+                             "256)")
+    return bm, bn
+
+
+def _tiles(config, num_stages, fp8=False):
+    """``(BLOCK_M, BLOCK_N, launch kwargs)`` of ``config``; ``num_stages`` overrides its stages."""
+    bm, bn = _block_sizes(config, None, "triton.Config({'BLOCK_M': 128, 'BLOCK_N': 64}, "
+                          "num_warps=4, num_stages=3)")
     if bm % bn:  # causal_split starts the diagonal stage on a key-tile boundary
         raise ValueError(f"BLOCK_M={bm} must be a multiple of BLOCK_N={bn} (the causal split "
                          "starts the diagonal tiles on a key-tile boundary)")
@@ -905,16 +914,8 @@ def default_backward_config(head_dim, dtype):
 
 def _backward_tiles(kind, config):
     """``(BLOCK_M, BLOCK_N, launch kwargs)`` of the ``kind`` ("dkdv" or "dq") kernel's config."""
-    if not isinstance(config, triton.Config) or not {"BLOCK_M", "BLOCK_N"} <= set(config.kwargs):
-        raise TypeError(f"{kind} config={config!r}: expected a triton.Config with BLOCK_M and "
-                        "BLOCK_N, e.g. triton.Config({'BLOCK_M': 32, 'BLOCK_N': 128}, "
-                        "num_warps=8, num_stages=3)")
-    bm, bn = int(config.kwargs["BLOCK_M"]), int(config.kwargs["BLOCK_N"])
-    for name, b in (("BLOCK_M", bm), ("BLOCK_N", bn)):
-        if b < 16 or b > MAX_TMA_BOX or b & (b - 1):
-            raise ValueError(f"{kind}: {name}={b}: tiles are powers of two from 16 to "
-                             f"{MAX_TMA_BOX} (a tensor core tile is 16 rows; a TMA block at most "
-                             "256)")
+    bm, bn = _block_sizes(config, kind, "triton.Config({'BLOCK_M': 32, 'BLOCK_N': "
+                          "128}, num_warps=8, num_stages=3)")
     # The causal split starts its diagonal stage on a boundary of the tiles it streams, which
     # is one of the owned tile's boundaries only if the owned tile is a multiple of them.
     if kind == "dkdv" and bn % bm:
