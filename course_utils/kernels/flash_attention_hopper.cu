@@ -498,10 +498,11 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
     const int64_t D = Q.size(3);
     TORCH_CHECK(D == 64 || D == 128, fn, ": head dim D must be 64 or 128, got ", std::to_string(D));
     TORCH_CHECK(variant >= 0 && variant <= 3, fn, ": variant must be 0..3, got ", std::to_string(variant));
-    cudaDeviceProp prop;
-    check_cuda(cudaGetDeviceProperties(&prop, Q.get_device()), fn);
-    TORCH_CHECK(prop.major == 9, fn, ": needs an sm_90 GPU (H100/H200: TMA and wgmma); this one is sm_",
-                std::to_string(prop.major * 10 + prop.minor), ". Use chapter 09 or 10's kernel instead.");
+    int major = 0, minor = 0;  // device attributes: cheap, unlike cudaGetDeviceProperties
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, Q.get_device()), fn);
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, Q.get_device()), fn);
+    TORCH_CHECK(major == 9, fn, ": needs an sm_90 GPU (H100/H200: TMA and wgmma); this one is sm_",
+                std::to_string(major * 10 + minor), ". Use chapter 09 or 10's kernel instead.");
     const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
     TORCH_CHECK(B * H <= 65535 * 65535LL && H <= 65535 && B <= 65535, fn, ": B and H must be at most 65535");
     auto O = torch::empty_like(Q);
