@@ -120,7 +120,8 @@ def test_a_wrong_stride_reads_other_elements():
 @pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
 def test_compiles_for_sm90a_without_spills():
     report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=["-DFA_KERNEL_ONLY"])
-    assert len(report) == 8  # D in {64, 128} x PINGPONG x OVERLAP
+    assert len([r for r in report if "probe" not in r.name]) == 8  # D x PINGPONG x OVERLAP
+    assert len([r for r in report if "probe" in r.name]) == 6  # 3 probes x D
     for r in report:
         # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
         # before setmaxnreg moves them from the producer to the consumers
@@ -162,6 +163,46 @@ def test_matches_float64(variant, B, H, Nq, Nk, D, causal, big):
     torch.testing.assert_close(O.double(), O_ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double()[seen], lse_ref[seen], atol=1e-2 * big, rtol=1e-3)
     assert torch.isneginf(lse[~seen]).all()
+
+
+_probes = None
+
+
+def _load_probes():
+    global _probes
+    if _probes is None:
+        _probes = C.load_cuda(SOURCE, ["hopper_probe_layout", "hopper_probe_ss",
+                                       "hopper_probe_rs"], name="hopper_probes", arch="sm_90a",
+                              extra_cuda_cflags=["-DFA_HOPPER_WATCHDOG"])
+    return _probes
+
+
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_probe_tma_puts_every_element_where_the_model_says(D):
+    """Element (r, c) of a 128 x D tile holds the number r * D + c (as raw 16-bit words)."""
+    X = torch.arange(128 * D, dtype=torch.int16, device="cuda").view(torch.bfloat16).view(128, D)
+    words = _load_probes().hopper_probe_layout(X).cpu().numpy()
+    addr = hopper.tile_addresses(128, D)
+    np.testing.assert_array_equal(words[addr // 2], np.arange(128 * D).reshape(128, D))
+
+
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_probe_wgmma_from_shared_memory_computes_q_k_transposed(D):
+    Q = torch.randn(64, D, device="cuda").bfloat16()
+    K = torch.randn(128, D, device="cuda").bfloat16()
+    S = _load_probes().hopper_probe_ss(Q, K)
+    torch.testing.assert_close(S.double(), Q.double() @ K.double().T, atol=1e-3, rtol=1e-4)
+
+
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_probe_wgmma_with_p_in_registers_computes_p_v(D):
+    P = torch.rand(64, 128, device="cuda").bfloat16()
+    V = torch.randn(128, D, device="cuda").bfloat16()
+    O = _load_probes().hopper_probe_rs(P, V)
+    torch.testing.assert_close(O.double(), P.double() @ V.double(), atol=1e-3, rtol=1e-4)
 
 
 @needs_sm90

@@ -415,6 +415,138 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
 #endif
 }
 
+// ---------------------------------------------------------------- probes: one instruction each
+// Three tiny kernels that check, one at a time, what the kernel above assumes of the hardware:
+// where TMA puts each element (probe_layout), what S = Q K^T with both operands described in
+// shared memory gives (probe_ss), and what O = P V with P in registers and V read MN-major gives
+// (probe_rs). tests/test_flash_hopper.py compares them with course_utils.hopper's model and with
+// torch: when the attention kernel is wrong, these say which assumption broke.
+
+template <int D>
+struct ProbeTiles {
+    __nv_bfloat16 A[128 * D];   // Q (64 rows) or V (128 rows) or the tile of probe_layout
+    __nv_bfloat16 B[128 * D];   // K (128 rows)
+    uint64_t full;
+};
+
+template <int D>
+__device__ __forceinline__ ProbeTiles<D>& probe_smem() {
+    extern __shared__ unsigned char smem_raw[];
+    return *reinterpret_cast<ProbeTiles<D>*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+}
+
+// Load `rows` x D of head 0 through `map` into `tile`, panel by panel; every thread waits.
+template <int D>
+__device__ __forceinline__ void probe_load(__nv_bfloat16* tile, const CUtensorMap* map,
+                                           uint64_t* bar, int rows, int phase_bytes) {
+    if (threadIdx.x == 0) {
+        mbar_expect_bytes(bar, phase_bytes);
+        for (int p = 0; p < D / 64; ++p) tma_load(tile + p * rows * 64, map, bar, 64 * p, 0, 0);
+    }
+}
+
+// The raw 16-bit words of a 128 x D tile as TMA left them in shared memory.
+template <int D>
+__global__ void probe_layout_kernel(const __grid_constant__ CUtensorMap map, uint16_t* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ProbeTiles<D>& sm = probe_smem<D>();
+    if (threadIdx.x == 0) {
+        mbar_init(&sm.full, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    probe_load<D>(sm.A, &map, &sm.full, 128, 128 * D * 2);
+    mbar_wait(&sm.full, 0);
+    const uint16_t* words = reinterpret_cast<const uint16_t*>(sm.A);
+    for (int i = threadIdx.x; i < 128 * D; i += blockDim.x) out[i] = words[i];
+#else
+    __trap();
+#endif
+}
+
+// S (64 x 128, float32, row-major) = Q (64 x D) K (128 x D)^T: one warpgroup, the kernel's
+// q_desc / k_desc (with BLOCK_M = 64 rows of Q) and wgmma_ss_n128.
+template <int D>
+__global__ void probe_ss_kernel(const __grid_constant__ CUtensorMap q_map,
+                                const __grid_constant__ CUtensorMap k_map, float* S) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ProbeTiles<D>& sm = probe_smem<D>();
+    if (threadIdx.x == 0) {
+        mbar_init(&sm.full, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_expect_bytes(&sm.full, (64 + 128) * D * 2);
+        for (int p = 0; p < D / 64; ++p) {
+            tma_load(sm.A + p * 64 * 64, &q_map, &sm.full, 64 * p, 0, 0);
+            tma_load(sm.B + p * 128 * 64, &k_map, &sm.full, 64 * p, 0, 0);
+        }
+    }
+    mbar_wait(&sm.full, 0);
+    float s[64];
+    wgmma_fence();
+    #pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+        wgmma_ss_n128(s, smem_desc(sm.A + (k / 4) * 64 * 64 + (k % 4) * 16, 16, 1024),
+                      smem_desc(sm.B + (k / 4) * 128 * 64 + (k % 4) * 16, 16, 1024), k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    #pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int r = 16 * warp + g + (i % 4 >= 2 ? 8 : 0), c = 8 * (i / 4) + 2 * t + (i % 2);
+        S[r * 128 + c] = s[i];
+    }
+#else
+    __trap();
+#endif
+}
+
+// O (64 x D, float32, row-major) = P (64 x 128 keys, bf16, from global into the registers of
+// the A fragments) V (128 x D, TMA, read MN-major with the kernel's v_desc): wgmma_rs.
+template <int D>
+__global__ void probe_rs_kernel(const __nv_bfloat16* __restrict__ P,
+                                const __grid_constant__ CUtensorMap v_map, float* O) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    ProbeTiles<D>& sm = probe_smem<D>();
+    if (threadIdx.x == 0) {
+        mbar_init(&sm.full, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    probe_load<D>(sm.A, &v_map, &sm.full, 128, 128 * D * 2);
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    const int r0 = 16 * warp + g;
+    auto pair = [&](int r, int c) {  // P[r, c] and P[r, c + 1] as one bf16x2 register
+        return *reinterpret_cast<const uint32_t*>(P + r * 128 + c);
+    };
+    float o[D / 2];
+    #pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    mbar_wait(&sm.full, 0);
+    wgmma_fence();
+    #pragma unroll
+    for (int k = 0; k < 8; ++k) {  // keys 16k .. 16k + 15
+        const uint32_t a[4] = {pair(r0, 16 * k + 2 * t), pair(r0 + 8, 16 * k + 2 * t),
+                               pair(r0, 16 * k + 8 + 2 * t), pair(r0 + 8, 16 * k + 8 + 2 * t)};
+        wgmma_rs<D, D>(o, a, smem_desc(sm.A + k * 16 * 64, 128 * 128, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+    #pragma unroll
+    for (int i = 0; i < D / 2; ++i) {
+        const int r = r0 + (i % 4 >= 2 ? 8 : 0), c = 8 * (i / 4) + 2 * t + (i % 2);
+        O[r * D + c] = o[i];
+    }
+#else
+    __trap();
+#endif
+}
+
 #if defined(FA_KERNEL_ONLY)  // compile-only builds (the compile matrix, ptxas -v): every variant
 #define FA_INSTANTIATE(DD, PP, OV)                                                               \
     template __global__ void flash_attention_hopper_kernel<DD, PP, OV>(                          \
@@ -425,6 +557,14 @@ FA_INSTANTIATE(64, false, true) FA_INSTANTIATE(64, true, true)
 FA_INSTANTIATE(128, false, false) FA_INSTANTIATE(128, true, false)
 FA_INSTANTIATE(128, false, true) FA_INSTANTIATE(128, true, true)
 #undef FA_INSTANTIATE
+template __global__ void probe_layout_kernel<64>(const __grid_constant__ CUtensorMap, uint16_t*);
+template __global__ void probe_layout_kernel<128>(const __grid_constant__ CUtensorMap, uint16_t*);
+template __global__ void probe_ss_kernel<64>(const __grid_constant__ CUtensorMap,
+                                             const __grid_constant__ CUtensorMap, float*);
+template __global__ void probe_ss_kernel<128>(const __grid_constant__ CUtensorMap,
+                                              const __grid_constant__ CUtensorMap, float*);
+template __global__ void probe_rs_kernel<64>(const __nv_bfloat16*, const __grid_constant__ CUtensorMap, float*);
+template __global__ void probe_rs_kernel<128>(const __nv_bfloat16*, const __grid_constant__ CUtensorMap, float*);
 #endif
 
 }  // namespace fa_hopper
@@ -521,5 +661,86 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
     }
 #undef FA_LAUNCH
     return {O, LSE};
+}
+// ---------------------------------------------------------------- the probes' host side
+
+static void check_probe_input(const char* fn, const torch::Tensor& X, int64_t rows) {
+    TORCH_CHECK(X.is_cuda() && X.scalar_type() == torch::kBFloat16 && X.is_contiguous() &&
+                X.dim() == 2 && X.size(0) == rows && (X.size(1) == 64 || X.size(1) == 128),
+                fn, ": expected a contiguous bf16 CUDA tensor of ", std::to_string(rows),
+                " x D, D = 64 or 128");
+}
+
+// Shared memory of a probe (its tiles, aligned to 1024 bytes), allowed for `kernel`.
+template <class Kernel>
+static int allow_probe_smem(Kernel kernel, int D, const char* fn) {
+    const int smem = (D == 64 ? sizeof(fa_hopper::ProbeTiles<64>) : sizeof(fa_hopper::ProbeTiles<128>)) + 1024;
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), fn);
+    return smem;
+}
+
+// The 16-bit words of shared memory after TMA copied X (128 x D) with the 128-byte swizzle.
+torch::Tensor hopper_probe_layout(torch::Tensor X) {
+    const char* fn = "hopper_probe_layout";
+    check_probe_input(fn, X, 128);
+    const int D = X.size(1);
+    auto out = torch::empty({128 * D}, X.options().dtype(torch::kInt16));
+    const CUtensorMap map = make_map(X.view({1, 1, 128, D}), 128);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+    if (D == 64) {
+        const int smem = allow_probe_smem(fa_hopper::probe_layout_kernel<64>, 64, fn);
+        fa_hopper::probe_layout_kernel<64><<<1, 128, smem, stream>>>(map, dst);
+    } else {
+        const int smem = allow_probe_smem(fa_hopper::probe_layout_kernel<128>, 128, fn);
+        fa_hopper::probe_layout_kernel<128><<<1, 128, smem, stream>>>(map, dst);
+    }
+    check_cuda(cudaGetLastError(), fn);
+    return out;
+}
+
+// S = Q K^T (Q 64 x D, K 128 x D, bf16) by one warpgroup's wgmma chain: float32 64 x 128.
+torch::Tensor hopper_probe_ss(torch::Tensor Q, torch::Tensor K) {
+    const char* fn = "hopper_probe_ss";
+    check_probe_input(fn, Q, 64);
+    check_probe_input(fn, K, 128);
+    TORCH_CHECK(Q.size(1) == K.size(1), fn, ": Q and K must have the same D");
+    const int D = Q.size(1);
+    auto S = torch::empty({64, 128}, Q.options().dtype(torch::kFloat32));
+    const CUtensorMap q_map = make_map(Q.view({1, 1, 64, D}), 64);
+    const CUtensorMap k_map = make_map(K.view({1, 1, 128, D}), 128);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    if (D == 64) {
+        const int smem = allow_probe_smem(fa_hopper::probe_ss_kernel<64>, 64, fn);
+        fa_hopper::probe_ss_kernel<64><<<1, 128, smem, stream>>>(q_map, k_map, S.data_ptr<float>());
+    } else {
+        const int smem = allow_probe_smem(fa_hopper::probe_ss_kernel<128>, 128, fn);
+        fa_hopper::probe_ss_kernel<128><<<1, 128, smem, stream>>>(q_map, k_map, S.data_ptr<float>());
+    }
+    check_cuda(cudaGetLastError(), fn);
+    return S;
+}
+
+// O = P V (P 64 x 128 bf16 as the A operand in registers, V 128 x D bf16 read MN-major).
+torch::Tensor hopper_probe_rs(torch::Tensor P, torch::Tensor V) {
+    const char* fn = "hopper_probe_rs";
+    TORCH_CHECK(P.is_cuda() && P.scalar_type() == torch::kBFloat16 && P.is_contiguous() &&
+                P.dim() == 2 && P.size(0) == 64 && P.size(1) == 128,
+                fn, ": P must be a contiguous bf16 CUDA tensor of 64 x 128");
+    check_probe_input(fn, V, 128);
+    const int D = V.size(1);
+    auto O = torch::empty({64, D}, V.options().dtype(torch::kFloat32));
+    const CUtensorMap v_map = make_map(V.view({1, 1, 128, D}), 128);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const auto* p = reinterpret_cast<const __nv_bfloat16*>(P.data_ptr());
+    if (D == 64) {
+        const int smem = allow_probe_smem(fa_hopper::probe_rs_kernel<64>, 64, fn);
+        fa_hopper::probe_rs_kernel<64><<<1, 128, smem, stream>>>(p, v_map, O.data_ptr<float>());
+    } else {
+        const int smem = allow_probe_smem(fa_hopper::probe_rs_kernel<128>, 128, fn);
+        fa_hopper::probe_rs_kernel<128><<<1, 128, smem, stream>>>(p, v_map, O.data_ptr<float>());
+    }
+    check_cuda(cudaGetLastError(), fn);
+    return O;
 }
 #endif
