@@ -671,12 +671,13 @@ static void check_probe_input(const char* fn, const torch::Tensor& X, int64_t ro
                 " x D, D = 64 or 128");
 }
 
-// Shared memory of a probe (its tiles, aligned to 1024 bytes), allowed for `kernel`.
-template <class Kernel>
-static int allow_probe_smem(Kernel kernel, int D, const char* fn) {
-    const int smem = (D == 64 ? sizeof(fa_hopper::ProbeTiles<64>) : sizeof(fa_hopper::ProbeTiles<128>)) + 1024;
+// Launch a probe: one warpgroup, its tiles' shared memory (aligned to 1024 bytes) allowed.
+template <int D, class... Params, class... Args>
+static void launch_probe(void (*kernel)(Params...), const char* fn, Args... args) {
+    const int smem = sizeof(fa_hopper::ProbeTiles<D>) + 1024;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), fn);
-    return smem;
+    kernel<<<1, 128, smem, c10::cuda::getCurrentCUDAStream()>>>(args...);
+    check_cuda(cudaGetLastError(), fn);
 }
 
 // The 16-bit words of shared memory after TMA copied X (128 x D) with the 128-byte swizzle.
@@ -686,16 +687,9 @@ torch::Tensor hopper_probe_layout(torch::Tensor X) {
     const int D = X.size(1);
     auto out = torch::empty({128 * D}, X.options().dtype(torch::kInt16));
     const CUtensorMap map = make_map(X.view({1, 1, 128, D}), 128);
-    const auto stream = c10::cuda::getCurrentCUDAStream();
     auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-    if (D == 64) {
-        const int smem = allow_probe_smem(fa_hopper::probe_layout_kernel<64>, 64, fn);
-        fa_hopper::probe_layout_kernel<64><<<1, 128, smem, stream>>>(map, dst);
-    } else {
-        const int smem = allow_probe_smem(fa_hopper::probe_layout_kernel<128>, 128, fn);
-        fa_hopper::probe_layout_kernel<128><<<1, 128, smem, stream>>>(map, dst);
-    }
-    check_cuda(cudaGetLastError(), fn);
+    if (D == 64) launch_probe<64>(fa_hopper::probe_layout_kernel<64>, fn, map, dst);
+    else launch_probe<128>(fa_hopper::probe_layout_kernel<128>, fn, map, dst);
     return out;
 }
 
@@ -709,15 +703,8 @@ torch::Tensor hopper_probe_ss(torch::Tensor Q, torch::Tensor K) {
     auto S = torch::empty({64, 128}, Q.options().dtype(torch::kFloat32));
     const CUtensorMap q_map = make_map(Q.view({1, 1, 64, D}), 64);
     const CUtensorMap k_map = make_map(K.view({1, 1, 128, D}), 128);
-    const auto stream = c10::cuda::getCurrentCUDAStream();
-    if (D == 64) {
-        const int smem = allow_probe_smem(fa_hopper::probe_ss_kernel<64>, 64, fn);
-        fa_hopper::probe_ss_kernel<64><<<1, 128, smem, stream>>>(q_map, k_map, S.data_ptr<float>());
-    } else {
-        const int smem = allow_probe_smem(fa_hopper::probe_ss_kernel<128>, 128, fn);
-        fa_hopper::probe_ss_kernel<128><<<1, 128, smem, stream>>>(q_map, k_map, S.data_ptr<float>());
-    }
-    check_cuda(cudaGetLastError(), fn);
+    if (D == 64) launch_probe<64>(fa_hopper::probe_ss_kernel<64>, fn, q_map, k_map, S.data_ptr<float>());
+    else launch_probe<128>(fa_hopper::probe_ss_kernel<128>, fn, q_map, k_map, S.data_ptr<float>());
     return S;
 }
 
@@ -731,16 +718,9 @@ torch::Tensor hopper_probe_rs(torch::Tensor P, torch::Tensor V) {
     const int D = V.size(1);
     auto O = torch::empty({64, D}, V.options().dtype(torch::kFloat32));
     const CUtensorMap v_map = make_map(V.view({1, 1, 128, D}), 128);
-    const auto stream = c10::cuda::getCurrentCUDAStream();
     const auto* p = reinterpret_cast<const __nv_bfloat16*>(P.data_ptr());
-    if (D == 64) {
-        const int smem = allow_probe_smem(fa_hopper::probe_rs_kernel<64>, 64, fn);
-        fa_hopper::probe_rs_kernel<64><<<1, 128, smem, stream>>>(p, v_map, O.data_ptr<float>());
-    } else {
-        const int smem = allow_probe_smem(fa_hopper::probe_rs_kernel<128>, 128, fn);
-        fa_hopper::probe_rs_kernel<128><<<1, 128, smem, stream>>>(p, v_map, O.data_ptr<float>());
-    }
-    check_cuda(cudaGetLastError(), fn);
+    if (D == 64) launch_probe<64>(fa_hopper::probe_rs_kernel<64>, fn, p, v_map, O.data_ptr<float>());
+    else launch_probe<128>(fa_hopper::probe_rs_kernel<128>, fn, p, v_map, O.data_ptr<float>());
     return O;
 }
 #endif
