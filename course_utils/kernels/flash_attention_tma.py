@@ -257,6 +257,17 @@ def _store_lse(LSE, bh, offs_m, lse, Nq, EVEN_M: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(q, K_desc, V_desc, bh, start_n, offs_m, offs_n, Nk, HEAD_DIM: tl.constexpr,
+             BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, EVEN_N: tl.constexpr):
+    """``(k, v, S)`` of key tile ``start_n``: K_j and V_j copied by TMA, S = q K_j^T masked (keys
+    past Nk unless EVEN_N, keys after the query on the DIAGONAL tiles), not yet scaled."""
+    k = K_desc.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = V_desc.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    S = tile_dot(q, tl.trans(k), None)
+    return k, v, _mask_scores(S, offs_m, start_n + offs_n, Nk, DIAGONAL, EVEN_N)
+
+
+@triton.jit
 def forward_inner_tma(acc, l_i, m_i, q, K_desc, V_desc, bh, qk_scale, offs_m, offs_n, lo, hi,
                       Nk, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIAGONAL: tl.constexpr, EVEN_N: tl.constexpr):
@@ -267,10 +278,8 @@ def forward_inner_tma(acc, l_i, m_i, q, K_desc, V_desc, bh, qk_scale, offs_m, of
     """
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = K_desc.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = V_desc.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        S = tile_dot(q, tl.trans(k), None)
-        S = _mask_scores(S, offs_m, start_n + offs_n, Nk, DIAGONAL, EVEN_N)
+        _, v, S = _kv_tile(q, K_desc, V_desc, bh, start_n, offs_m, offs_n, Nk, HEAD_DIM,
+                           BLOCK_N, DIAGONAL, EVEN_N)
         P, m_i, l_i, acc = softmax_step(S, m_i, l_i, acc, qk_scale)
         acc = tile_dot(P.to(v.dtype), v, acc)  # P in the input dtype: tensor cores, fp32 acc
     return acc, l_i, m_i
@@ -823,10 +832,8 @@ def dq_inner_tma(dq, q, do, lse2, Di, K_desc, V_desc, bh, qk_scale, offs_m, offs
     """
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = K_desc.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = V_desc.load([bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        S = tile_dot(q, tl.trans(k), None)
-        S = _mask_scores(S, offs_m, start_n + offs_n, Nk, DIAGONAL, EVEN_N)
+        k, v, S = _kv_tile(q, K_desc, V_desc, bh, start_n, offs_m, offs_n, Nk, HEAD_DIM,
+                           BLOCK_N, DIAGONAL, EVEN_N)
         P = tl.exp2(S * qk_scale - lse2[:, None])
         dP = tile_dot(do, tl.trans(v), None)
         dS = P * (dP - Di[:, None])
