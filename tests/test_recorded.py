@@ -13,7 +13,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # Recordings a chapter saves but that no GPU run has made yet: its notebook says "not recorded
 # yet" on a CPU. Once a GPU run has made one, test_pending_recordings_are_really_pending fails
 # until the name leaves this set, and from then on the file must exist.
-PENDING: set[str] = {"14_ladder"}  # chapter 14: its kernels have not run on an H100 yet
+PENDING: set[str] = set()  # recordings a notebook saves but no GPU run has made yet
 CALL = re.compile(r"recorded\.(save|load)\(\s*\\?[\"']([\w.-]+)\\?[\"']")
 
 

@@ -43,7 +43,17 @@ constexpr int CONSUMERS = 2;                  // consumer warpgroups, 64 query r
 constexpr int BLOCK_M = 64 * CONSUMERS;       // query rows per block
 constexpr int BLOCK_N = 128;                  // keys per K or V tile
 constexpr int THREADS = 128 * (CONSUMERS + 1);
-constexpr int STAGES = 2;                     // K and V buffers in the ring
+// K and V buffers in the ring (d = 64: 16 KB of Q + 3 x 32 KB; d = 128: 32 KB + 2 x 64 KB, of
+// the 227 KB a block may have). Measured on the H100: a third stage helps d = 64 (its tiles are
+// consumed twice as fast), and changes nothing measurable at d = 128. -DFA_STAGES_D64=4 to try.
+#ifndef FA_STAGES_D64
+#define FA_STAGES_D64 3
+#endif
+#ifndef FA_STAGES_D128
+#define FA_STAGES_D128 2
+#endif
+template <int D>
+constexpr int STAGES = D == 64 ? FA_STAGES_D64 : FA_STAGES_D128;
 constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -182,9 +192,9 @@ __device__ __forceinline__ void wgmma_rs<128, 128>(float (&d)[64], const uint32_
 template <int D>
 struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boundary (8 rows x 128 B)
     __nv_bfloat16 Q[BLOCK_M * D];
-    __nv_bfloat16 K[STAGES][BLOCK_N * D];
-    __nv_bfloat16 V[STAGES][BLOCK_N * D];
-    uint64_t q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    __nv_bfloat16 K[STAGES<D>][BLOCK_N * D];
+    __nv_bfloat16 V[STAGES<D>][BLOCK_N * D];
+    uint64_t q_full, k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
 };
 
 // Named barriers for ping-pong: consumer w waits on 1 + w for its turn on the tensor cores.
@@ -207,6 +217,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     constexpr int S_REGS = BLOCK_N / 2;     // a thread's share of its warpgroup's 64 x BLOCK_N S
     constexpr int O_REGS = D / 2;           // ... and of its 64 x D O
     constexpr int P_REGS = BLOCK_N / 4;     // P as bf16 pairs
+    constexpr int STAGES = fa_hopper::STAGES<D>;
     extern __shared__ unsigned char smem_raw[];
     Tiles<D>& sm = *reinterpret_cast<Tiles<D>*>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -305,29 +316,30 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     auto softmax = [&](int j) {
         const int c0 = j * BLOCK_N + 2 * t;
         const bool edge = (j + 1) * BLOCK_N > Nk || (causal && (j + 1) * BLOCK_N - 1 > q0 + 64 * w);
-        float mx[2] = {m[0], m[1]};
-        #pragma unroll
-        for (int i = 0; i < S_REGS; ++i) {
-            const int r = row0 + (i % 4 >= 2 ? 8 : 0), c = c0 + 8 * (i / 4) + (i % 2);
-            float x = s_acc[i] * scale_log2;
-            if (edge && (c >= Nk || (causal && c > r))) x = neg_inf();
-            s_acc[i] = x;
-            mx[(i % 4) / 2] = fmaxf(mx[(i % 4) / 2], x);
+        float mx[2] = {m[0], m[1]};  // the row maxima of the raw scores (scale > 0 keeps the order)
+        if (edge) {
+            #pragma unroll
+            for (int i = 0; i < S_REGS; ++i) {
+                const int r = row0 + (i % 4 >= 2 ? 8 : 0), c = c0 + 8 * (i / 4) + (i % 2);
+                if (c >= Nk || (causal && c > r)) s_acc[i] = neg_inf();
+            }
         }
+        #pragma unroll
+        for (int i = 0; i < S_REGS; ++i) mx[(i % 4) / 2] = fmaxf(mx[(i % 4) / 2], s_acc[i]);
+        float base[2];  // m * scale * log2(e): exp(scale (s - m)) = 2^(s * scale_log2 - base)
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-            const float base = mx[h] == neg_inf() ? 0.f : mx[h];  // a row with no key yet
-            alpha[h] = fast_exp2(m[h] - base);
+            base[h] = mx[h] == neg_inf() ? 0.f : mx[h] * scale_log2;  // a row with no key yet
+            alpha[h] = fast_exp2(m[h] * scale_log2 - base[h]);
             m[h] = mx[h];
             rowsum[h] = 0.f;
         }
         #pragma unroll
-        for (int i = 0; i < S_REGS; ++i) {
+        for (int i = 0; i < S_REGS; ++i) {  // one FFMA and one MUFU.EX2 per score
             const int h = (i % 4) / 2;
-            const float base = m[h] == neg_inf() ? 0.f : m[h];
-            s_acc[i] = fast_exp2(s_acc[i] - base);
+            s_acc[i] = fast_exp2(fmaf(s_acc[i], scale_log2, -base[h]));
             rowsum[h] += s_acc[i];
         }
     };
@@ -408,7 +420,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             *reinterpret_cast<__nv_bfloat162*>(out + 8 * i) = v;
         }
         if (t == 0)
-            LSE[(size_t)bh * Nq + r] = l[h] > 0.f ? (m[h] + __log2f(l[h])) / LOG2E : neg_inf();
+            LSE[(size_t)bh * Nq + r] = l[h] > 0.f ? (m[h] * scale_log2 + __log2f(l[h])) / LOG2E : neg_inf();
     }
 #else
     __trap();  // built for a GPU without sm_90a's wgmma and TMA: the host refuses to launch

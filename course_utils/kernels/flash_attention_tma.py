@@ -480,7 +480,10 @@ def round_to_e4m3(x):
     frac = q - whole.to(tl.float32)  # exact
     up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))  # round half to even
     y = (whole + up.to(tl.int32)).to(tl.float32) * step  # 16 steps = the next binade: fine
-    return tl.where(bits < 0, -y, y)  # the sign of x, -0.0 included
+    # the sign of x, -0.0 included: or-ing the sign bit in (on a GPU, -y compiles to 0 - y,
+    # which makes -0.0 into +0.0)
+    sign = bits & -2147483648  # 0x80000000 as an int32
+    return (y.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
