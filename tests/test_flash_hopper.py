@@ -74,37 +74,37 @@ def _q_desc(base, w, k, D):
     return hopper.encode_descriptor(base + 2 * offset, 16, 1024)
 
 
-def _k_desc(base, k):
-    return hopper.encode_descriptor(base + 2 * ((k // 4) * BLOCK_N * 64 + (k % 4) * 16), 16, 1024)
+def _k_desc(base, k, BN=BLOCK_N):
+    return hopper.encode_descriptor(base + 2 * ((k // 4) * BN * 64 + (k % 4) * 16), 16, 1024)
 
 
-def _v_desc(base, k):
-    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_N * 128, 1024)
+def _v_desc(base, k, BN=BLOCK_N):
+    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BN * 128, 1024)
 
 
 def test_kernel_source_builds_the_descriptors_mirrored_here():
     text = SOURCE.read_text()
     for line in ("smem_desc(sm.Q + (k / 4) * BLOCK_M * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024)",
-                 "smem_desc(sm.K[s] + (k / 4) * BLOCK_N * 64 + (k % 4) * 16, 16, 1024)",
-                 "smem_desc(sm.V[s] + k * 16 * 64, BLOCK_N * 128, 1024)"):
+                 "smem_desc(sm.K[s] + (k / 4) * BN * 64 + (k % 4) * 16, 16, 1024)",
+                 "smem_desc(sm.V[s] + k * 16 * 64, BN * 128, 1024)"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_wgmma_reads_the_elements_each_product_needs(D):
+@pytest.mark.parametrize("D, BN", [(64, 128), (128, 128), (128, 176)])  # BN 176: variant 4
+def test_wgmma_reads_the_elements_each_product_needs(D, BN):
     """S = Q K^T and O += P V step by step: each descriptor's 16 columns are the right ones."""
-    q_base, k_base, v_base = 0, 1024 * 64, 1024 * 128
+    q_base, k_base, v_base = 0, 1024 * 32, 1024 * 80  # Q, K, V of up to 32, 44 and 44 KiB
     Q = hopper.tile_addresses(BLOCK_M, D, q_base)
-    K = hopper.tile_addresses(BLOCK_N, D, k_base)
-    V = hopper.tile_addresses(BLOCK_N, D, v_base)
+    K = hopper.tile_addresses(BN, D, k_base)
+    V = hopper.tile_addresses(BN, D, v_base)
     for w in range(BLOCK_M // 64):  # each consumer warpgroup: its 64 rows of Q
         for k in range(D // 16):  # A = Q[64w:64w+64, 16k:16k+16], B = K[:, 16k:16k+16]
             a = hopper.operand_addresses(_q_desc(q_base, w, k, D), 64, "K")
             np.testing.assert_array_equal(a, Q[64 * w:64 * w + 64, 16 * k:16 * k + 16])
-            b = hopper.operand_addresses(_k_desc(k_base, k), BLOCK_N, "K")
+            b = hopper.operand_addresses(_k_desc(k_base, k, BN), BN, "K")
             np.testing.assert_array_equal(b, K[:, 16 * k:16 * k + 16])
-    for k in range(BLOCK_N // 16):  # B of O += P V: keys 16k..16k+15 (K dim) x all D (N dim)
-        b = hopper.operand_addresses(_v_desc(v_base, k), D, "MN")
+    for k in range(BN // 16):  # B of O += P V: keys 16k..16k+15 (K dim) x all D (N dim)
+        b = hopper.operand_addresses(_v_desc(v_base, k, BN), D, "MN")
         np.testing.assert_array_equal(b, V[16 * k:16 * k + 16, :].T)
 
 
@@ -120,7 +120,8 @@ def test_a_wrong_stride_reads_other_elements():
 @pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
 def test_compiles_for_sm90a_without_spills():
     report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=["-DFA_KERNEL_ONLY"])
-    assert len([r for r in report if "probe" not in r.name]) == 8  # D x PINGPONG x OVERLAP
+    # D x PINGPONG x OVERLAP, and variant 4 (d = 128, 176-key tiles)
+    assert len([r for r in report if "probe" not in r.name]) == 9
     assert len([r for r in report if "probe" in r.name]) == 6  # 3 probes x D
     for r in report:
         # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
@@ -144,14 +145,16 @@ def _load():
 
 
 @needs_sm90
-@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
     (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0),
     (1, 2, 130, 130, 128, True, 1.0), (1, 1, 64, 300, 128, False, 1.0),
     (1, 1, 300, 300, 64, True, 1.0), (1, 1, 300, 64, 128, True, 1.0),
     (1, 2, 129, 65, 128, False, 20.0), (2, 1, 513, 513, 128, True, 1.0),
-    (1, 2, 1024, 1024, 64, False, 1.0)])
+    (1, 2, 1024, 1024, 64, False, 1.0), (1, 2, 1000, 1000, 128, False, 1.0)])
 def test_matches_float64(variant, B, H, Nq, Nk, D, causal, big):
+    if variant == 4 and D != 128:
+        pytest.skip("variant 4 (176-key tiles) is built for D = 128 only")
     Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
     K = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
     V = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
@@ -216,7 +219,9 @@ def test_bad_input_says_what_is_wrong():
         f(q, q, q, False, 3)
     with pytest.raises(RuntimeError, match="contiguous"):
         f(Q.transpose(2, 3), Q, Q, False, 3)
-    with pytest.raises(RuntimeError, match="variant must be 0..3"):
+    with pytest.raises(RuntimeError, match="variant must be 0..4"):
+        f(Q, Q, Q, False, 5)
+    with pytest.raises(RuntimeError, match="variant 4 .* D = 128 only"):
         f(Q, Q, Q, False, 4)
 
 

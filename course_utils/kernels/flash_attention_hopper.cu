@@ -41,7 +41,7 @@ namespace fa_hopper {
 
 constexpr int CONSUMERS = 2;                  // consumer warpgroups, 64 query rows each
 constexpr int BLOCK_M = 64 * CONSUMERS;       // query rows per block
-constexpr int BLOCK_N = 128;                  // keys per K or V tile
+constexpr int BLOCK_N = 128;                  // keys per K or V tile (variant 4: 176)
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 // K and V buffers in the ring (d = 64: 16 KB of Q + 3 x 32 KB; d = 128: 32 KB + 2 x 64 KB, of
 // the 227 KB a block may have). Measured on the H100: a third stage helps d = 64 (its tiles are
@@ -164,6 +164,22 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// D[64 x 176] (+)= A[64 x 16] B[16 x 176]: the same, for 176-key tiles (variant 4).
+__device__ __forceinline__ void wgmma_ss_n176(float (&d)[88], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87}, %88, %89, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate);
+template <>
+__device__ __forceinline__ void wgmma_ss<128>(float (&d)[64], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_n128(d, a, b, accumulate); }
+template <>
+__device__ __forceinline__ void wgmma_ss<176>(float (&d)[88], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_n176(d, a, b, accumulate); }
+
 // D[64 x 64] += A[64 x 16] B[16 x 64], A in registers (4 x bf16x2), B in shared memory MN-major.
 __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
     asm volatile(
@@ -189,11 +205,11 @@ __device__ __forceinline__ void wgmma_rs<128, 128>(float (&d)[64], const uint32_
 
 // ---------------------------------------------------------------- the kernel
 
-template <int D>
+template <int D, int BN>
 struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boundary (8 rows x 128 B)
     __nv_bfloat16 Q[BLOCK_M * D];
-    __nv_bfloat16 K[STAGES<D>][BLOCK_N * D];
-    __nv_bfloat16 V[STAGES<D>][BLOCK_N * D];
+    __nv_bfloat16 K[STAGES<D>][BN * D];
+    __nv_bfloat16 V[STAGES<D>][BN * D];
     uint64_t q_full, k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
 };
 
@@ -205,7 +221,7 @@ __device__ __forceinline__ void named_arrive(int id) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
 }
 
-template <int D, bool PINGPONG, bool OVERLAP>
+template <int D, int BN, bool PINGPONG, bool OVERLAP>
 __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                               const __grid_constant__ CUtensorMap k_map,
@@ -214,19 +230,19 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                               int Nq, int Nk, float scale, int causal) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int PANELS = D / 64;          // 64-column panels of a tile
-    constexpr int S_REGS = BLOCK_N / 2;     // a thread's share of its warpgroup's 64 x BLOCK_N S
+    constexpr int S_REGS = BN / 2;     // a thread's share of its warpgroup's 64 x BN S
     constexpr int O_REGS = D / 2;           // ... and of its 64 x D O
-    constexpr int P_REGS = BLOCK_N / 4;     // P as bf16 pairs
+    constexpr int P_REGS = BN / 4;     // P as bf16 pairs
     constexpr int STAGES = fa_hopper::STAGES<D>;
     extern __shared__ unsigned char smem_raw[];
-    Tiles<D>& sm = *reinterpret_cast<Tiles<D>*>(
+    Tiles<D, BN>& sm = *reinterpret_cast<Tiles<D, BN>*>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
     const int qb = causal ? q_blocks - 1 - blockIdx.x : blockIdx.x;  // the longest rows first
     const int q0 = qb * BLOCK_M, bh = blockIdx.z * H + blockIdx.y;
     const int key_end = causal ? min(Nk, q0 + BLOCK_M) : Nk;
-    const int n_blocks = (key_end + BLOCK_N - 1) / BLOCK_N;
+    const int n_blocks = (key_end + BN - 1) / BN;
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -250,13 +266,13 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             for (int j = 0; j < n_blocks; ++j) {
                 const int s = j % STAGES, phase = (j / STAGES) & 1;
                 mbar_wait(&sm.k_empty[s], phase ^ 1);  // a fresh barrier counts as emptied
-                mbar_expect_bytes(&sm.k_full[s], BLOCK_N * D * 2);
+                mbar_expect_bytes(&sm.k_full[s], BN * D * 2);
                 for (int p = 0; p < PANELS; ++p)
-                    tma_load(sm.K[s] + p * BLOCK_N * 64, &k_map, &sm.k_full[s], 64 * p, j * BLOCK_N, bh);
+                    tma_load(sm.K[s] + p * BN * 64, &k_map, &sm.k_full[s], 64 * p, j * BN, bh);
                 mbar_wait(&sm.v_empty[s], phase ^ 1);
-                mbar_expect_bytes(&sm.v_full[s], BLOCK_N * D * 2);
+                mbar_expect_bytes(&sm.v_full[s], BN * D * 2);
                 for (int p = 0; p < PANELS; ++p)
-                    tma_load(sm.V[s] + p * BLOCK_N * 64, &v_map, &sm.v_full[s], 64 * p, j * BLOCK_N, bh);
+                    tma_load(sm.V[s] + p * BN * 64, &v_map, &sm.v_full[s], 64 * p, j * BN, bh);
             }
         }
         return;
@@ -276,10 +292,10 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         return smem_desc(sm.Q + (k / 4) * BLOCK_M * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024);
     };
     auto k_desc = [&](int s, int k) {
-        return smem_desc(sm.K[s] + (k / 4) * BLOCK_N * 64 + (k % 4) * 16, 16, 1024);
+        return smem_desc(sm.K[s] + (k / 4) * BN * 64 + (k % 4) * 16, 16, 1024);
     };
     auto v_desc = [&](int s, int k) {  // keys 16k .. 16k + 15
-        return smem_desc(sm.V[s] + k * 16 * 64, BLOCK_N * 128, 1024);
+        return smem_desc(sm.V[s] + k * 16 * 64, BN * 128, 1024);
     };
     auto turn_begin = [&]() { if (PINGPONG) named_sync(1 + w); };
     auto turn_end = [&](bool last) { if (PINGPONG && !(w == 1 && last)) named_arrive(2 - w); };
@@ -296,7 +312,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         mbar_wait(&sm.k_full[s], (j / STAGES) & 1);
         wgmma_fence();
         #pragma unroll
-        for (int k = 0; k < D / 16; ++k) wgmma_ss_n128(s_acc, q_desc(k), k_desc(s, k), k > 0);
+        for (int k = 0; k < D / 16; ++k) wgmma_ss<BN>(s_acc, q_desc(k), k_desc(s, k), k > 0);
         wgmma_commit();
     };
     auto issue_pv = [&](int j) {  // O += P V(j), asynchronous
@@ -304,7 +320,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         mbar_wait(&sm.v_full[s], (j / STAGES) & 1);
         wgmma_fence();
         #pragma unroll
-        for (int k = 0; k < BLOCK_N / 16; ++k) {
+        for (int k = 0; k < BN / 16; ++k) {
             const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
             wgmma_rs<D, D>(o, a, v_desc(s, k));
         }
@@ -314,8 +330,8 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     // p); returns nothing, updates m, and leaves alpha (the factor for O and l) and the row sums.
     float alpha[2], rowsum[2];
     auto softmax = [&](int j) {
-        const int c0 = j * BLOCK_N + 2 * t;
-        const bool edge = (j + 1) * BLOCK_N > Nk || (causal && (j + 1) * BLOCK_N - 1 > q0 + 64 * w);
+        const int c0 = j * BN + 2 * t;
+        const bool edge = (j + 1) * BN > Nk || (causal && (j + 1) * BN - 1 > q0 + 64 * w);
         float mx[2] = {m[0], m[1]};  // the row maxima of the raw scores (scale > 0 keeps the order)
         if (edge) {
             #pragma unroll
@@ -344,8 +360,17 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         }
     };
     auto rescale_and_pack = [&]() {
-        #pragma unroll
-        for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i % 4) / 2];
+        // After the first key blocks a row's maximum rarely moves, and then alpha is exactly 1
+        // (2^0). -DFA_SKIP_UNIT_RESCALE skips O's D / 2 multiplications (as many as the scores'
+        // own FFMAs at d = 128) when that holds for every row of the warp: the branch is the
+        // same for the whole warp. Off until measured on an H100 against the plain rescale.
+#if defined(FA_SKIP_UNIT_RESCALE)
+        if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f))
+#endif
+        {
+            #pragma unroll
+            for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i % 4) / 2];
+        }
         #pragma unroll
         for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
         #pragma unroll
@@ -554,7 +579,7 @@ __global__ void probe_rs_kernel(const __nv_bfloat16* __restrict__ P,
 
 #if defined(FA_KERNEL_ONLY)  // compile-only builds (the compile matrix, ptxas -v): every variant
 #define FA_INSTANTIATE(DD, PP, OV)                                                               \
-    template __global__ void flash_attention_hopper_kernel<DD, PP, OV>(                          \
+    template __global__ void flash_attention_hopper_kernel<DD, BLOCK_N, PP, OV>(                 \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
         const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
 FA_INSTANTIATE(64, false, false) FA_INSTANTIATE(64, true, false)
@@ -562,6 +587,9 @@ FA_INSTANTIATE(64, false, true) FA_INSTANTIATE(64, true, true)
 FA_INSTANTIATE(128, false, false) FA_INSTANTIATE(128, true, false)
 FA_INSTANTIATE(128, false, true) FA_INSTANTIATE(128, true, true)
 #undef FA_INSTANTIATE
+template __global__ void flash_attention_hopper_kernel<128, 176, true, true>(
+    const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
+    const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
 template __global__ void probe_layout_kernel<64>(const __grid_constant__ CUtensorMap, uint16_t*);
 template __global__ void probe_layout_kernel<128>(const __grid_constant__ CUtensorMap, uint16_t*);
 template __global__ void probe_ss_kernel<64>(const __grid_constant__ CUtensorMap,
@@ -605,15 +633,14 @@ static CUtensorMap make_map(const torch::Tensor& X, int rows) {
     return map;
 }
 
-template <int D, bool PINGPONG, bool OVERLAP>
+template <int D, int BN, bool PINGPONG, bool OVERLAP>
 static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
                    torch::Tensor& O, torch::Tensor& LSE, float scale, bool causal) {
     using namespace fa_hopper;
     const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
-    const CUtensorMap q_map = make_map(Q, BLOCK_M), k_map = make_map(K, BLOCK_N),
-                      v_map = make_map(V, BLOCK_N);
-    constexpr int SMEM = sizeof(Tiles<D>) + 1024;  // + room to align the start to 1024 bytes
-    auto kernel = flash_attention_hopper_kernel<D, PINGPONG, OVERLAP>;
+    const CUtensorMap q_map = make_map(Q, BLOCK_M), k_map = make_map(K, BN), v_map = make_map(V, BN);
+    constexpr int SMEM = sizeof(Tiles<D, BN>) + 1024;  // + room to align the start to 1024 bytes
+    auto kernel = flash_attention_hopper_kernel<D, BN, PINGPONG, OVERLAP>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
                "flash_attention_hopper: asking for shared memory");
     dim3 grid((Nq + BLOCK_M - 1) / BLOCK_M, H, B);
@@ -624,7 +651,9 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
 }
 
 // O, LSE = attention(Q, K, V) with TMA and wgmma (sm_90 only). variant: 0 = warp specialized,
-// 1 = + ping-pong of the two consumers, 2 = + overlap inside a warpgroup, 3 = both.
+// 1 = + ping-pong of the two consumers, 2 = + overlap inside a warpgroup, 3 = both; 4 = 3 with
+// key tiles of 176 instead of 128 (d = 128 only: fewer, longer softmax passes, FlashAttention-3's
+// choice; 88 + 44 + 64 registers of S, P and O a thread).
 std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                   bool causal, int64_t variant) {
     const char* fn = "flash_attention_hopper";
@@ -642,7 +671,9 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
                 fn, ": Q and K must agree in B, H and D");
     const int64_t D = Q.size(3);
     TORCH_CHECK(D == 64 || D == 128, fn, ": head dim D must be 64 or 128, got ", std::to_string(D));
-    TORCH_CHECK(variant >= 0 && variant <= 3, fn, ": variant must be 0..3, got ", std::to_string(variant));
+    TORCH_CHECK(variant >= 0 && variant <= 4, fn, ": variant must be 0..4, got ", std::to_string(variant));
+    TORCH_CHECK(variant != 4 || D == 128, fn, ": variant 4 (176-key tiles) is built for D = 128 only; "
+                "use variant 3 at D = 64");
     int major = 0, minor = 0;  // device attributes: cheap, unlike cudaGetDeviceProperties
     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, Q.get_device()), fn);
     check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, Q.get_device()), fn);
@@ -656,13 +687,14 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
     if (Nk == 0) return {O.zero_(), LSE.fill_(-INFINITY)};
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     c10::cuda::CUDAGuard guard(Q.device());
-#define FA_LAUNCH(DD, PP, OV) launch<DD, PP, OV>(Q, K, V, O, LSE, scale, causal)
+#define FA_LAUNCH(DD, PP, OV) launch<DD, BLOCK_N, PP, OV>(Q, K, V, O, LSE, scale, causal)
     if (D == 64) {
         if (variant == 0) FA_LAUNCH(64, false, false); else if (variant == 1) FA_LAUNCH(64, true, false);
         else if (variant == 2) FA_LAUNCH(64, false, true); else FA_LAUNCH(64, true, true);
     } else {
         if (variant == 0) FA_LAUNCH(128, false, false); else if (variant == 1) FA_LAUNCH(128, true, false);
-        else if (variant == 2) FA_LAUNCH(128, false, true); else FA_LAUNCH(128, true, true);
+        else if (variant == 2) FA_LAUNCH(128, false, true); else if (variant == 3) FA_LAUNCH(128, true, true);
+        else launch<128, 176, true, true>(Q, K, V, O, LSE, scale, causal);
     }
 #undef FA_LAUNCH
     return {O, LSE};
