@@ -129,6 +129,13 @@ def test_compiles_for_sm90a_without_spills():
         assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
 
 
+@pytest.mark.skipif(C.nvcc_path() is None or runtime.on_gpu(), reason="compile-only mode: no GPU, nvcc")
+def test_the_whole_source_compiles_host_functions_included():
+    # FA_KERNEL_ONLY above leaves out the host side (tensor maps, launches, input checks)
+    C.load_cuda(SOURCE, ["flash_attention_hopper", "hopper_probe_layout", "hopper_probe_ss",
+                         "hopper_probe_rs"], name="flash_attention_hopper", arch="sm_90a")
+
+
 # ------------------------------------------------------------------ on an H100
 
 _module = None

@@ -687,7 +687,7 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
     if (Nk == 0) return {O.zero_(), LSE.fill_(-INFINITY)};
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     c10::cuda::CUDAGuard guard(Q.device());
-#define FA_LAUNCH(DD, PP, OV) launch<DD, BLOCK_N, PP, OV>(Q, K, V, O, LSE, scale, causal)
+#define FA_LAUNCH(DD, PP, OV) launch<DD, fa_hopper::BLOCK_N, PP, OV>(Q, K, V, O, LSE, scale, causal)
     if (D == 64) {
         if (variant == 0) FA_LAUNCH(64, false, false); else if (variant == 1) FA_LAUNCH(64, true, false);
         else if (variant == 2) FA_LAUNCH(64, false, true); else FA_LAUNCH(64, true, true);
