@@ -1,0 +1,93 @@
+"""A/B of build options of chapter 14's CUDA kernel against cuDNN, on one GPU, in one run.
+
+    python .ci/hopper_ab.py [--ns 4096,16384] [--rounds 3] [--out ab.json]
+
+Every build in BUILDS is compiled (about 40 s each). Then each shape times every build's
+variants and SDPA's flash and cuDNN backends, round after round in turn, so that clock drift
+hits all alike. The table gives each one's median over the rounds in TFLOP/s; the spread of
+cuDNN's rounds shows how much two equal kernels can differ. Every output is also compared with
+cuDNN's.
+Needs an sm_90 GPU (H100/H200).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import course_utils as cu  # noqa: E402
+from course_utils import bench  # noqa: E402
+from course_utils.cuda import load_cuda  # noqa: E402
+
+SOURCE = ROOT / "course_utils" / "kernels" / "flash_attention_hopper.cu"
+BUILDS = {"default": [], "skip rescale": ["-DFA_SKIP_UNIT_RESCALE"]}
+VARIANTS = {64: (0, 2, 3), 128: (0, 2, 3, 4)}
+
+
+def sdpa(backend):
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ns", default="4096,16384")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="hopper_ab.json")
+    args = parser.parse_args()
+    cu.setup()
+    started = time.time()
+    text = SOURCE.read_text()
+    mods = {label: load_cuda(text, ["flash_attention_hopper"], name="fa_ab", arch="sm_90a",
+                             extra_cuda_cflags=flags) for label, flags in BUILDS.items()}
+    print(f"built {len(mods)} variants of the source in {time.time() - started:.0f} s")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = []
+    for D in (64, 128):
+        impls = {"sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
+                 "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+        for label, mod in mods.items():
+            for var in VARIANTS[D]:
+                impls[f"{label} v{var}"] = (lambda q, k, v, c, mod=mod, var=var:
+                                            mod.flash_attention_hopper(q, k, v, c, var)[0])
+        names = list(impls)
+        print(f"\nd = {D}: TFLOP/s, median of {args.rounds} rounds (cuDNN's spread in brackets)")
+        print(f"{'causal':>6} {'N':>6} " + " ".join(f"{n[-15:]:>15}" for n in names))
+        for causal in (False, True):
+            for N in (int(x) for x in args.ns.split(",")):
+                B, H = 32768 // N, 2048 // D
+                q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+                           for _ in range(3))
+                want = impls["sdpa cudnn"](q, k, v, causal).float()
+                flops = bench.attention_flops(B, H, N, N, D, causal)
+                times = {n: [] for n in names}
+                for name, fn in impls.items():
+                    err = (fn(q, k, v, causal).float() - want).abs().max().item()
+                    if not err < 0.05:
+                        print(f"   {name}: max |O - O_cudnn| = {err:.3g} at N={N}, causal={causal}")
+                for _ in range(args.rounds):
+                    for name, fn in impls.items():
+                        ms = bench.time_fn(fn, q, k, v, causal).median_ms
+                        times[name].append(bench.tflops(flops, ms))
+                med = {n: statistics.median(t) for n, t in times.items()}
+                spread = max(times["sdpa cudnn"]) / min(times["sdpa cudnn"]) - 1
+                rows.append({"D": D, "causal": causal, "N": N, "tflops": times})
+                print(f"{str(causal):>6} {N:6d} " + " ".join(f"{med[n]:15.0f}" for n in names)
+                      + f"   [{spread:.0%}]", flush=True)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
+                                         indent=1))
+    print(f"\nwrote {args.out} ({time.time() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
