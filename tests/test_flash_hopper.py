@@ -69,8 +69,8 @@ def test_descriptor_round_trip_and_errors():
 
 # The kernel's descriptors, as flash_attention_hopper.cu builds them (q_desc, k_desc, v_desc):
 # element offsets from the tile's start, times 2 bytes; tiles start on 1024-byte boundaries.
-def _q_desc(base, w, k, D):
-    offset = (k // 4) * BLOCK_M * 64 + w * 64 * 64 + (k % 4) * 16
+def _q_desc(base, w, k, D, BM=BLOCK_M):
+    offset = (k // 4) * BM * 64 + w * 64 * 64 + (k % 4) * 16
     return hopper.encode_descriptor(base + 2 * offset, 16, 1024)
 
 
@@ -90,16 +90,17 @@ def test_kernel_source_builds_the_descriptors_mirrored_here():
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
 
 
-@pytest.mark.parametrize("D, BN", [(64, 128), (128, 128), (128, 176)])  # BN 176: variant 4
-def test_wgmma_reads_the_elements_each_product_needs(D, BN):
+@pytest.mark.parametrize("D, BN, BM", [(64, 128, 128), (128, 128, 128),
+                                       (128, 176, 128), (64, 128, 192)])  # variants 4 and 5
+def test_wgmma_reads_the_elements_each_product_needs(D, BN, BM):
     """S = Q K^T and O += P V step by step: each descriptor's 16 columns are the right ones."""
     q_base, k_base, v_base = 0, 1024 * 32, 1024 * 80  # Q, K, V of up to 32, 44 and 44 KiB
-    Q = hopper.tile_addresses(BLOCK_M, D, q_base)
+    Q = hopper.tile_addresses(BM, D, q_base)
     K = hopper.tile_addresses(BN, D, k_base)
     V = hopper.tile_addresses(BN, D, v_base)
-    for w in range(BLOCK_M // 64):  # each consumer warpgroup: its 64 rows of Q
+    for w in range(BM // 64):  # each consumer warpgroup: its 64 rows of Q
         for k in range(D // 16):  # A = Q[64w:64w+64, 16k:16k+16], B = K[:, 16k:16k+16]
-            a = hopper.operand_addresses(_q_desc(q_base, w, k, D), 64, "K")
+            a = hopper.operand_addresses(_q_desc(q_base, w, k, D, BM), 64, "K")
             np.testing.assert_array_equal(a, Q[64 * w:64 * w + 64, 16 * k:16 * k + 16])
             b = hopper.operand_addresses(_k_desc(k_base, k, BN), BN, "K")
             np.testing.assert_array_equal(b, K[:, 16 * k:16 * k + 16])
@@ -120,8 +121,8 @@ def test_a_wrong_stride_reads_other_elements():
 @pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
 def test_compiles_for_sm90a_without_spills():
     report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=["-DFA_KERNEL_ONLY"])
-    # D x PINGPONG x OVERLAP, and variant 4 (d = 128, 176-key tiles)
-    assert len([r for r in report if "probe" not in r.name]) == 9
+    # D x PINGPONG x OVERLAP, variant 4 (d = 128, 176-key tiles), 5 (d = 64, three consumers)
+    assert len([r for r in report if "probe" not in r.name]) == 10
     assert len([r for r in report if "probe" in r.name]) == 6  # 3 probes x D
     for r in report:
         # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
@@ -129,7 +130,7 @@ def test_compiles_for_sm90a_without_spills():
         assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
 
 
-@pytest.mark.skipif(C.nvcc_path() is None or runtime.on_gpu(), reason="compile-only mode: no GPU, nvcc")
+@pytest.mark.skipif(C.nvcc_path() is None or runtime.on_gpu(), reason="compile-only: no GPU, nvcc")
 def test_the_whole_source_compiles_host_functions_included():
     # FA_KERNEL_ONLY above leaves out the host side (tensor maps, launches, input checks)
     C.load_cuda(SOURCE, ["flash_attention_hopper", "hopper_probe_layout", "hopper_probe_ss",
@@ -152,16 +153,18 @@ def _load():
 
 
 @needs_sm90
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5])
 @pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
     (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0),
     (1, 2, 130, 130, 128, True, 1.0), (1, 1, 64, 300, 128, False, 1.0),
     (1, 1, 300, 300, 64, True, 1.0), (1, 1, 300, 64, 128, True, 1.0),
     (1, 2, 129, 65, 128, False, 20.0), (2, 1, 513, 513, 128, True, 1.0),
-    (1, 2, 1024, 1024, 64, False, 1.0), (1, 2, 1000, 1000, 128, False, 1.0)])
+    (1, 2, 1024, 1024, 64, False, 1.0), (1, 2, 1000, 1000, 128, False, 1.0),
+    (1, 2, 200, 450, 64, True, 1.0)])
 def test_matches_float64(variant, B, H, Nq, Nk, D, causal, big):
-    if variant == 4 and D != 128:
-        pytest.skip("variant 4 (176-key tiles) is built for D = 128 only")
+    if (variant, D) in ((4, 64), (5, 128)):
+        pytest.skip("variant 4 (176-key tiles) is built for D = 128 only, 5 (three consumers) "
+                    "for D = 64")
     Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
     K = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
     V = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
@@ -226,10 +229,13 @@ def test_bad_input_says_what_is_wrong():
         f(q, q, q, False, 3)
     with pytest.raises(RuntimeError, match="contiguous"):
         f(Q.transpose(2, 3), Q, Q, False, 3)
-    with pytest.raises(RuntimeError, match="variant must be 0..4"):
-        f(Q, Q, Q, False, 5)
+    with pytest.raises(RuntimeError, match="variant must be 0..5"):
+        f(Q, Q, Q, False, 6)
     with pytest.raises(RuntimeError, match="variant 4 .* D = 128 only"):
         f(Q, Q, Q, False, 4)
+    Q128 = torch.randn(1, 1, 8, 128, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="variant 5 .* D = 64 only"):
+        f(Q128, Q128, Q128, False, 5)
 
 
 # ------------------------------------------------------------------ the schedule model

@@ -4,7 +4,8 @@
 // bf16; LSE (B, H, Nq) float32 (natural log). D is 64 or 128. Causal is top-left aligned, as in
 // chapters 07 and 10 (key c is masked for query r when c > r).
 //
-// One block computes BLOCK_M = 128 query rows of one head with 3 warpgroups of 128 threads:
+// One block computes BLOCK_M = 128 query rows of one head with 3 warpgroups of 128 threads
+// (variant 5: 192 rows, 4 warpgroups, three consumers):
 //   * warpgroup 0, the producer: one thread issues the TMA copies. Q once, then K(j) and V(j)
 //     into a ring of STAGES buffers. Each buffer has a "full" mbarrier (the copy landed: TMA
 //     counts the bytes) and an "empty" one (both consumers are done reading it). The producer
@@ -42,7 +43,6 @@ namespace fa_hopper {
 constexpr int CONSUMERS = 2;                  // consumer warpgroups, 64 query rows each
 constexpr int BLOCK_M = 64 * CONSUMERS;       // query rows per block
 constexpr int BLOCK_N = 128;                  // keys per K or V tile (variant 4: 176)
-constexpr int THREADS = 128 * (CONSUMERS + 1);
 // K and V buffers in the ring (d = 64: 16 KB of Q + 3 x 32 KB; d = 128: 32 KB + 2 x 64 KB, of
 // the 227 KB a block may have). Measured on the H100: a third stage helps d = 64 (its tiles are
 // consumed twice as fast), and changes nothing measurable at d = 128. -DFA_STAGES_D64=4 to try.
@@ -205,9 +205,9 @@ __device__ __forceinline__ void wgmma_rs<128, 128>(float (&d)[64], const uint32_
 
 // ---------------------------------------------------------------- the kernel
 
-template <int D, int BN>
+template <int D, int BN, int CONS = CONSUMERS>
 struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boundary (8 rows x 128 B)
-    __nv_bfloat16 Q[BLOCK_M * D];
+    __nv_bfloat16 Q[64 * CONS * D];
     __nv_bfloat16 K[STAGES<D>][BN * D];
     __nv_bfloat16 V[STAGES<D>][BN * D];
     uint64_t q_full, k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
@@ -221,8 +221,8 @@ __device__ __forceinline__ void named_arrive(int id) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
 }
 
-template <int D, int BN, bool PINGPONG, bool OVERLAP>
-__global__ void __launch_bounds__(THREADS, 1)
+template <int D, int BN, int CONS, bool PINGPONG, bool OVERLAP>
+__global__ void __launch_bounds__(128 * (CONS + 1), 1)
 flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                               const __grid_constant__ CUtensorMap k_map,
                               const __grid_constant__ CUtensorMap v_map,
@@ -234,8 +234,12 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     constexpr int O_REGS = D / 2;           // ... and of its 64 x D O
     constexpr int P_REGS = BN / 4;     // P as bf16 pairs
     constexpr int STAGES = fa_hopper::STAGES<D>;
+    constexpr int BLOCK_M = 64 * CONS;      // query rows of the block: 64 per consumer
+    // the 64K registers of an SM, shared out by setmaxnreg: 24 a producer thread, the rest to
+    // the consumers (a multiple of 8): 240 with two consumers, 160 with three
+    constexpr int CONSUMER_REGS = (65536 / 128 - 24) / CONS / 8 * 8 > 240 ? 240 : (65536 / 128 - 24) / CONS / 8 * 8;
     extern __shared__ unsigned char smem_raw[];
-    Tiles<D, BN>& sm = *reinterpret_cast<Tiles<D, BN>*>(
+    Tiles<D, BN, CONS>& sm = *reinterpret_cast<Tiles<D, BN, CONS>*>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
@@ -250,8 +254,8 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.k_full[s], 1);
             mbar_init(&sm.v_full[s], 1);
-            mbar_init(&sm.k_empty[s], 128 * CONSUMERS);
-            mbar_init(&sm.v_empty[s], 128 * CONSUMERS);
+            mbar_init(&sm.k_empty[s], 128 * CONS);
+            mbar_init(&sm.v_empty[s], 128 * CONS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -279,8 +283,8 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     }
 
     // -------------------------------------------------------------- the consumers
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
-    const int w = wg - 1;                          // consumer 0 or 1: rows 64w .. 64w + 63
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+    const int w = wg - 1;                          // consumer 0, 1 (, 2): rows 64w .. 64w + 63
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;          // a lane holds rows g and g + 8, columns 2t, 2t + 1
     const int row0 = q0 + 64 * w + 16 * warp + g;  // its two query rows: row0 and row0 + 8
@@ -297,9 +301,14 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     auto v_desc = [&](int s, int k) {  // keys 16k .. 16k + 15
         return smem_desc(sm.V[s] + k * 16 * 64, BN * 128, 1024);
     };
+    // Turns go round: consumer w waits on barrier 1 + w and hands the turn to w + 1. The last
+    // consumer opens consumer 0's first turn, so it leaves out its own last hand-over (each
+    // barrier then sees as many arrivals as waits).
     auto turn_begin = [&]() { if (PINGPONG) named_sync(1 + w); };
-    auto turn_end = [&](bool last) { if (PINGPONG && !(w == 1 && last)) named_arrive(2 - w); };
-    if (PINGPONG && w == 1) named_arrive(1);       // consumer 0 takes the first turn
+    auto turn_end = [&](bool last) {
+        if (PINGPONG && !(w == CONS - 1 && last)) named_arrive(1 + (w + 1) % CONS);
+    };
+    if (PINGPONG && w == CONS - 1) named_arrive(1);  // consumer 0 takes the first turn
 
     float o[O_REGS], s_acc[S_REGS];
     uint32_t p[P_REGS];
@@ -579,7 +588,7 @@ __global__ void probe_rs_kernel(const __nv_bfloat16* __restrict__ P,
 
 #if defined(FA_KERNEL_ONLY)  // compile-only builds (the compile matrix, ptxas -v): every variant
 #define FA_INSTANTIATE(DD, PP, OV)                                                               \
-    template __global__ void flash_attention_hopper_kernel<DD, BLOCK_N, PP, OV>(                 \
+    template __global__ void flash_attention_hopper_kernel<DD, BLOCK_N, CONSUMERS, PP, OV>(      \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
         const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
 FA_INSTANTIATE(64, false, false) FA_INSTANTIATE(64, true, false)
@@ -587,7 +596,10 @@ FA_INSTANTIATE(64, false, true) FA_INSTANTIATE(64, true, true)
 FA_INSTANTIATE(128, false, false) FA_INSTANTIATE(128, true, false)
 FA_INSTANTIATE(128, false, true) FA_INSTANTIATE(128, true, true)
 #undef FA_INSTANTIATE
-template __global__ void flash_attention_hopper_kernel<128, 176, true, true>(
+template __global__ void flash_attention_hopper_kernel<128, 176, 2, true, true>(
+    const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
+    const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
+template __global__ void flash_attention_hopper_kernel<64, 128, 3, true, true>(
     const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
     const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
 template __global__ void probe_layout_kernel<64>(const __grid_constant__ CUtensorMap, uint16_t*);
@@ -633,18 +645,19 @@ static CUtensorMap make_map(const torch::Tensor& X, int rows) {
     return map;
 }
 
-template <int D, int BN, bool PINGPONG, bool OVERLAP>
+template <int D, int BN, int CONS, bool PINGPONG, bool OVERLAP>
 static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
                    torch::Tensor& O, torch::Tensor& LSE, float scale, bool causal) {
     using namespace fa_hopper;
     const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
-    const CUtensorMap q_map = make_map(Q, BLOCK_M), k_map = make_map(K, BN), v_map = make_map(V, BN);
-    constexpr int SMEM = sizeof(Tiles<D, BN>) + 1024;  // + room to align the start to 1024 bytes
-    auto kernel = flash_attention_hopper_kernel<D, BN, PINGPONG, OVERLAP>;
+    constexpr int BM = 64 * CONS;
+    const CUtensorMap q_map = make_map(Q, BM), k_map = make_map(K, BN), v_map = make_map(V, BN);
+    constexpr int SMEM = sizeof(Tiles<D, BN, CONS>) + 1024;  // + room to align the start to 1024 bytes
+    auto kernel = flash_attention_hopper_kernel<D, BN, CONS, PINGPONG, OVERLAP>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
                "flash_attention_hopper: asking for shared memory");
-    dim3 grid((Nq + BLOCK_M - 1) / BLOCK_M, H, B);
-    kernel<<<grid, THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>(
+    dim3 grid((Nq + BM - 1) / BM, H, B);
+    kernel<<<grid, 128 * (CONS + 1), SMEM, c10::cuda::getCurrentCUDAStream()>>>(
         q_map, k_map, v_map, reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(),
         H, Nq, Nk, scale, causal ? 1 : 0);
     check_cuda(cudaGetLastError(), "flash_attention_hopper: launch");
@@ -653,7 +666,8 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
 // O, LSE = attention(Q, K, V) with TMA and wgmma (sm_90 only). variant: 0 = warp specialized,
 // 1 = + ping-pong of the two consumers, 2 = + overlap inside a warpgroup, 3 = both; 4 = 3 with
 // key tiles of 176 instead of 128 (d = 128 only: fewer, longer softmax passes, FlashAttention-3's
-// choice; 88 + 44 + 64 registers of S, P and O a thread).
+// choice; 88 + 44 + 64 registers of S, P and O a thread); 5 = 3 with three consumers, 192 query
+// rows a block (d = 64 only, where the exponentials weigh most: 160 registers a consumer thread).
 std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                   bool causal, int64_t variant) {
     const char* fn = "flash_attention_hopper";
@@ -671,9 +685,11 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
                 fn, ": Q and K must agree in B, H and D");
     const int64_t D = Q.size(3);
     TORCH_CHECK(D == 64 || D == 128, fn, ": head dim D must be 64 or 128, got ", std::to_string(D));
-    TORCH_CHECK(variant >= 0 && variant <= 4, fn, ": variant must be 0..4, got ", std::to_string(variant));
+    TORCH_CHECK(variant >= 0 && variant <= 5, fn, ": variant must be 0..5, got ", std::to_string(variant));
     TORCH_CHECK(variant != 4 || D == 128, fn, ": variant 4 (176-key tiles) is built for D = 128 only; "
-                "use variant 3 at D = 64");
+                "use variant 3 or 5 at D = 64");
+    TORCH_CHECK(variant != 5 || D == 64, fn, ": variant 5 (three consumers) is built for D = 64 only; "
+                "use variant 3 or 4 at D = 128");
     int major = 0, minor = 0;  // device attributes: cheap, unlike cudaGetDeviceProperties
     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, Q.get_device()), fn);
     check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, Q.get_device()), fn);
@@ -687,14 +703,15 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
     if (Nk == 0) return {O.zero_(), LSE.fill_(-INFINITY)};
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     c10::cuda::CUDAGuard guard(Q.device());
-#define FA_LAUNCH(DD, PP, OV) launch<DD, fa_hopper::BLOCK_N, PP, OV>(Q, K, V, O, LSE, scale, causal)
+#define FA_LAUNCH(DD, PP, OV) launch<DD, fa_hopper::BLOCK_N, fa_hopper::CONSUMERS, PP, OV>(Q, K, V, O, LSE, scale, causal)
     if (D == 64) {
         if (variant == 0) FA_LAUNCH(64, false, false); else if (variant == 1) FA_LAUNCH(64, true, false);
-        else if (variant == 2) FA_LAUNCH(64, false, true); else FA_LAUNCH(64, true, true);
+        else if (variant == 2) FA_LAUNCH(64, false, true); else if (variant == 3) FA_LAUNCH(64, true, true);
+        else launch<64, 128, 3, true, true>(Q, K, V, O, LSE, scale, causal);
     } else {
         if (variant == 0) FA_LAUNCH(128, false, false); else if (variant == 1) FA_LAUNCH(128, true, false);
         else if (variant == 2) FA_LAUNCH(128, false, true); else if (variant == 3) FA_LAUNCH(128, true, true);
-        else launch<128, 176, true, true>(Q, K, V, O, LSE, scale, causal);
+        else launch<128, 176, 2, true, true>(Q, K, V, O, LSE, scale, causal);
     }
 #undef FA_LAUNCH
     return {O, LSE};
