@@ -121,8 +121,9 @@ def test_a_wrong_stride_reads_other_elements():
 @pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
 def test_compiles_for_sm90a_without_spills():
     report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=["-DFA_KERNEL_ONLY"])
-    # D x PINGPONG x OVERLAP, variant 4 (d = 128, 176-key tiles), 5 (d = 64, three consumers)
-    assert len([r for r in report if "probe" not in r.name]) == 10
+    # D x PINGPONG x OVERLAP, variant 4 (d = 128, 176-key tiles), 5 (d = 64, three consumers),
+    # 6 (persistent, both D)
+    assert len([r for r in report if "probe" not in r.name]) == 12
     assert len([r for r in report if "probe" in r.name]) == 6  # 3 probes x D
     for r in report:
         # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
@@ -153,7 +154,7 @@ def _load():
 
 
 @needs_sm90
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
     (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0),
     (1, 2, 130, 130, 128, True, 1.0), (1, 1, 64, 300, 128, False, 1.0),
@@ -176,6 +177,22 @@ def test_matches_float64(variant, B, H, Nq, Nk, D, causal, big):
     torch.testing.assert_close(O.double(), O_ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double()[seen], lse_ref[seen], atol=1e-2 * big, rtol=1e-3)
     assert torch.isneginf(lse[~seen]).all()
+
+
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_blocks_take_many_tiles(D, causal):
+    """Variant 6 with more query tiles (3 x 50 heads x 3) than SMs: every block takes several,
+    so Q's barrier and the K/V ring carry their phases from one tile to the next."""
+    B, H, Nq, Nk = 3, 50, 300, 257
+    Q, K, V = (torch.randn(B, H, n, D, device="cuda").bfloat16() for n in (Nq, Nk, Nk))
+    poison_free_cuda_memory()
+    O, lse = _load().flash_attention_hopper(Q, K, V, causal, 6)
+    O_ref, lse_ref = reference.attention(Q, K, V, causal=causal)
+    assert torch.isfinite(O).all(), "an element of O was never written (NaN from the poison)"
+    torch.testing.assert_close(O.double(), O_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-2, rtol=1e-3)
 
 
 _probes = None
@@ -229,8 +246,8 @@ def test_bad_input_says_what_is_wrong():
         f(q, q, q, False, 3)
     with pytest.raises(RuntimeError, match="contiguous"):
         f(Q.transpose(2, 3), Q, Q, False, 3)
-    with pytest.raises(RuntimeError, match="variant must be 0..5"):
-        f(Q, Q, Q, False, 6)
+    with pytest.raises(RuntimeError, match="variant must be 0..6"):
+        f(Q, Q, Q, False, 7)
     with pytest.raises(RuntimeError, match="variant 4 .* D = 128 only"):
         f(Q, Q, Q, False, 4)
     Q128 = torch.randn(1, 1, 8, 128, device="cuda").bfloat16()

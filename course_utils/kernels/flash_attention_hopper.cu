@@ -210,7 +210,8 @@ struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boun
     __nv_bfloat16 Q[64 * CONS * D];
     __nv_bfloat16 K[STAGES<D>][BN * D];
     __nv_bfloat16 V[STAGES<D>][BN * D];
-    uint64_t q_full, k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
+    uint64_t q_full, q_empty;  // q_empty: the consumers are done with Q (persistent kernel)
+    uint64_t k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
 };
 
 // Named barriers for ping-pong: consumer w waits on 1 + w for its turn on the tensor cores.
@@ -221,12 +222,12 @@ __device__ __forceinline__ void named_arrive(int id) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
 }
 
-template <int D, int BN, int CONS, bool PINGPONG, bool OVERLAP>
+template <int D, int BN, int CONS, bool PINGPONG, bool OVERLAP, bool PERSIST>
 __global__ void __launch_bounds__(128 * (CONS + 1), 1)
 flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                               const __grid_constant__ CUtensorMap k_map,
                               const __grid_constant__ CUtensorMap v_map,
-                              __nv_bfloat16* __restrict__ O, float* __restrict__ LSE, int H,
+                              __nv_bfloat16* __restrict__ O, float* __restrict__ LSE, int B, int H,
                               int Nq, int Nk, float scale, int causal) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int PANELS = D / 64;          // 64-column panels of a tile
@@ -242,15 +243,35 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     Tiles<D, BN, CONS>& sm = *reinterpret_cast<Tiles<D, BN, CONS>*>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
+    // The work: tiles of BLOCK_M query rows of one head. One tile a block (the grid is
+    // q_blocks x H x B), or, PERSIST, one block per SM that takes tile after tile (blockIdx.x,
+    // + gridDim.x, ...), so that a block's prologue and epilogue overlap its neighbours' work.
+    // Causal: the longest rows first (their tiles have the most key blocks).
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
-    const int qb = causal ? q_blocks - 1 - blockIdx.x : blockIdx.x;  // the longest rows first
-    const int q0 = qb * BLOCK_M, bh = blockIdx.z * H + blockIdx.y;
-    const int key_end = causal ? min(Nk, q0 + BLOCK_M) : Nk;
-    const int n_blocks = (key_end + BN - 1) / BN;
+    const int first = PERSIST ? blockIdx.x : 0, step = PERSIST ? gridDim.x : 1;
+    const int n_tiles = PERSIST ? q_blocks * B * H : 1;
+    int q0 = 0, bh = 0, n_blocks = 0;
+    auto take_tile = [&](int tile) {  // sets q0, bh and the number of key blocks
+        int qb;
+        if (!PERSIST) {
+            qb = causal ? q_blocks - 1 - blockIdx.x : blockIdx.x;
+            bh = blockIdx.z * H + blockIdx.y;
+        } else if (causal) {
+            qb = q_blocks - 1 - tile / (B * H);  // every head's last rows, then the next ones
+            bh = tile % (B * H);
+        } else {
+            qb = tile % q_blocks;  // the tiles of one head together: its K and V stay in L2
+            bh = tile / q_blocks;
+        }
+        q0 = qb * BLOCK_M;
+        const int key_end = causal ? min(Nk, q0 + BLOCK_M) : Nk;
+        n_blocks = (key_end + BN - 1) / BN;
+    };
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.q_full, 1);
+        mbar_init(&sm.q_empty, 128 * CONS);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.k_full[s], 1);
             mbar_init(&sm.v_full[s], 1);
@@ -264,19 +285,24 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     if (wg == 0) {  // ------------------------------------------------ the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == 0) {
-            mbar_expect_bytes(&sm.q_full, BLOCK_M * D * 2);
-            for (int p = 0; p < PANELS; ++p)
-                tma_load(sm.Q + p * BLOCK_M * 64, &q_map, &sm.q_full, 64 * p, q0, bh);
-            for (int j = 0; j < n_blocks; ++j) {
-                const int s = j % STAGES, phase = (j / STAGES) & 1;
-                mbar_wait(&sm.k_empty[s], phase ^ 1);  // a fresh barrier counts as emptied
-                mbar_expect_bytes(&sm.k_full[s], BN * D * 2);
+            int it = 0;  // K/V tiles loaded so far: the position in the ring, across query tiles
+            for (int tile = first, n = 0; tile < n_tiles; tile += step, ++n) {
+                take_tile(tile);
+                if (PERSIST) mbar_wait(&sm.q_empty, (n & 1) ^ 1);  // the last tile's Q is done
+                mbar_expect_bytes(&sm.q_full, BLOCK_M * D * 2);
                 for (int p = 0; p < PANELS; ++p)
-                    tma_load(sm.K[s] + p * BN * 64, &k_map, &sm.k_full[s], 64 * p, j * BN, bh);
-                mbar_wait(&sm.v_empty[s], phase ^ 1);
-                mbar_expect_bytes(&sm.v_full[s], BN * D * 2);
-                for (int p = 0; p < PANELS; ++p)
-                    tma_load(sm.V[s] + p * BN * 64, &v_map, &sm.v_full[s], 64 * p, j * BN, bh);
+                    tma_load(sm.Q + p * BLOCK_M * 64, &q_map, &sm.q_full, 64 * p, q0, bh);
+                for (int j = 0; j < n_blocks; ++j, ++it) {
+                    const int s = it % STAGES, phase = (it / STAGES) & 1;
+                    mbar_wait(&sm.k_empty[s], phase ^ 1);  // a fresh barrier counts as emptied
+                    mbar_expect_bytes(&sm.k_full[s], BN * D * 2);
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load(sm.K[s] + p * BN * 64, &k_map, &sm.k_full[s], 64 * p, j * BN, bh);
+                    mbar_wait(&sm.v_empty[s], phase ^ 1);
+                    mbar_expect_bytes(&sm.v_full[s], BN * D * 2);
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load(sm.V[s] + p * BN * 64, &v_map, &sm.v_full[s], 64 * p, j * BN, bh);
+                }
             }
         }
         return;
@@ -287,8 +313,11 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     const int w = wg - 1;                          // consumer 0, 1 (, 2): rows 64w .. 64w + 63
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;          // a lane holds rows g and g + 8, columns 2t, 2t + 1
-    const int row0 = q0 + 64 * w + 16 * warp + g;  // its two query rows: row0 and row0 + 8
+    int row0 = 0;                                  // its two query rows: row0 and row0 + 8
     const float scale_log2 = scale * LOG2E;
+    int it = 0;  // K/V tiles consumed before this query tile: key block j sits in stage (it + j)
+    auto stage = [&](int j) { return (it + j) % STAGES; };
+    auto parity = [&](int j) { return ((it + j) / STAGES) & 1; };
 
     // descriptors: Q's rows of this consumer (K-major), K (K-major), V (MN-major: D runs along
     // the 128-byte rows); step k of 16 columns inside a panel moves the start by 32 bytes
@@ -308,25 +337,22 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     auto turn_end = [&](bool last) {
         if (PINGPONG && !(w == CONS - 1 && last)) named_arrive(1 + (w + 1) % CONS);
     };
-    if (PINGPONG && w == CONS - 1) named_arrive(1);  // consumer 0 takes the first turn
 
     float o[O_REGS], s_acc[S_REGS];
     uint32_t p[P_REGS];
-    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
-    #pragma unroll
-    for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+    float m[2], l[2];
 
     auto issue_s = [&](int j) {  // S = Q K(j)^T, asynchronous
-        const int s = j % STAGES;
-        mbar_wait(&sm.k_full[s], (j / STAGES) & 1);
+        const int s = stage(j);
+        mbar_wait(&sm.k_full[s], parity(j));
         wgmma_fence();
         #pragma unroll
         for (int k = 0; k < D / 16; ++k) wgmma_ss<BN>(s_acc, q_desc(k), k_desc(s, k), k > 0);
         wgmma_commit();
     };
     auto issue_pv = [&](int j) {  // O += P V(j), asynchronous
-        const int s = j % STAGES;
-        mbar_wait(&sm.v_full[s], (j / STAGES) & 1);
+        const int s = stage(j);
+        mbar_wait(&sm.v_full[s], parity(j));
         wgmma_fence();
         #pragma unroll
         for (int k = 0; k < BN / 16; ++k) {
@@ -386,7 +412,15 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         for (int i = 0; i < P_REGS; ++i) p[i] = pack_bf16(s_acc[2 * i], s_acc[2 * i + 1]);
     };
 
-    mbar_wait(&sm.q_full, 0);
+    for (int tile = first, n = 0; tile < n_tiles; tile += step, ++n) {
+    take_tile(tile);
+    row0 = q0 + 64 * w + 16 * warp + g;
+    m[0] = m[1] = neg_inf();
+    l[0] = l[1] = 0.f;
+    #pragma unroll
+    for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+    if (PINGPONG && w == CONS - 1) named_arrive(1);  // consumer 0 takes the first turn
+    mbar_wait(&sm.q_full, n & 1);
     if (!OVERLAP) {
         for (int j = 0; j < n_blocks; ++j) {
             turn_begin();
@@ -394,7 +428,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             turn_end(false);
             wgmma_wait<0>();
             fence_regs(s_acc);
-            mbar_arrive(&sm.k_empty[j % STAGES]);
+            mbar_arrive(&sm.k_empty[stage(j)]);
             softmax(j);
             rescale_and_pack();
             turn_begin();
@@ -402,7 +436,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             turn_end(j == n_blocks - 1);
             wgmma_wait<0>();
             fence_regs(o);
-            mbar_arrive(&sm.v_empty[j % STAGES]);
+            mbar_arrive(&sm.v_empty[stage(j)]);
         }
     } else {
         turn_begin();
@@ -410,7 +444,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         turn_end(false);
         wgmma_wait<0>();
         fence_regs(s_acc);
-        mbar_arrive(&sm.k_empty[0]);
+        mbar_arrive(&sm.k_empty[stage(0)]);
         softmax(0);
         rescale_and_pack();
         for (int j = 1; j < n_blocks; ++j) {
@@ -420,12 +454,12 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             turn_end(false);
             wgmma_wait<1>();     // S(j) is done; O += P V still runs under the softmax
             fence_regs(s_acc);
-            mbar_arrive(&sm.k_empty[j % STAGES]);
+            mbar_arrive(&sm.k_empty[stage(j)]);
             softmax(j);
             wgmma_wait<0>();
             fence_regs(o);
             fence_regs(p);
-            mbar_arrive(&sm.v_empty[(j - 1) % STAGES]);
+            mbar_arrive(&sm.v_empty[stage(j - 1)]);
             rescale_and_pack();
         }
         turn_begin();
@@ -433,8 +467,10 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         turn_end(true);
         wgmma_wait<0>();
         fence_regs(o);
-        mbar_arrive(&sm.v_empty[(n_blocks - 1) % STAGES]);
+        mbar_arrive(&sm.v_empty[stage(n_blocks - 1)]);
     }
+    it += n_blocks;
+    if (PERSIST) mbar_arrive(&sm.q_empty);  // no product reads Q any more: the next tile's may come
 
     // ---------------------------------------------------------------- epilogue
     #pragma unroll
@@ -456,6 +492,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         if (t == 0)
             LSE[(size_t)bh * Nq + r] = l[h] > 0.f ? (m[h] * scale_log2 + __log2f(l[h])) / LOG2E : neg_inf();
     }
+    }  // the next query tile (PERSIST)
 #else
     __trap();  // built for a GPU without sm_90a's wgmma and TMA: the host refuses to launch
 #endif
@@ -588,20 +625,21 @@ __global__ void probe_rs_kernel(const __nv_bfloat16* __restrict__ P,
 
 #if defined(FA_KERNEL_ONLY)  // compile-only builds (the compile matrix, ptxas -v): every variant
 #define FA_INSTANTIATE(DD, PP, OV)                                                               \
-    template __global__ void flash_attention_hopper_kernel<DD, BLOCK_N, CONSUMERS, PP, OV>(      \
+    template __global__ void flash_attention_hopper_kernel<DD, BLOCK_N, CONSUMERS, PP, OV, false>( \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
-        const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
+        const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, int, float, int);
 FA_INSTANTIATE(64, false, false) FA_INSTANTIATE(64, true, false)
 FA_INSTANTIATE(64, false, true) FA_INSTANTIATE(64, true, true)
 FA_INSTANTIATE(128, false, false) FA_INSTANTIATE(128, true, false)
 FA_INSTANTIATE(128, false, true) FA_INSTANTIATE(128, true, true)
 #undef FA_INSTANTIATE
-template __global__ void flash_attention_hopper_kernel<128, 176, 2, true, true>(
-    const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
-    const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
-template __global__ void flash_attention_hopper_kernel<64, 128, 3, true, true>(
-    const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
-    const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, float, int);
+#define FA_INSTANTIATE(DD, BN, CONS, PERSIST)                                                    \
+    template __global__ void flash_attention_hopper_kernel<DD, BN, CONS, true, true, PERSIST>(   \
+        const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
+        const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, int, float, int);
+FA_INSTANTIATE(128, 176, 2, false) FA_INSTANTIATE(64, 128, 3, false)
+FA_INSTANTIATE(64, 128, 2, true) FA_INSTANTIATE(128, 128, 2, true)
+#undef FA_INSTANTIATE
 template __global__ void probe_layout_kernel<64>(const __grid_constant__ CUtensorMap, uint16_t*);
 template __global__ void probe_layout_kernel<128>(const __grid_constant__ CUtensorMap, uint16_t*);
 template __global__ void probe_ss_kernel<64>(const __grid_constant__ CUtensorMap,
@@ -645,7 +683,7 @@ static CUtensorMap make_map(const torch::Tensor& X, int rows) {
     return map;
 }
 
-template <int D, int BN, int CONS, bool PINGPONG, bool OVERLAP>
+template <int D, int BN, int CONS, bool PINGPONG, bool OVERLAP, bool PERSIST = false>
 static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
                    torch::Tensor& O, torch::Tensor& LSE, float scale, bool causal) {
     using namespace fa_hopper;
@@ -653,13 +691,23 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
     constexpr int BM = 64 * CONS;
     const CUtensorMap q_map = make_map(Q, BM), k_map = make_map(K, BN), v_map = make_map(V, BN);
     constexpr int SMEM = sizeof(Tiles<D, BN, CONS>) + 1024;  // + room to align the start to 1024 bytes
-    auto kernel = flash_attention_hopper_kernel<D, BN, CONS, PINGPONG, OVERLAP>;
+    auto kernel = flash_attention_hopper_kernel<D, BN, CONS, PINGPONG, OVERLAP, PERSIST>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
                "flash_attention_hopper: asking for shared memory");
-    dim3 grid((Nq + BM - 1) / BM, H, B);
+    const int q_blocks = (Nq + BM - 1) / BM;
+    dim3 grid(q_blocks, H, B);  // a block per tile
+    if (PERSIST) {              // a block per SM (or per tile, when there are fewer)
+        TORCH_CHECK(int64_t(q_blocks) * B * H < (int64_t(1) << 31),
+                    "flash_attention_hopper: too many query tiles for the persistent kernel (B x H x Nq / ",
+                    std::to_string(BM), " must be below 2^31); use variant 3");
+        int sms = 0;
+        check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, Q.get_device()),
+                   "flash_attention_hopper: counting SMs");
+        grid = dim3(static_cast<unsigned>(std::min<int64_t>(sms, int64_t(q_blocks) * B * H)));
+    }
     kernel<<<grid, 128 * (CONS + 1), SMEM, c10::cuda::getCurrentCUDAStream()>>>(
         q_map, k_map, v_map, reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(),
-        H, Nq, Nk, scale, causal ? 1 : 0);
+        B, H, Nq, Nk, scale, causal ? 1 : 0);
     check_cuda(cudaGetLastError(), "flash_attention_hopper: launch");
 }
 
@@ -667,7 +715,8 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
 // 1 = + ping-pong of the two consumers, 2 = + overlap inside a warpgroup, 3 = both; 4 = 3 with
 // key tiles of 176 instead of 128 (d = 128 only: fewer, longer softmax passes, FlashAttention-3's
 // choice; 88 + 44 + 64 registers of S, P and O a thread); 5 = 3 with three consumers, 192 query
-// rows a block (d = 64 only, where the exponentials weigh most: 160 registers a consumer thread).
+// rows a block (d = 64 only, where the exponentials weigh most: 160 registers a consumer thread);
+// 6 = 3 as a persistent kernel: one block per SM takes query tile after query tile.
 std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                   bool causal, int64_t variant) {
     const char* fn = "flash_attention_hopper";
@@ -685,7 +734,7 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
                 fn, ": Q and K must agree in B, H and D");
     const int64_t D = Q.size(3);
     TORCH_CHECK(D == 64 || D == 128, fn, ": head dim D must be 64 or 128, got ", std::to_string(D));
-    TORCH_CHECK(variant >= 0 && variant <= 5, fn, ": variant must be 0..5, got ", std::to_string(variant));
+    TORCH_CHECK(variant >= 0 && variant <= 6, fn, ": variant must be 0..6, got ", std::to_string(variant));
     TORCH_CHECK(variant != 4 || D == 128, fn, ": variant 4 (176-key tiles) is built for D = 128 only; "
                 "use variant 3 or 5 at D = 64");
     TORCH_CHECK(variant != 5 || D == 64, fn, ": variant 5 (three consumers) is built for D = 64 only; "
@@ -707,11 +756,13 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
     if (D == 64) {
         if (variant == 0) FA_LAUNCH(64, false, false); else if (variant == 1) FA_LAUNCH(64, true, false);
         else if (variant == 2) FA_LAUNCH(64, false, true); else if (variant == 3) FA_LAUNCH(64, true, true);
-        else launch<64, 128, 3, true, true>(Q, K, V, O, LSE, scale, causal);
+        else if (variant == 5) launch<64, 128, 3, true, true>(Q, K, V, O, LSE, scale, causal);
+        else launch<64, 128, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
     } else {
         if (variant == 0) FA_LAUNCH(128, false, false); else if (variant == 1) FA_LAUNCH(128, true, false);
         else if (variant == 2) FA_LAUNCH(128, false, true); else if (variant == 3) FA_LAUNCH(128, true, true);
-        else launch<128, 176, 2, true, true>(Q, K, V, O, LSE, scale, causal);
+        else if (variant == 4) launch<128, 176, 2, true, true>(Q, K, V, O, LSE, scale, causal);
+        else launch<128, 128, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
     }
 #undef FA_LAUNCH
     return {O, LSE};
