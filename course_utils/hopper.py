@@ -203,3 +203,50 @@ def schedule(kind: str, n_blocks: int, t_gemm: float, t_softmax: float) -> dict:
     total = max(op[5] for op in ops)
     busy = sum(end - start for start, end in busy_until)  # shared intervals counted once
     return {"ops": ops, "time": total, "tensor_busy": busy / total}
+
+
+# ---------------------------------------------------------------------------------------------
+# Register fragments of wgmma (m64nNk16, bf16 inputs, float32 accumulator), for the backward
+# ---------------------------------------------------------------------------------------------
+# The forward's probes (probe_ss, probe_rs in kernels/flash_attention_hopper.cu) check these two
+# layouts on an H100; the backward (kernels/flash_attention_hopper_bwd.cu) builds on them: it
+# packs its S^T and dS^T accumulators into A fragments, stores dS^T from them into shared
+# memory and adds its dQ accumulator into global memory, all by these formulas.
+
+
+def accumulator_rows_cols(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each float32 accumulator register of an ``m64nNk16`` wgmma lives in the 64 x n tile.
+
+    Returns ``(rows, cols)``, int arrays of shape ``(128, n // 2)``: thread ``tid`` of the
+    warpgroup (warp ``tid // 32``, ``g = lane // 4``, ``t = lane % 4``) holds in register ``i``
+    the element ``(16 warp + g + 8 ((i % 4) // 2), 8 (i // 4) + 2 t + i % 2)``.
+    """
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"n={n}: wgmma's N is a multiple of 8 from 8 to 256")
+    tid = np.arange(128)[:, None]
+    i = np.arange(n // 2)[None, :]
+    warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
+    rows = 16 * warp + g + 8 * ((i % 4) // 2)
+    cols = 8 * (i // 4) + 2 * t + i % 2
+    return np.broadcast_to(rows, (128, n // 2)).copy(), np.broadcast_to(cols, (128, n // 2)).copy()
+
+
+def a_fragment_rows_cols() -> tuple[np.ndarray, np.ndarray]:
+    """Where the A operand of an ``m64nNk16`` wgmma taken from registers comes from.
+
+    Returns ``(rows, cols)`` of shape ``(128, 4, 2)``: thread ``tid``'s 32-bit register ``r``
+    (of 4) holds two bf16, its lower half element ``(rows[tid, r, 0], cols[tid, r, 0])`` of the
+    64 x 16 A tile and its upper half ``(rows[tid, r, 1], cols[tid, r, 1])``: registers 0 and 2
+    are row ``16 warp + g``, 1 and 3 row ``16 warp + g + 8``; 0 and 1 columns ``2t, 2t + 1``,
+    2 and 3 columns ``2t + 8, 2t + 9``.
+    """
+    tid = np.arange(128)[:, None, None]
+    r = np.arange(4)[None, :, None]
+    half = np.arange(2)[None, None, :]
+    warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
+    rows = 16 * warp + g + 8 * (r % 2)
+    cols = 2 * t + 8 * (r // 2) + half
+    return np.broadcast_to(rows, (128, 4, 2)).copy(), np.broadcast_to(cols, (128, 4, 2)).copy()
+
+
+__all__ += ["a_fragment_rows_cols", "accumulator_rows_cols"]

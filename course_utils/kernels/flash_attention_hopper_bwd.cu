@@ -1,0 +1,811 @@
+// FlashAttention backward for Hopper (sm_90a): TMA copies, wgmma, warp specialization. Chapter 14.
+//
+// Shapes (row-major, contiguous): Q, O, dO (B, H, Nq, D) bf16; K, V (B, H, Nk, D) bf16; LSE
+// (B, H, Nq) float32 (natural log, as the forward flash_attention_hopper.cu returns it). D is 64
+// or 128. Causal is top-left aligned (key c is masked for query r when c > r). Returns dQ, dK, dV
+// in bf16 with the shapes of Q, K, V. scale = 1 / sqrt(D).
+//
+// The math (chapter 08), per head, with P the forward's probabilities:
+//   P = exp(scale Q K^T - LSE)    dV = P^T dO    dP = dO V^T    Delta = rowsum(dO * O)
+//   dS = P * (dP - Delta)         dK = scale dS^T Q              dQ = scale dS K
+//
+// Three kernels:
+//   1. bwd_preprocess: Delta per query row, LSE * log2(e) (the exponent in base 2), both padded
+//      to a multiple of BLOCK_M rows, and a float32 dQ accumulator set to zero.
+//   2. the main kernel: one block per BLOCK_N = 128 keys of one head. K_j and V_j stay in shared
+//      memory; the query blocks i stream past them. dK_j and dV_j are sums over i, so they stay
+//      in registers until the end; dQ_i is a sum over the key blocks j that different blocks
+//      own, so each block adds its share into the float32 accumulator with atomics.
+//   3. bwd_convert_dq: dQ = scale * accumulator, in bf16.
+//
+// The main kernel has 3 warpgroups of 128 threads, as the forward:
+//   * warpgroup 0, the producer: one thread issues the TMA copies. K_j and V_j once, then Q_i and
+//     dO_i (BLOCK_M = 64 rows each) into a ring of STAGES buffers with a "full" and an "empty"
+//     mbarrier each.
+//   * warpgroups 1 and 2, the consumers: consumer w owns keys 64w .. 64w + 63 of the block. Per
+//     query block it computes everything TRANSPOSED, keys as rows: S^T = K_w Q_i^T and
+//     dP^T = V_w dO_i^T (64 keys x 64 queries in registers). Then P^T and dS^T are already the A
+//     operands of dV_w += P^T dO_i and dK_w += dS^T Q_i, straight from registers as P in the
+//     forward's O += P V. dQ_i = dS K needs dS with queries as rows: both consumers store their
+//     dS^T (bf16) into one shared tile of 128 keys x 64 queries, wait for each other on a named
+//     barrier, and wgmma reads that tile transposed (MN-major A). Consumer w computes the
+//     columns (D / 2) w .. (D / 2)(w + 1) - 1 of dQ_i over all 128 keys and adds them to the
+//     accumulator with vector atomics.
+// Shared tiles written by TMA use the 128-byte swizzle (see flash_attention_hopper.cu and
+// course_utils/hopper.py); the dS^T tile is written by the consumers with the same swizzle, so
+// that wgmma reads all tiles the same way and the stores have no bank conflicts.
+//
+// Registers of a consumer thread at D = 128 (setmaxnreg gives it 240): dV_w and dK_w 64 floats
+// each, S^T and dP^T 32 each, then P^T and dS^T as 16 bf16 pairs each and dQ 32 floats (in the
+// registers S^T and dP^T no longer need). ptxas (CUDA 13.0) fits this without spills, with
+// about 16 registers to spare. Not done here (next rungs): ping-pong of the two consumers and
+// overlapping S^T(i + 1) with the products of step i, as in the forward.
+
+#if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
+#include <torch/types.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cudaTypedefs.h>
+#include <string>
+#include <vector>
+#endif
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace fa_hopper_bwd {
+
+constexpr int CONSUMERS = 2;                  // consumer warpgroups, 64 keys each
+constexpr int BLOCK_N = 64 * CONSUMERS;       // keys per block (K_j, V_j)
+constexpr int BLOCK_M = 64;                   // query rows per step (Q_i, dO_i)
+constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr int PRE_ROWS = 8;                   // query rows per block of bwd_preprocess (a warp each)
+// Q_i and dO_i buffers in the ring. d = 64: K + V 32 KB, 3 x 16 KB of Q and dO, 2 x 16 KB of
+// dS^T (112 KB); d = 128: 64 KB + 2 x 32 KB + 32 KB (160 KB) of the 227 KB a block may have.
+#ifndef FA_BWD_STAGES_D64
+#define FA_BWD_STAGES_D64 3
+#endif
+#ifndef FA_BWD_STAGES_D128
+#define FA_BWD_STAGES_D128 2
+#endif
+template <int D>
+constexpr int STAGES = D == 64 ? FA_BWD_STAGES_D64 : FA_BWD_STAGES_D128;
+constexpr float LOG2E = 1.4426950408889634f;
+
+// ---------------------------------------------------------------- helpers (as in the forward)
+// The helpers down to wgmma_rs_n128 are copies of flash_attention_hopper.cu's (load_cuda builds
+// one source string, so the file cannot include the forward); keep them identical.
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// 2^x in one MUFU.EX2. volatile: the exponentials stay after the wgmma issued before them in
+// program order, so that they run while the tensor cores work (instead of the compiler moving
+// the issue behind them).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm volatile("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo -> the lower 16 bits
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+// One arrival that also tells the barrier how many bytes the coming TMA copies will deliver.
+__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Has the phase of parity `phase` completed? (try_wait suspends the thread for a while first.)
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, int phase) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
+    return done != 0;
+}
+// Wait until the phase of parity `phase` has completed. Built with -DFA_HOPPER_WATCHDOG (the
+// tests do), a wait gives up after 2^31 cycles (about a second) with a trap, and the next CUDA
+// call reports "unspecified launch failure" instead of hanging the GPU. Unlike the forward, the
+// watchdog's loop is one PTX block: written in C++ (a loop around try_wait, clock() and __trap()
+// inside the consumers' loop), it made ptxas spill 2.4 KB of the d = 128 consumers' registers;
+// as one asm statement it costs no spill.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int phase) {
+#if defined(FA_HOPPER_WATCHDOG)
+    asm volatile(
+        "{\n.reg .pred done, late;\n.reg .u32 t0, t1;\n"
+        "mov.u32 t0, %%clock;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@done bra DONE_%=;\n"
+        "mov.u32 t1, %%clock;\n"
+        "sub.u32 t1, t1, t0;\n"
+        "setp.gt.u32 late, t1, %2;\n"
+        "@late trap;\n"
+        "bra WAIT_%=;\n"
+        "DONE_%=:\n}\n" ::"r"(smem_addr(bar)), "r"(phase), "r"(1u << 31) : "memory");
+#else
+    while (!mbar_try_wait(bar, phase)) {
+    }
+#endif
+}
+
+// Copy box (c0, c1, c2) of a 3D tensor map (c0 the fastest dimension) into shared memory; the
+// barrier's transaction count drops by the box's bytes when it lands. Rows past the tensor's end
+// arrive as zeros.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                         int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
+// A shared-memory matrix descriptor for a 128-byte-swizzled tile: start address, the byte
+// distance between panels of 64 columns (LBO) and between groups of 8 rows (SBO), swizzle mode 1.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+    const uint64_t a = smem_addr(p);
+    return ((a & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
+           (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keep the compiler from moving reads or writes of accumulator registers across a wait.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+    #pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void fence_regs(uint32_t (&d)[R]) {
+    #pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// ---------------------------------------------------------------- wgmma
+// The operands after the descriptors are immediates: scale-d (a predicate here: 0 on the first
+// k-step overwrites D instead of adding to it), imm-scale-a and imm-scale-b (1: no negation),
+// then imm-trans-a and imm-trans-b. trans = 0: the operand is K-major (the reduction dimension
+// runs along the 128-byte rows of the tile); trans = 1: it is MN-major (M or N runs along
+// them). The register form (A from registers) has no imm-trans-a: its last immediate is
+// imm-trans-b. The forward uses (p, 1, 1, 0, 0) for S = Q K^T and (1, 1, 1, 1) for O += P V.
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B in shared memory, both K-major
+// (imm-trans-a = imm-trans-b = 0). S^T = K_w Q_i^T and dP^T = V_w dO_i^T.
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D[64 x 32] (+)= A[64 x 16] B[16 x 32], A and B in shared memory, both MN-major
+// (imm-trans-a = imm-trans-b = 1): dQ_i = dS K at D = 64, half of D per consumer.
+__device__ __forceinline__ void wgmma_ss_tt_n32(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], both MN-major: dQ_i = dS K at D = 128.
+__device__ __forceinline__ void wgmma_ss_tt_n64(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The two below are the forward's (copies): dV += P^T dO and dK += dS^T Q, with dO and Q read
+// MN-major as V there.
+// D[64 x 64] += A[64 x 16] B[16 x 64], A in registers (4 x bf16x2), B in shared memory MN-major.
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// D[64 x 128] += A[64 x 16] B[16 x 128], A in registers (4 x bf16x2), B in shared memory MN-major.
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 1;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// The products per head dim: dV_w, dK_w are 64 x D (RS), this consumer's part of dQ_i 64 x D / 2.
+template <int D>
+__device__ __forceinline__ void wgmma_rs_d(float (&d)[D / 2], const uint32_t (&a)[4], uint64_t b);
+template <>
+__device__ __forceinline__ void wgmma_rs_d<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) { wgmma_rs_n64(d, a, b); }
+template <>
+__device__ __forceinline__ void wgmma_rs_d<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t b) { wgmma_rs_n128(d, a, b); }
+template <int D>
+__device__ __forceinline__ void wgmma_ss_dq(float (&d)[D / 4], uint64_t a, uint64_t b, int accumulate);
+template <>
+__device__ __forceinline__ void wgmma_ss_dq<64>(float (&d)[16], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_tt_n32(d, a, b, accumulate); }
+template <>
+__device__ __forceinline__ void wgmma_ss_dq<128>(float (&d)[32], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_tt_n64(d, a, b, accumulate); }
+
+// ---------------------------------------------------------------- the descriptors
+// One function per operand, shared by the kernel and the probe; tests/test_flash_hopper_bwd.py
+// mirrors each line and checks with course_utils.hopper that every k-step reads exactly the
+// elements its product needs. Offsets are in elements (bf16) from a tile's start. A tile of R
+// rows x D is D / 64 panels of R x 64 (R x 128 bytes each); a step of 16 along a 128-byte row is
+// 32 bytes, a step of 16 rows is 16 x 64 elements.
+
+// A of S^T = K_w Q_i^T (and V_w of dP^T): rows 64w .. 64w + 63 of the K (V) tile, K-major;
+// step k covers columns 16k .. 16k + 15 of D.
+__device__ __forceinline__ uint64_t desc_kw(const __nv_bfloat16* K, int w, int k) {
+    return smem_desc(K + (k / 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024);
+}
+// B of S^T (Q_i) and of dP^T (dO_i): all 64 rows, K-major; step k covers columns 16k .. 16k + 15.
+__device__ __forceinline__ uint64_t desc_rows_k(const __nv_bfloat16* X, int k) {
+    return smem_desc(X + (k / 4) * BLOCK_M * 64 + (k % 4) * 16, 16, 1024);
+}
+// B of dV += P^T dO_i (dO_i) and of dK += dS^T Q_i (Q_i): the reduction runs over the 64 query
+// rows, so the tile is read MN-major (D along the rows, like V in the forward's P V); step k
+// covers rows 16k .. 16k + 15, LBO jumps from one 64-column panel of D to the next.
+__device__ __forceinline__ uint64_t desc_rows_mn(const __nv_bfloat16* X, int k) {
+    return smem_desc(X + k * 16 * 64, BLOCK_M * 128, 1024);
+}
+// A of dQ_i = dS K: dS (64 queries x 128 keys) read from the dS^T tile (128 keys x 64 queries,
+// one panel): M (queries) runs along the 128-byte rows, MN-major; step k covers keys
+// 16k .. 16k + 15. LBO would be the next panel of queries; with 64 queries there is none.
+__device__ __forceinline__ uint64_t desc_dst(const __nv_bfloat16* dST, int k) {
+    return smem_desc(dST + k * 16 * 64, BLOCK_N * 128, 1024);
+}
+// B of dQ_i = dS K: K[:, (D / 2) w ..] (128 keys x D / 2), MN-major, keys 16k .. 16k + 15. At
+// D = 128 consumer w's columns are panel w; at D = 64 they are the half w of the one panel (the
+// start moves 64 bytes into the 128-byte row; the swizzle applies to the resulting address).
+template <int D>
+__device__ __forceinline__ uint64_t desc_k_half(const __nv_bfloat16* K, int w, int k) {
+    return smem_desc(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64 + k * 16 * 64, BLOCK_N * 128, 1024);
+}
+
+// Write this thread's dS^T words into the dS^T tile (128 keys x 64 queries, bf16) where TMA would
+// have put them with the 128-byte swizzle: element (row, col) at byte row * 128 + 2 col, with
+// the 16-byte chunk index (col / 8) XORed with row % 8. Word j holds dS^T of key row
+// 64w + 16 warp + g + 8 (j % 2) and queries 8 (j / 2) + 2t, + 1 (the accumulator's layout), and
+// row % 8 = g. The 8 lanes with the same t write 8 different chunks: no bank conflict.
+__device__ __forceinline__ void store_dst(__nv_bfloat16* dST, int w, int warp, int g, int t,
+                                          const uint32_t (&ds)[16]) {
+    unsigned char* base = reinterpret_cast<unsigned char*>(dST);
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int row = 64 * w + 16 * warp + g + 8 * (j % 2), chunk = (j / 2) ^ g;
+        *reinterpret_cast<uint32_t*>(base + row * 128 + chunk * 16 + 4 * t) = ds[j];
+    }
+}
+
+// Writes by threads (st.shared) become visible to wgmma, which reads shared memory through the
+// "async proxy", only after this fence (then a barrier tells the other threads).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Named barrier `id` for the two consumer warpgroups (256 threads); 0 is __syncthreads.
+__device__ __forceinline__ void named_sync(int id) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
+}
+
+// ---------------------------------------------------------------- 1. preprocessing
+
+// One warp per query row r of head bh (Nq_pad rows, a multiple of BLOCK_M):
+//   Delta[r] = sum_d dO[r, d] O[r, d]   (0 past Nq)
+//   lse2[r]  = LSE[r] * log2(e)          (+inf past Nq, and where LSE = -inf: a row that saw no
+//                                         key; P = 2^(s - lse2) is then 0, never inf or NaN)
+//   dQacc[r, :] = 0
+__global__ void __launch_bounds__(32 * PRE_ROWS)
+bwd_preprocess_kernel(const __nv_bfloat16* __restrict__ O, const __nv_bfloat16* __restrict__ dO,
+                      const float* __restrict__ LSE, float* __restrict__ Delta,
+                      float* __restrict__ lse2, float* __restrict__ dQacc, int H, int Nq,
+                      int Nq_pad, int D) {
+    const int bh = blockIdx.z * H + blockIdx.y;
+    const int r = blockIdx.x * PRE_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= Nq_pad) return;
+    const size_t pad_at = (size_t)bh * Nq_pad + r;
+    if (r >= Nq) {
+        if (lane == 0) {
+            Delta[pad_at] = 0.f;
+            lse2[pad_at] = __int_as_float(0x7f800000);
+        }
+        return;
+    }
+    const size_t row = ((size_t)bh * Nq + r) * D;
+    float sum = 0.f;
+    for (int c = 2 * lane; c < D; c += 64) {
+        const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(O + row + c));
+        const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + row + c));
+        sum = fmaf(o.x, d.x, fmaf(o.y, d.y, sum));
+        *reinterpret_cast<float2*>(dQacc + row + c) = make_float2(0.f, 0.f);
+    }
+    #pragma unroll
+    for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffff, sum, m);
+    if (lane == 0) {
+        const float l = LSE[(size_t)bh * Nq + r];
+        Delta[pad_at] = sum;
+        lse2[pad_at] = l == neg_inf() ? __int_as_float(0x7f800000) : l * LOG2E;
+    }
+}
+
+// ---------------------------------------------------------------- 2. the main kernel
+
+template <int D>
+struct Tiles {  // every tile starts on a 1024-byte boundary (8 rows x 128 B: the swizzle's unit)
+    __nv_bfloat16 K[BLOCK_N * D];
+    __nv_bfloat16 V[BLOCK_N * D];
+    __nv_bfloat16 Q[STAGES<D>][BLOCK_M * D];
+    __nv_bfloat16 dO[STAGES<D>][BLOCK_M * D];
+    __nv_bfloat16 dST[2][BLOCK_N * BLOCK_M];  // dS^T of query block i in buffer i % 2
+    uint64_t kv_full, full[STAGES<D>], empty[STAGES<D>];
+};
+
+template <int D>
+__global__ void __launch_bounds__(THREADS, 1)
+flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
+                                  const __grid_constant__ CUtensorMap k_map,
+                                  const __grid_constant__ CUtensorMap v_map,
+                                  const __grid_constant__ CUtensorMap do_map,
+                                  const float* __restrict__ lse2, const float* __restrict__ Delta,
+                                  float* __restrict__ dQacc, __nv_bfloat16* __restrict__ dK,
+                                  __nv_bfloat16* __restrict__ dV, int H, int Nq, int Nk,
+                                  float scale, int causal) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int PANELS = D / 64;       // 64-column panels of a tile
+    constexpr int STAGES = fa_hopper_bwd::STAGES<D>;
+    constexpr int ACC = D / 2;           // a thread's share of its warpgroup's 64 x D dK_w or dV_w
+    constexpr int DQ = D / 4;            // ... and of its 64 x D / 2 part of dQ_i
+    extern __shared__ unsigned char smem_raw[];
+    Tiles<D>& sm = *reinterpret_cast<Tiles<D>*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+    const int k0 = blockIdx.x * BLOCK_N, bh = blockIdx.z * H + blockIdx.y;
+    const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M, Nq_pad = q_blocks * BLOCK_M;
+    // causal: query r sees keys 0 .. r, so queries below k0 see no key of this block
+    const int i_first = causal ? k0 / BLOCK_M : 0;
+    const bool any = i_first < q_blocks;  // false: no query sees these keys, dK = dV = 0
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&sm.kv_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&sm.full[s], 1);
+            mbar_init(&sm.empty[s], 128 * CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ------------------------------------------------ the producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == 0 && any) {
+            mbar_expect_bytes(&sm.kv_full, 2 * BLOCK_N * D * 2);
+            for (int p = 0; p < PANELS; ++p) {
+                tma_load(sm.K + p * BLOCK_N * 64, &k_map, &sm.kv_full, 64 * p, k0, bh);
+                tma_load(sm.V + p * BLOCK_N * 64, &v_map, &sm.kv_full, 64 * p, k0, bh);
+            }
+            for (int i = i_first; i < q_blocks; ++i) {
+                const int n = i - i_first, s = n % STAGES, phase = (n / STAGES) & 1;
+                mbar_wait(&sm.empty[s], phase ^ 1);  // a fresh barrier counts as emptied
+                mbar_expect_bytes(&sm.full[s], 2 * BLOCK_M * D * 2);
+                for (int p = 0; p < PANELS; ++p) {
+                    tma_load(sm.Q[s] + p * BLOCK_M * 64, &q_map, &sm.full[s], 64 * p, i * BLOCK_M, bh);
+                    tma_load(sm.dO[s] + p * BLOCK_M * 64, &do_map, &sm.full[s], 64 * p, i * BLOCK_M, bh);
+                }
+            }
+        }
+        return;
+    }
+
+    // -------------------------------------------------------------- the consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int w = wg - 1;                       // consumer 0 or 1: keys k0 + 64w .. k0 + 64w + 63
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;       // a lane holds rows g and g + 8, columns 2t, 2t + 1
+    const int kw0 = k0 + 64 * w;                // this consumer's first key
+    const int key0 = kw0 + 16 * warp + g;       // this thread's keys (rows of S^T): key0, key0 + 8
+    const float scale_log2 = scale * LOG2E;
+    const float* lse2_bh = lse2 + (size_t)bh * Nq_pad;
+    const float* delta_bh = Delta + (size_t)bh * Nq_pad;
+
+    float dv[ACC], dk[ACC];
+    #pragma unroll
+    for (int i = 0; i < ACC; ++i) dv[i] = dk[i] = 0.f;
+
+    if (any) mbar_wait(&sm.kv_full, 0);
+    for (int i = i_first; i < q_blocks; ++i) {
+        const int n = i - i_first, s = n % STAGES, q0 = i * BLOCK_M;
+        __nv_bfloat16* dST = sm.dST[n % 2];
+        mbar_wait(&sm.full[s], (n / STAGES) & 1);
+
+        // S^T = K_w Q_i^T and dP^T = V_w dO_i^T: two chains, two commit groups, both in flight
+        float st[32], dpt[32];
+        wgmma_fence();
+        #pragma unroll
+        for (int k = 0; k < D / 16; ++k) wgmma_ss_n64(st, desc_kw(sm.K, w, k), desc_rows_k(sm.Q[s], k), k > 0);
+        wgmma_commit();
+        #pragma unroll
+        for (int k = 0; k < D / 16; ++k) wgmma_ss_n64(dpt, desc_kw(sm.V, w, k), desc_rows_k(sm.dO[s], k), k > 0);
+        wgmma_commit();
+
+        // P^T = 2^(S^T scale log2(e) - LSE log2(e)) while dP^T is still computing. Register i of
+        // st is key row key0 + 8 ((i % 4) / 2), query q0 + 8 (i / 4) + 2t + (i % 2): one float2
+        // of lse2 serves 4 registers. Masked: keys past Nk, queries past Nq, causal key > query.
+        wgmma_wait<1>();
+        fence_regs(st);
+        const bool edge = kw0 + 64 > Nk || q0 + BLOCK_M > Nq || (causal && kw0 + 63 > q0);
+        #pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            const float2 l = *reinterpret_cast<const float2*>(lse2_bh + q0 + 8 * c + 2 * t);
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int idx = 4 * c + 2 * h + e;
+                    float prob = fast_exp2(fmaf(st[idx], scale_log2, -(e ? l.y : l.x)));
+                    if (edge) {
+                        const int key = key0 + 8 * h, q = q0 + 8 * c + 2 * t + e;
+                        if (key >= Nk || q >= Nq || (causal && key > q)) prob = 0.f;
+                    }
+                    st[idx] = prob;
+                }
+            }
+        }
+        // dS^T = P^T * (dP^T - Delta), Delta per query (column)
+        wgmma_wait<0>();
+        fence_regs(dpt);
+        #pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            const float2 dl = *reinterpret_cast<const float2*>(delta_bh + q0 + 8 * c + 2 * t);
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int idx = 4 * c + j;
+                dpt[idx] = st[idx] * (dpt[idx] - (j % 2 ? dl.y : dl.x));
+            }
+        }
+        // bf16 pairs: word j = registers 2j, 2j + 1, which are the A fragments of the next
+        // products (k-step k uses words 4k .. 4k + 3), as P in the forward's O += P V
+        uint32_t p[16], ds[16];
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            p[j] = pack_bf16(st[2 * j], st[2 * j + 1]);
+            ds[j] = pack_bf16(dpt[2 * j], dpt[2 * j + 1]);
+        }
+        // dS^T to shared memory for dQ, made visible to wgmma (the barrier comes below)
+        store_dst(dST, w, warp, g, t, ds);
+        fence_proxy_async();
+
+        // dV_w += P^T dO_i and dK_w += dS^T Q_i: 4 k-steps of 16 queries each
+        wgmma_fence();
+        #pragma unroll
+        for (int k = 0; k < BLOCK_M / 16; ++k) {
+            const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
+            wgmma_rs_d<D>(dv, a, desc_rows_mn(sm.dO[s], k));
+        }
+        #pragma unroll
+        for (int k = 0; k < BLOCK_M / 16; ++k) {
+            const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
+            wgmma_rs_d<D>(dk, a, desc_rows_mn(sm.Q[s], k));
+        }
+        wgmma_commit();
+
+        // dQ_i[:, (D/2) w ..] = dS K[:, (D/2) w ..] over all 128 keys: needs both consumers' dS^T.
+        // The tile is double-buffered: passing this barrier at step n means the other consumer
+        // finished step n - 1 (its last read of the buffer step n + 1 will overwrite).
+        named_sync(1);
+        float dq[DQ];
+        #pragma unroll
+        for (int k = 0; k < BLOCK_N / 16; ++k)
+            wgmma_ss_dq<D>(dq, desc_dst(dST, k), desc_k_half<D>(sm.K, w, k), k > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        fence_regs(dq);
+        fence_regs(p);
+        fence_regs(ds);
+        mbar_arrive(&sm.empty[s]);  // Q_i and dO_i are no longer read
+
+        // Add this block's part of dQ_i (unscaled) into the float32 accumulator: register idx is
+        // query q0 + 16 warp + g + 8 ((idx % 4) / 2), column (D/2) w + 8 (idx / 4) + 2t + (idx % 2)
+        #pragma unroll
+        for (int idx = 0; idx < DQ; idx += 2) {
+            const int q = q0 + 16 * warp + g + 8 * ((idx % 4) / 2);
+            const int col = (D / 2) * w + 8 * (idx / 4) + 2 * t;
+            if (q < Nq)
+                atomicAdd(reinterpret_cast<float2*>(dQacc + ((size_t)bh * Nq + q) * D + col),
+                          make_float2(dq[idx], dq[idx + 1]));
+        }
+    }
+
+    // ---------------------------------------------------------------- epilogue
+    // dK_w = scale dS^T Q and dV_w = P^T dO, rows key0 and key0 + 8 (rows past Nk not written)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = key0 + 8 * h;
+        if (key >= Nk) continue;
+        __nv_bfloat16* dk_out = dK + ((size_t)bh * Nk + key) * D + 2 * t;
+        __nv_bfloat16* dv_out = dV + ((size_t)bh * Nk + key) * D + 2 * t;
+        #pragma unroll
+        for (int c = 0; c < D / 8; ++c) {
+            *reinterpret_cast<__nv_bfloat162*>(dk_out + 8 * c) =
+                __floats2bfloat162_rn(dk[4 * c + 2 * h] * scale, dk[4 * c + 2 * h + 1] * scale);
+            *reinterpret_cast<__nv_bfloat162*>(dv_out + 8 * c) =
+                __floats2bfloat162_rn(dv[4 * c + 2 * h], dv[4 * c + 2 * h + 1]);
+        }
+    }
+#else
+    __trap();  // built for a GPU without sm_90a's wgmma and TMA: the host refuses to launch
+#endif
+}
+
+// ---------------------------------------------------------------- 3. dQ to bf16
+
+// dQ = scale * dQacc, 4 elements per thread and step (the accumulator's length is a multiple of D).
+__global__ void bwd_convert_dq_kernel(const float* __restrict__ dQacc, __nv_bfloat16* __restrict__ dQ,
+                                      size_t n4, float scale) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float4 v = reinterpret_cast<const float4*>(dQacc)[i];
+        uint2 out;
+        out.x = pack_bf16(v.x * scale, v.y * scale);
+        out.y = pack_bf16(v.z * scale, v.w * scale);
+        reinterpret_cast<uint2*>(dQ)[i] = out;
+    }
+}
+
+// ---------------------------------------------------------------- probe: dQ = dS K
+// The one product the forward's probes do not cover: A (dS) from a tile the threads wrote
+// themselves (store_dst), read transposed (MN-major A), and B = K read MN-major from a column
+// offset inside a panel (at D = 64). Two warpgroups, exactly as the consumers: each stores its
+// 64 rows of dS^T from the accumulator layout, fences, meets the other at the named barrier, and
+// computes its D / 2 columns with the kernel's descriptors. dST (128 keys x 64 queries, bf16,
+// row-major) and K (128 x D) in, dQ (64 x D float32, row-major) = dST^T K out.
+
+template <int D>
+struct ProbeTiles {
+    __nv_bfloat16 K[BLOCK_N * D];
+    __nv_bfloat16 dST[BLOCK_N * BLOCK_M];
+    uint64_t full;
+};
+
+template <int D>
+__global__ void probe_dq_kernel(const __nv_bfloat16* __restrict__ dST_in,
+                                const __grid_constant__ CUtensorMap k_map, float* dQ) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char smem_raw[];
+    ProbeTiles<D>& sm = *reinterpret_cast<ProbeTiles<D>*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    if (threadIdx.x == 0) {
+        mbar_init(&sm.full, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_expect_bytes(&sm.full, BLOCK_N * D * 2);
+        for (int p = 0; p < D / 64; ++p) tma_load(sm.K + p * BLOCK_N * 64, &k_map, &sm.full, 64 * p, 0, 0);
+    }
+    const int w = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32;
+    const int g = (tid % 32) / 4, t = tid % 4;
+    uint32_t ds[16];  // the words a consumer's thread holds after packing dS^T
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int row = 64 * w + 16 * warp + g + 8 * (j % 2), col = 8 * (j / 2) + 2 * t;
+        ds[j] = *reinterpret_cast<const uint32_t*>(dST_in + row * BLOCK_M + col);
+    }
+    store_dst(sm.dST, w, warp, g, t, ds);
+    fence_proxy_async();
+    named_sync(1);
+    mbar_wait(&sm.full, 0);
+    float dq[D / 4];
+    wgmma_fence();
+    #pragma unroll
+    for (int k = 0; k < BLOCK_N / 16; ++k)
+        wgmma_ss_dq<D>(dq, desc_dst(sm.dST, k), desc_k_half<D>(sm.K, w, k), k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq);
+    #pragma unroll
+    for (int idx = 0; idx < D / 4; ++idx) {
+        const int q = 16 * warp + g + 8 * ((idx % 4) / 2), col = (D / 2) * w + 8 * (idx / 4) + 2 * t + idx % 2;
+        dQ[q * D + col] = dq[idx];
+    }
+#else
+    __trap();
+#endif
+}
+
+#if defined(FA_KERNEL_ONLY)  // compile-only builds (ptxas -v): every variant
+#define FA_BWD_INSTANTIATE(DD)                                                                   \
+    template __global__ void flash_attention_hopper_bwd_kernel<DD>(                              \
+        const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
+        const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, const float*,  \
+        const float*, float*, __nv_bfloat16*, __nv_bfloat16*, int, int, int, float, int);        \
+    template __global__ void probe_dq_kernel<DD>(const __nv_bfloat16*,                           \
+                                                 const __grid_constant__ CUtensorMap, float*);
+FA_BWD_INSTANTIATE(64) FA_BWD_INSTANTIATE(128)
+#undef FA_BWD_INSTANTIATE
+#endif
+
+}  // namespace fa_hopper_bwd
+
+#if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
+
+static void check_cuda(cudaError_t err, const char* what) {
+    TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
+}
+
+// A 3D TMA map over a (B*H, N, D) bf16 tensor: boxes of `rows` rows x 64 columns of one head,
+// 128-byte swizzle, zeros past row N. (As the forward's make_map.)
+static CUtensorMap make_map(const torch::Tensor& X, int rows) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (!encode) {
+        cudaDriverEntryPointQueryResult found;
+        check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled",
+                                                    reinterpret_cast<void**>(&encode), 12000,
+                                                    cudaEnableDefault, &found),
+                   "flash_attention_hopper_bwd: looking up cuTensorMapEncodeTiled");
+        TORCH_CHECK(found == cudaDriverEntryPointSuccess && encode,
+                    "flash_attention_hopper_bwd: the driver has no cuTensorMapEncodeTiled (CUDA 12+ needed)");
+    }
+    const int64_t D = X.size(3), N = X.size(2), BH = X.size(0) * X.size(1);
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)N, (cuuint64_t)BH};
+    const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)(N * D * 2)};
+    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1}, step[3] = {1, 1, 1};
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, X.data_ptr(), dims, strides,
+                              box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(r == CUDA_SUCCESS, "flash_attention_hopper_bwd: cuTensorMapEncodeTiled failed (", (int)r, ")");
+    return map;
+}
+
+static void require_sm90(const char* fn, const torch::Tensor& X) {
+    int major = 0, minor = 0;  // device attributes: cheap, unlike cudaGetDeviceProperties
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, X.get_device()), fn);
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, X.get_device()), fn);
+    TORCH_CHECK(major == 9, fn, ": needs an sm_90 GPU (H100/H200: TMA and wgmma); this one is sm_",
+                std::to_string(major * 10 + minor), ". Use chapter 09 or 10's backward instead.");
+}
+
+template <int D>
+static void launch_main(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
+                        const torch::Tensor& dO, const torch::Tensor& lse2,
+                        const torch::Tensor& Delta, torch::Tensor& dQacc, torch::Tensor& dK,
+                        torch::Tensor& dV, float scale, bool causal) {
+    using namespace fa_hopper_bwd;
+    const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
+    const CUtensorMap q_map = make_map(Q, BLOCK_M), do_map = make_map(dO, BLOCK_M),
+                      k_map = make_map(K, BLOCK_N), v_map = make_map(V, BLOCK_N);
+    constexpr int SMEM = sizeof(Tiles<D>) + 1024;  // + room to align the start to 1024 bytes
+    auto kernel = flash_attention_hopper_bwd_kernel<D>;
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
+               "flash_attention_hopper_bwd: asking for shared memory");
+    dim3 grid((Nk + BLOCK_N - 1) / BLOCK_N, H, B);  // causal: block 0 has the most query blocks
+    kernel<<<grid, THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>(
+        q_map, k_map, v_map, do_map, lse2.data_ptr<float>(), Delta.data_ptr<float>(),
+        dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dK.data_ptr()),
+        reinterpret_cast<__nv_bfloat16*>(dV.data_ptr()), H, Nq, Nk, scale, causal ? 1 : 0);
+    check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: launch");
+}
+
+// dQ, dK, dV of attention(Q, K, V) given the forward's O and LSE and the gradient dO of O (sm_90).
+std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
+                                                      torch::Tensor O, torch::Tensor dO,
+                                                      torch::Tensor LSE, bool causal) {
+    using namespace fa_hopper_bwd;
+    const char* fn = "flash_attention_hopper_bwd";
+    for (const auto* X : {&Q, &K, &V, &O, &dO}) {
+        TORCH_CHECK(X->is_cuda(), fn, ": Q, K, V, O and dO must be CUDA tensors");
+        TORCH_CHECK(X->scalar_type() == torch::kBFloat16, fn,
+                    ": Q, K, V, O and dO must be bfloat16 (call .bfloat16())");
+        TORCH_CHECK(X->dim() == 4, fn, ": Q, K, V, O and dO must be 4D (B, H, N, D)");
+        TORCH_CHECK(X->is_contiguous(), fn, ": Q, K, V, O and dO must be contiguous (call .contiguous())");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(X->data_ptr()) % 16 == 0,
+                    fn, ": Q, K, V, O and dO must start on a 16-byte boundary (call .clone())");
+        TORCH_CHECK(X->device() == Q.device(), fn, ": Q, K, V, O, dO and LSE must be on the same GPU");
+    }
+    TORCH_CHECK(K.sizes() == V.sizes(), fn, ": K and V must have the same shape");
+    TORCH_CHECK(Q.size(0) == K.size(0) && Q.size(1) == K.size(1) && Q.size(3) == K.size(3),
+                fn, ": Q and K must agree in B, H and D");
+    TORCH_CHECK(O.sizes() == Q.sizes() && dO.sizes() == Q.sizes(), fn,
+                ": O and dO must have the shape of Q");
+    const int64_t D = Q.size(3);
+    TORCH_CHECK(D == 64 || D == 128, fn, ": head dim D must be 64 or 128, got ", std::to_string(D));
+    const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
+    TORCH_CHECK(LSE.is_cuda() && LSE.device() == Q.device(), fn, ": LSE must be on the GPU of Q");
+    TORCH_CHECK(LSE.scalar_type() == torch::kFloat32, fn, ": LSE must be float32 (the forward's LSE)");
+    TORCH_CHECK(LSE.dim() == 3 && LSE.size(0) == B && LSE.size(1) == H && LSE.size(2) == Nq, fn,
+                ": LSE must have shape (B, H, Nq) = (", std::to_string(B), ", ", std::to_string(H),
+                ", ", std::to_string(Nq), ")");
+    TORCH_CHECK(LSE.is_contiguous(), fn, ": LSE must be contiguous (call .contiguous())");
+    require_sm90(fn, Q);
+    TORCH_CHECK(H <= 65535 && B <= 65535, fn, ": B and H must be at most 65535");
+    TORCH_CHECK(Nq <= (1 << 30) && Nk <= (1 << 30), fn, ": Nq and Nk must be at most 2^30");
+
+    auto dQ = torch::empty_like(Q);
+    auto dK = torch::empty_like(K);
+    auto dV = torch::empty_like(V);
+    if (B == 0 || H == 0) return {dQ, dK, dV};
+    if (Nq == 0) return {dQ, dK.zero_(), dV.zero_()};  // no query: no gradient reaches K, V
+    if (Nk == 0) return {dQ.zero_(), dK, dV};           // no key: O = 0 does not depend on Q
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    c10::cuda::CUDAGuard guard(Q.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+
+    // 1. Delta, LSE in base 2 (both padded to whole query blocks), dQ accumulator = 0
+    const int64_t Nq_pad = (Nq + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
+    auto f32 = Q.options().dtype(torch::kFloat32);
+    auto Delta = torch::empty({B, H, Nq_pad}, f32);
+    auto lse2 = torch::empty({B, H, Nq_pad}, f32);
+    auto dQacc = torch::empty({B, H, Nq, D}, f32);
+    bwd_preprocess_kernel<<<dim3(Nq_pad / PRE_ROWS, H, B), 32 * PRE_ROWS, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), LSE.data_ptr<float>(),
+        Delta.data_ptr<float>(), lse2.data_ptr<float>(), dQacc.data_ptr<float>(), H, Nq, Nq_pad, D);
+    check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: preprocess launch");
+
+    // 2. dK, dV, and the dQ accumulator
+    if (D == 64) launch_main<64>(Q, K, V, dO, lse2, Delta, dQacc, dK, dV, scale, causal);
+    else launch_main<128>(Q, K, V, dO, lse2, Delta, dQacc, dK, dV, scale, causal);
+
+    // 3. dQ = scale * accumulator, in bf16
+    const size_t n4 = static_cast<size_t>(dQacc.numel()) / 4;
+    const int blocks = static_cast<int>(std::min<size_t>((n4 + 255) / 256, 65536));
+    bwd_convert_dq_kernel<<<blocks, 256, 0, stream>>>(
+        dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dQ.data_ptr()), n4, scale);
+    check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: convert launch");
+    return {dQ, dK, dV};
+}
+
+// ---------------------------------------------------------------- the probe's host side
+
+// dQ = dST^T K (dST 128 keys x 64 queries, K 128 x D, bf16) by the main kernel's two consumers'
+// dQ path: float32 64 x D.
+torch::Tensor hopper_bwd_probe_dq(torch::Tensor dST, torch::Tensor K) {
+    using namespace fa_hopper_bwd;
+    const char* fn = "hopper_bwd_probe_dq";
+    TORCH_CHECK(dST.is_cuda() && dST.scalar_type() == torch::kBFloat16 && dST.is_contiguous() &&
+                dST.dim() == 2 && dST.size(0) == BLOCK_N && dST.size(1) == BLOCK_M,
+                fn, ": dST must be a contiguous bf16 CUDA tensor of 128 x 64");
+    TORCH_CHECK(K.is_cuda() && K.scalar_type() == torch::kBFloat16 && K.is_contiguous() &&
+                K.dim() == 2 && K.size(0) == BLOCK_N && (K.size(1) == 64 || K.size(1) == 128),
+                fn, ": K must be a contiguous bf16 CUDA tensor of 128 x D, D = 64 or 128");
+    require_sm90(fn, K);
+    const int D = K.size(1);
+    auto dQ = torch::empty({BLOCK_M, D}, K.options().dtype(torch::kFloat32));
+    const CUtensorMap k_map = make_map(K.view({1, 1, BLOCK_N, D}), BLOCK_N);
+    const auto* ds = reinterpret_cast<const __nv_bfloat16*>(dST.data_ptr());
+    auto run = [&](auto kernel, int smem) {
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), fn);
+        kernel<<<1, 2 * 128, smem, c10::cuda::getCurrentCUDAStream()>>>(ds, k_map, dQ.data_ptr<float>());
+        check_cuda(cudaGetLastError(), fn);
+    };
+    if (D == 64) run(probe_dq_kernel<64>, sizeof(ProbeTiles<64>) + 1024);
+    else run(probe_dq_kernel<128>, sizeof(ProbeTiles<128>) + 1024);
+    return dQ;
+}
+
+#endif

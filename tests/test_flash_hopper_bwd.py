@@ -1,0 +1,592 @@
+"""Chapter 14's Hopper FlashAttention backward (course_utils/kernels/flash_attention_hopper_bwd.cu).
+
+On a CPU:
+* every wgmma descriptor the kernel builds (mirrored here from the .cu, and the .cu checked to
+  still contain each line) reads exactly the tile elements each k-step of its product needs, as
+  TMA laid the tiles out (course_utils.hopper's model), and the dS^T tile the consumers write
+  with st.shared is read back by the transposed-A descriptor as dS;
+* the register bookkeeping: the packed P^T / dS^T words are the A fragments of the next products,
+  every element of dQ_i, dK and dV is written by exactly one thread;
+* a numpy model of the whole backward in the kernel's order (per key block, per query block, per
+  consumer, bf16 roundings where the kernel rounds, float32 accumulators, dQ split across the two
+  consumers and summed over key blocks) against float64 gradients, and two planted bugs it catches;
+* the source compiles for sm_90a without spills (D = 64 and 128, with and without the watchdog).
+On an H100 / H200: the kernel against float64 gradients on edge cases, into NaN-poisoned memory;
+the dQ probe (one transposed-A wgmma); its errors.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from spec_helpers import poison_free_cuda_memory
+
+from course_utils import checks, hopper, portability, runtime
+from course_utils import cuda as C
+from course_utils.harness.ch09 import grad_tolerance, reference_gradients
+
+KERNELS = Path(__file__).resolve().parents[1] / "course_utils" / "kernels"
+SOURCE = KERNELS / "flash_attention_hopper_bwd.cu"
+CONST = portability.cxx_constants(SOURCE.read_text())
+BLOCK_M, BLOCK_N = CONST["fa_hopper_bwd::BLOCK_M"], CONST["fa_hopper_bwd::BLOCK_N"]
+CONSUMERS = CONST["fa_hopper_bwd::CONSUMERS"]
+STAGES = {64: CONST["FA_BWD_STAGES_D64"], 128: CONST["FA_BWD_STAGES_D128"]}
+LOG2E = 1.4426950408889634
+
+
+def _is_h100_class():
+    return runtime.on_gpu() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_sm90 = pytest.mark.skipif(not _is_h100_class(), reason="needs an sm_90 GPU (H100/H200)")
+
+
+def test_the_tiling_the_tests_assume():
+    assert (BLOCK_M, BLOCK_N, CONSUMERS) == (64, 128, 2)  # consumer w: keys 64w .. 64w + 63
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_shared_memory_fits_and_every_tile_is_1024_aligned(D):
+    """Tiles<D>: K, V, STAGES x (Q_i, dO_i), 2 x dS^T, then the mbarriers; the swizzle needs every
+    tile on a 1024-byte boundary (the struct starts on one; each tile's size is a multiple)."""
+    tiles = ([BLOCK_N * D * 2] * 2 + [BLOCK_M * D * 2] * (2 * STAGES[D])
+             + [BLOCK_N * BLOCK_M * 2] * 2)
+    assert all(size % 1024 == 0 for size in tiles)
+    total = sum(tiles) + 8 * (1 + 2 * STAGES[D]) + 1024  # + barriers + the alignment slack
+    assert total <= 227 * 1024, total
+
+
+# ------------------------------------------------------------------ descriptors, mirrored
+# As flash_attention_hopper_bwd.cu builds them: element offsets from the tile's start, times 2.
+
+
+def _desc_kw(base, w, k):  # A of S^T = K_w Q_i^T (and of dP^T = V_w dO_i^T), K-major
+    offset = (k // 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16
+    return hopper.encode_descriptor(base + 2 * offset, 16, 1024)
+
+
+def _desc_rows_k(base, k):  # B of S^T (Q_i) and of dP^T (dO_i), K-major
+    return hopper.encode_descriptor(base + 2 * ((k // 4) * BLOCK_M * 64 + (k % 4) * 16), 16, 1024)
+
+
+def _desc_rows_mn(base, k):  # B of dV += P^T dO_i and dK += dS^T Q_i, MN-major
+    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_M * 128, 1024)
+
+
+def _desc_dst(base, k):  # A of dQ_i = dS K: the dS^T tile read transposed (MN-major)
+    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_N * 128, 1024)
+
+
+def _desc_k_half(base, D, w, k):  # B of dQ_i: K[:, (D/2) w ..], MN-major
+    offset = (D // 2) * w // 64 * BLOCK_N * 64 + (D // 2) * w % 64 + k * 16 * 64
+    return hopper.encode_descriptor(base + 2 * offset, BLOCK_N * 128, 1024)
+
+
+def test_kernel_source_builds_the_descriptors_mirrored_here():
+    text = SOURCE.read_text()
+    for line in (
+            "smem_desc(K + (k / 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024)",
+            "smem_desc(X + (k / 4) * BLOCK_M * 64 + (k % 4) * 16, 16, 1024)",
+            "smem_desc(X + k * 16 * 64, BLOCK_M * 128, 1024)",
+            "smem_desc(dST + k * 16 * 64, BLOCK_N * 128, 1024)",
+            "smem_desc(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64 + k * 16 * 64, "
+            "BLOCK_N * 128, 1024)",
+            # which descriptor feeds which product, and the transpose immediates
+            "wgmma_ss_n64(st, desc_kw(sm.K, w, k), desc_rows_k(sm.Q[s], k), k > 0)",
+            "wgmma_ss_n64(dpt, desc_kw(sm.V, w, k), desc_rows_k(sm.dO[s], k), k > 0)",
+            "wgmma_rs_d<D>(dv, a, desc_rows_mn(sm.dO[s], k))",
+            "wgmma_rs_d<D>(dk, a, desc_rows_mn(sm.Q[s], k))",
+            "wgmma_ss_dq<D>(dq, desc_dst(dST, k), desc_k_half<D>(sm.K, w, k), k > 0)",
+            "m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
+            "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0",
+            "m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
+            "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 1, 1",
+            "m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+            "%16, %17, p, 1, 1, 1, 1"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_wgmma_reads_the_elements_each_product_needs(D):
+    """Each of the five products, k-step by k-step, reads exactly its operands' elements."""
+    k_base, v_base, q_base, do_base, ds_base = 0, 1024 * 32, 1024 * 64, 1024 * 80, 1024 * 96
+    K = hopper.tile_addresses(BLOCK_N, D, k_base)
+    V = hopper.tile_addresses(BLOCK_N, D, v_base)
+    Q = hopper.tile_addresses(BLOCK_M, D, q_base)
+    dO = hopper.tile_addresses(BLOCK_M, D, do_base)
+    dST = hopper.tile_addresses(BLOCK_N, BLOCK_M, ds_base)  # keys x queries, as store_dst writes
+    eq = np.testing.assert_array_equal
+    for w in range(CONSUMERS):
+        rows = slice(64 * w, 64 * w + 64)
+        for k in range(D // 16):  # S^T = K_w Q_i^T, dP^T = V_w dO_i^T: reduce over D
+            cols = slice(16 * k, 16 * k + 16)
+            eq(hopper.operand_addresses(_desc_kw(k_base, w, k), 64, "K"), K[rows, cols])
+            eq(hopper.operand_addresses(_desc_kw(v_base, w, k), 64, "K"), V[rows, cols])
+            eq(hopper.operand_addresses(_desc_rows_k(q_base, k), BLOCK_M, "K"), Q[:, cols])
+            eq(hopper.operand_addresses(_desc_rows_k(do_base, k), BLOCK_M, "K"), dO[:, cols])
+        for k in range(BLOCK_M // 16):  # dV += P^T dO_i, dK += dS^T Q_i: reduce over queries
+            queries = slice(16 * k, 16 * k + 16)
+            eq(hopper.operand_addresses(_desc_rows_mn(do_base, k), D, "MN"), dO[queries, :].T)
+            eq(hopper.operand_addresses(_desc_rows_mn(q_base, k), D, "MN"), Q[queries, :].T)
+        half = slice(D // 2 * w, D // 2 * (w + 1))
+        for k in range(BLOCK_N // 16):  # dQ_i[:, half] = dS K[:, half]: reduce over 128 keys
+            keys = slice(16 * k, 16 * k + 16)
+            # A (64 queries x 16 keys): element (q, key) of dS is element (key, q) of dS^T
+            eq(hopper.operand_addresses(_desc_dst(ds_base, k), BLOCK_M, "MN"), dST[keys, :].T)
+            eq(hopper.operand_addresses(_desc_k_half(k_base, D, w, k), D // 2, "MN"),
+               K[keys, half].T)
+
+
+def test_a_k_major_read_of_the_ds_tile_would_read_ds_transposed():
+    """The transpose bit matters: read K-major, the same start address gives other elements."""
+    dST = hopper.tile_addresses(BLOCK_N, BLOCK_M, 0)
+    wrong = hopper.operand_addresses(hopper.encode_descriptor(0, 16, 1024), BLOCK_M, "K")
+    assert not np.array_equal(wrong, dST[:16, :].T)
+
+
+def _store_dst_addresses(w):
+    """The byte (from the dS^T tile's start) where store_dst puts each word: (128 threads, 16)."""
+    tid = np.arange(128)[:, None]
+    j = np.arange(16)[None, :]
+    warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
+    row = 64 * w + 16 * warp + g + 8 * (j % 2)
+    chunk = (j // 2) ^ g
+    return row * 128 + chunk * 16 + 4 * t
+
+
+def test_store_dst_writes_the_swizzled_tile_that_desc_dst_reads():
+    """Word j of a consumer thread is dS^T (registers 2j, 2j + 1 of its accumulator); store_dst
+    must put each bf16 where tile_addresses (TMA's layout, which desc_dst reads) says."""
+    tile = hopper.tile_addresses(BLOCK_N, BLOCK_M, 0)
+    rows, cols = hopper.accumulator_rows_cols(BLOCK_M)  # S^T / dS^T: 64 keys x 64 queries
+    written = []
+    for w in range(CONSUMERS):
+        addr = _store_dst_addresses(w)
+        lo_row, lo_col = rows[:, 0::2] + 64 * w, cols[:, 0::2]  # register 2j: the low half
+        hi_row, hi_col = rows[:, 1::2] + 64 * w, cols[:, 1::2]
+        np.testing.assert_array_equal(addr, tile[lo_row, lo_col])
+        np.testing.assert_array_equal(addr + 2, tile[hi_row, hi_col])
+        written.append(addr)
+    written = np.concatenate([a.ravel() for a in written])
+    assert sorted(written) == list(range(0, BLOCK_N * BLOCK_M * 2, 4))  # every word once
+    # and without bank conflicts: per store instruction (fixed j), a warp's 32 words hit 32 banks
+    for w in range(CONSUMERS):
+        addr = _store_dst_addresses(w)
+        for warp in range(4):
+            for j in range(16):
+                banks = (addr[32 * warp:32 * warp + 32, j] // 4) % 32
+                assert len(set(banks)) == 32, (w, warp, j)
+
+
+def test_packed_words_are_the_a_fragments_of_the_next_products():
+    """p[j] = (st[2j], st[2j + 1]) and k-step k takes p[4k .. 4k + 3]: the A fragment of P^T's
+    columns (queries) 16k .. 16k + 15, for every thread (as P in the forward's O += P V)."""
+    rows, cols = hopper.accumulator_rows_cols(BLOCK_M)
+    a_rows, a_cols = hopper.a_fragment_rows_cols()
+    for k in range(BLOCK_M // 16):
+        for r in range(4):
+            j = 4 * k + r
+            for half in range(2):
+                np.testing.assert_array_equal(rows[:, 2 * j + half], a_rows[:, r, half])
+                np.testing.assert_array_equal(cols[:, 2 * j + half], a_cols[:, r, half] + 16 * k)
+
+
+def test_the_kernels_index_formulas_follow_the_accumulator_layout():
+    """The .cu names the key and query of each register by hand (masks, LSE and Delta loads, dQ
+    atomics, the dK / dV epilogue); mirrored here, they must agree with accumulator_rows_cols."""
+    text = SOURCE.read_text()
+    for line in ("const int idx = 4 * c + 2 * h + e;",
+                 "const int key = key0 + 8 * h, q = q0 + 8 * c + 2 * t + e;",
+                 "lse2_bh + q0 + 8 * c + 2 * t", "delta_bh + q0 + 8 * c + 2 * t",
+                 "const int idx = 4 * c + j;", "dpt[idx] - (j % 2 ? dl.y : dl.x)",
+                 "const int q = q0 + 16 * warp + g + 8 * ((idx % 4) / 2);",
+                 "const int col = (D / 2) * w + 8 * (idx / 4) + 2 * t;",
+                 "__floats2bfloat162_rn(dk[4 * c + 2 * h] * scale, dk[4 * c + 2 * h + 1] * scale)",
+                 "dv_out + 8 * c", "const int key0 = kw0 + 16 * warp + g;"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    tid = np.arange(128)
+    warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
+    rows, cols = hopper.accumulator_rows_cols(BLOCK_M)  # S^T, dP^T: keys x queries
+    for c in range(8):
+        for h in range(2):
+            for e in range(2):  # the P^T loop; the dS^T loop's j is 2h + e
+                idx = 4 * c + 2 * h + e
+                np.testing.assert_array_equal(16 * warp + g + 8 * h, rows[:, idx])
+                np.testing.assert_array_equal(8 * c + 2 * t + e, cols[:, idx])
+    for D in (64, 128):
+        rows, cols = hopper.accumulator_rows_cols(D // 2)  # this consumer's dQ_i part
+        for idx in range(0, D // 4, 2):
+            np.testing.assert_array_equal(16 * warp + g + 8 * ((idx % 4) // 2), rows[:, idx])
+            np.testing.assert_array_equal(8 * (idx // 4) + 2 * t, cols[:, idx])
+            np.testing.assert_array_equal(cols[:, idx] + 1, cols[:, idx + 1])
+        rows, cols = hopper.accumulator_rows_cols(D)  # dK_w, dV_w
+        for c in range(D // 8):
+            for h in range(2):
+                np.testing.assert_array_equal(16 * warp + g + 8 * h, rows[:, 4 * c + 2 * h])
+                np.testing.assert_array_equal(8 * c + 2 * t, cols[:, 4 * c + 2 * h])
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_output_element_has_one_writer(D):
+    """dQ_i: consumer w's accumulator (64 x D/2) goes to columns (D/2) w + its column; dK, dV:
+    rows 64w + its row. Together: each element of the 64 x D dQ_i and 128 x D dK, dV once."""
+    rows, cols = hopper.accumulator_rows_cols(D // 2)
+    dq = np.concatenate([(rows * D + cols + D // 2 * w).ravel() for w in range(CONSUMERS)])
+    assert sorted(dq) == list(range(BLOCK_M * D))
+    rows, cols = hopper.accumulator_rows_cols(D)
+    dkv = np.concatenate([((rows + 64 * w) * D + cols).ravel() for w in range(CONSUMERS)])
+    assert sorted(dkv) == list(range(BLOCK_N * D))
+
+
+# ------------------------------------------------------------------ the loop, in numpy
+
+
+def _bf16(x):
+    """Round float32 values to bfloat16 (nearest even), as __floats2bfloat162_rn does."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).bfloat16().float().numpy()
+
+
+def _mm(a, b):
+    """A wgmma chain: exact products of bf16 values, summed in float32 (here: float64 sums,
+    rounded once; the tensor cores' order of additions is not modelled)."""
+    return (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32)
+
+
+def _pad(x, rows):
+    out = np.zeros((rows, x.shape[1]), np.float32)
+    out[:len(x)] = x
+    return out
+
+
+def _model_backward(Q, K, V, O, dO, LSE, causal, bug=None):
+    """dQ, dK, dV of one head as flash_attention_hopper_bwd.cu computes them, in its order.
+
+    Q, O, dO (Nq, D), K, V (Nk, D): bf16 values in float32 arrays; LSE (Nq,) float32. ``bug``
+    plants a mistake, to show the comparison below catches it: "late causal start" (the loop
+    over query blocks starts one block late), "swapped dQ halves" (consumer w adds its dQ
+    columns into the other consumer's).
+    """
+    f32 = np.float32
+    Nq, D = Q.shape
+    Nk = K.shape[0]
+    scale = f32(1.0 / math.sqrt(D))
+    scale_log2 = f32(scale * f32(LOG2E))
+    q_blocks, k_blocks = -(-Nq // BLOCK_M), -(-Nk // BLOCK_N)
+    Nq_pad = q_blocks * BLOCK_M
+    # 1. bwd_preprocess: Delta and LSE in base 2, padded; the dQ accumulator
+    Delta = np.zeros(Nq_pad, f32)
+    Delta[:Nq] = (dO.astype(f32) * O.astype(f32)).sum(axis=1, dtype=f32)
+    lse2 = np.full(Nq_pad, np.inf, f32)
+    lse2[:Nq] = np.where(np.isneginf(LSE), np.inf, LSE.astype(f32) * f32(LOG2E))
+    dQacc = np.zeros((Nq, D), f32)
+    # TMA delivers zeros past the last row
+    Qp, dOp = _pad(Q, Nq_pad), _pad(dO, Nq_pad)
+    Kp, Vp = _pad(K, k_blocks * BLOCK_N), _pad(V, k_blocks * BLOCK_N)
+    dK, dV = np.full((Nk, D), np.nan, f32), np.full((Nk, D), np.nan, f32)
+    # 2. one block per key block j
+    for j in range(k_blocks):
+        k0 = j * BLOCK_N
+        i_first = k0 // BLOCK_M if causal else 0
+        if causal and bug == "late causal start":
+            i_first += 1
+        dv = [np.zeros((64, D), f32) for _ in range(CONSUMERS)]
+        dk = [np.zeros((64, D), f32) for _ in range(CONSUMERS)]
+        for i in range(i_first, q_blocks):
+            q0 = i * BLOCK_M
+            queries = q0 + np.arange(BLOCK_M)
+            Qi, dOi = Qp[queries], dOp[queries]
+            dST = np.zeros((BLOCK_N, BLOCK_M), f32)  # the shared tile, bf16 values
+            for w in range(CONSUMERS):
+                keys = k0 + 64 * w + np.arange(64)
+                ST = _mm(Kp[keys], Qi.T)
+                dPT = _mm(Vp[keys], dOi.T)
+                with np.errstate(over="ignore"):
+                    PT = np.exp2(ST * scale_log2 - lse2[queries][None, :]).astype(f32)
+                masked = ((keys[:, None] >= Nk) | (queries[None, :] >= Nq)
+                          | (causal & (keys[:, None] > queries[None, :])))
+                PT[masked] = 0.0
+                dST_w = (PT * (dPT - Delta[queries][None, :])).astype(f32)
+                P_bf16, dS_bf16 = _bf16(PT), _bf16(dST_w)  # pack_bf16: the A fragments
+                dv[w] += _mm(P_bf16, dOi)
+                dk[w] += _mm(dS_bf16, Qi)
+                dST[64 * w:64 * w + 64] = dS_bf16  # store_dst
+            # after the named barrier: consumer w, columns (D/2) w .., all 128 keys
+            valid = queries < Nq
+            for w in range(CONSUMERS):
+                half = slice(D // 2 * w, D // 2 * (w + 1))
+                dq = _mm(dST.T, Kp[k0:k0 + BLOCK_N, half])
+                to = w if bug != "swapped dQ halves" else 1 - w
+                dQacc[queries[valid], D // 2 * to:D // 2 * (to + 1)] += dq[valid]
+        for w in range(CONSUMERS):  # the epilogue: rows past Nk not written
+            keys = k0 + 64 * w + np.arange(64)
+            ok = keys < Nk
+            dK[keys[ok]] = _bf16(dk[w][ok] * scale)
+            dV[keys[ok]] = _bf16(dv[w][ok])
+    # 3. bwd_convert_dq
+    return _bf16(dQacc * scale), dK, dV
+
+
+def _reference_given(Q, K, V, O, dO, LSE, causal):
+    """float64 dQ, dK, dV from the given O and LSE (the formulas of the .cu's header); a row with
+    LSE = -inf (no key seen) has P = 0. Tensors of shape (..., N, D)."""
+    Q, K, V, O, dO, LSE = (t.detach().double() for t in (Q, K, V, O, dO, LSE))
+    scale = 1.0 / math.sqrt(Q.shape[-1])
+    S = scale * Q @ K.transpose(-2, -1)
+    keep = torch.ones(S.shape[-2:], dtype=torch.bool, device=S.device)
+    if causal:
+        keep = keep.tril()
+    keep = keep & torch.isfinite(LSE)[..., None]
+    P = torch.where(keep, torch.exp(S - torch.where(torch.isfinite(LSE), LSE, 0.0)[..., None]), 0.0)
+    dP = dO @ V.transpose(-2, -1)
+    dS = P * (dP - (dO * O).sum(-1, keepdim=True))
+    return scale * dS @ K, scale * dS.transpose(-2, -1) @ Q, P.transpose(-2, -1) @ dO
+
+
+def _problem(B, H, Nq, Nk, D, causal, big=1.0, device="cpu", seed=0):
+    """bf16 Q, K, V, dO; O (bf16) and LSE (float32) of exact attention, as the forward returns
+    them; and the float64 reference (dQ, dK, dV) and max |S| (for the tolerances)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    Q = (torch.randn(B, H, Nq, D, generator=gen) * big).bfloat16().to(device)
+    K, V = (torch.randn(B, H, Nk, D, generator=gen).bfloat16().to(device) for _ in range(2))
+    dO = torch.randn(B, H, Nq, D, generator=gen).bfloat16().to(device)
+    scale = 1.0 / math.sqrt(D)
+    ref = reference_gradients(Q, K, V, dO, causal, scale)
+    O, LSE = ref[0].bfloat16().contiguous(), ref[1].float().contiguous()
+    max_score = float((Q.double() @ K.double().transpose(-2, -1)).abs().amax()) * scale
+    return (Q, K, V, O, dO, LSE), ref[2:5], max_score
+
+
+def _check(grads, want, max_score, case):
+    for name, got, expected in zip(("dQ", "dK", "dV"), grads, want, strict=True):
+        atol, rtol = grad_tolerance(torch.bfloat16, expected, max_score)
+        checks.compare(name, torch.as_tensor(got), expected, case=case, atol=atol, rtol=rtol,
+                       dtype=torch.bfloat16, poisoned=True)
+
+
+def _model_all_heads(inputs, causal, bug=None):
+    Q, K, V, O, dO, LSE = (t.float().numpy() for t in inputs)
+    out = [np.zeros(Q.shape, np.float32), np.zeros(K.shape, np.float32),
+           np.zeros(V.shape, np.float32)]
+    for b in range(Q.shape[0]):
+        for h in range(Q.shape[1]):
+            grads = _model_backward(Q[b, h], K[b, h], V[b, h], O[b, h], dO[b, h], LSE[b, h],
+                                    causal, bug)
+            for o, g in zip(out, grads, strict=True):
+                o[b, h] = g
+    return [torch.from_numpy(o).bfloat16() for o in out]  # exact: the values are bf16 already
+
+
+# (B, H, Nq, Nk, D, causal, big): N not a multiple of the tiles, Nq != Nk both ways, causal
+# with key blocks no query sees (Nq < Nk), a single row, large scores
+MODEL_CASES = [
+    (1, 1, 1, 1, 64, False, 1.0), (1, 2, 100, 77, 64, False, 1.0),
+    (1, 1, 130, 130, 128, True, 1.0), (1, 1, 64, 300, 128, False, 1.0),
+    (1, 1, 200, 333, 64, True, 1.0), (1, 1, 300, 64, 128, True, 1.0),
+    (1, 1, 129, 65, 128, False, 8.0), (1, 1, 257, 190, 64, True, 1.0)]
+
+
+@pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", MODEL_CASES)
+def test_model_of_the_kernel_matches_float64(B, H, Nq, Nk, D, causal, big):
+    inputs, want, max_score = _problem(B, H, Nq, Nk, D, causal, big)
+    grads = _model_all_heads(inputs, causal)
+    _check(grads, want, max_score, f"model {B, H, Nq, Nk, D, causal, big}")
+    # with room to spare: the model's roundings leave the tolerance the GPU test uses mostly free
+    for got, expected in zip(grads, want, strict=True):
+        atol, rtol = grad_tolerance(torch.bfloat16, expected, max_score)
+        err = ((got.double() - expected).abs() / (atol + rtol * expected.abs())).max()
+        assert err < 0.5, float(err)
+
+
+def test_model_a_row_that_saw_no_key_gets_no_gradient():
+    """LSE = -inf (a row that saw no key): P = 0 on that row, not exp(+inf) or NaN; its dQ is 0
+    and it adds nothing to dK, dV."""
+    inputs, _, max_score = _problem(1, 1, 70, 150, 64, True)
+    LSE = inputs[5].clone()
+    LSE[0, 0, [3, 66]] = -math.inf
+    inputs = (*inputs[:5], LSE)
+    grads = _model_all_heads(inputs, True)
+    want = _reference_given(*inputs[:3], inputs[3], inputs[4], LSE, True)
+    assert (grads[0][0, 0, [3, 66]] == 0).all()
+    _check(grads, want, max_score, "model, LSE = -inf rows")
+
+
+@pytest.mark.parametrize("bug", ["late causal start", "swapped dQ halves"])
+def test_model_comparison_catches_a_planted_bug(bug):
+    inputs, want, max_score = _problem(1, 1, 200, 200, 64, True)
+    grads = _model_all_heads(inputs, True, bug=bug)
+    with pytest.raises(checks.CheckFailure):
+        _check(grads, want, max_score, bug)
+
+
+def test_reference_given_o_and_lse_is_chapter_09s():
+    inputs, want, _ = _problem(1, 2, 50, 70, 64, True)
+    for got, expected in zip(_reference_given(*inputs, True), want, strict=True):
+        torch.testing.assert_close(got, expected, atol=5e-2, rtol=0)  # O rounded to bf16
+
+
+# ------------------------------------------------------------------ compiling, without a GPU
+
+
+@pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
+@pytest.mark.parametrize("watchdog", [False, True])
+def test_compiles_for_sm90a_without_spills(watchdog):
+    flags = ["-DFA_KERNEL_ONLY"] + (["-DFA_HOPPER_WATCHDOG"] if watchdog else [])
+    report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=flags)
+    names = sorted(r.name for r in report)
+    assert names == sorted([
+        "fa_hopper_bwd::bwd_preprocess_kernel", "fa_hopper_bwd::bwd_convert_dq_kernel",
+        "fa_hopper_bwd::flash_attention_hopper_bwd_kernel<64>",
+        "fa_hopper_bwd::flash_attention_hopper_bwd_kernel<128>",
+        "fa_hopper_bwd::probe_dq_kernel<64>", "fa_hopper_bwd::probe_dq_kernel<128>"]), names
+    for r in report:
+        print(r)
+        # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
+        # before setmaxnreg moves them from the producer to the consumers
+        assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
+
+
+# ------------------------------------------------------------------ on an H100 / H200
+
+_module = None
+
+
+def _load():
+    global _module
+    if _module is None:
+        # the watchdog build: a deadlocked mbarrier wait traps after ~1 s instead of hanging
+        _module = C.load_cuda(SOURCE, ["flash_attention_hopper_bwd"],
+                              name="flash_attention_hopper_bwd", arch="sm_90a",
+                              extra_cuda_cflags=["-DFA_HOPPER_WATCHDOG"])
+    return _module
+
+
+_probe = None
+
+
+def _load_probe():
+    global _probe
+    if _probe is None:
+        _probe = C.load_cuda(SOURCE, ["hopper_bwd_probe_dq"], name="hopper_bwd_probe",
+                             arch="sm_90a", extra_cuda_cflags=["-DFA_HOPPER_WATCHDOG"])
+    return _probe
+
+
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_probe_dq_with_transposed_a_from_shared_memory(D):
+    """The kernel's dQ path alone: dS^T stored by the threads (store_dst), read transposed, times
+    K read MN-major in two column halves. A failure here, with the forward's probes passing,
+    points at store_dst, the transpose bit or desc_k_half (at D = 64: the start 64 bytes into a
+    swizzled row)."""
+    dST = torch.randn(BLOCK_N, BLOCK_M, device="cuda").bfloat16()
+    K = torch.randn(BLOCK_N, D, device="cuda").bfloat16()
+    dQ = _load_probe().hopper_bwd_probe_dq(dST, K)
+    want = dST.double().T @ K.double()
+    if not torch.allclose(dQ.double(), want, atol=1e-3, rtol=1e-4):
+        halves = [torch.allclose(dQ.double()[:, h], want[:, h], atol=1e-3, rtol=1e-4)
+                  for h in (slice(0, D // 2), slice(D // 2, D))]
+        pytest.fail(f"dQ = dS K wrong at D = {D}; column halves right: {halves} (consumer 0, 1); "
+                    f"NaN: {bool(dQ.isnan().any())}")
+
+
+# edge cases as the forward's test_matches_float64
+GPU_CASES = [
+    (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0),
+    (1, 2, 130, 130, 128, True, 1.0), (1, 1, 64, 300, 128, False, 1.0),
+    (1, 1, 300, 300, 64, True, 1.0), (1, 1, 300, 64, 128, True, 1.0),
+    (1, 2, 129, 65, 128, False, 20.0), (2, 1, 513, 513, 128, True, 1.0),
+    (1, 2, 1024, 1024, 64, False, 1.0), (1, 1, 200, 333, 64, True, 1.0),
+    (1, 1, 257, 190, 128, True, 1.0)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", GPU_CASES)
+def test_matches_float64(B, H, Nq, Nk, D, causal, big):
+    inputs, want, max_score = _problem(B, H, Nq, Nk, D, causal, big, device="cuda")
+    poison_free_cuda_memory()  # what the kernels allocate starts as NaN
+    grads = _load().flash_attention_hopper_bwd(*inputs, causal)
+    torch.cuda.synchronize()
+    _check(grads, want, max_score, f"{B, H, Nq, Nk, D, causal, big}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", MODEL_CASES[:4])
+def test_matches_the_numpy_model(B, H, Nq, Nk, D, causal, big):
+    """Closer than float64: the model rounds where the kernel rounds. A failure here with
+    test_matches_float64 passing means the model no longer describes the kernel."""
+    inputs, _, _ = _problem(B, H, Nq, Nk, D, causal, big, device="cuda")
+    grads = _load().flash_attention_hopper_bwd(*inputs, causal)
+    model = _model_all_heads([t.cpu() for t in inputs], causal)
+    for name, got, expected in zip(("dQ", "dK", "dV"), grads, model, strict=True):
+        scale = max(1.0, float(expected.abs().max()))
+        torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2 * scale, rtol=2e-2,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@needs_sm90
+def test_with_the_forwards_o_and_lse():
+    """End to end on the GPU: O and LSE from flash_attention_hopper (the forward kernel)."""
+    from test_flash_hopper import _load as load_forward
+
+    inputs, want, max_score = _problem(1, 2, 300, 300, 128, True, device="cuda")
+    Q, K, V, _, dO, _ = inputs
+    O, LSE = load_forward().flash_attention_hopper(Q, K, V, True, 3)
+    grads = _load().flash_attention_hopper_bwd(Q, K, V, O, dO, LSE, True)
+    _check(grads, want, max_score, "with the forward kernel's O and LSE")
+
+
+@needs_sm90
+def test_a_row_that_saw_no_key_gets_no_gradient():
+    inputs, _, max_score = _problem(1, 1, 70, 150, 64, True, device="cuda")
+    LSE = inputs[5].clone()
+    LSE[0, 0, [3, 66]] = -math.inf
+    inputs = (*inputs[:5], LSE)
+    grads = _load().flash_attention_hopper_bwd(*inputs, True)
+    assert (grads[0][0, 0, [3, 66]] == 0).all()
+    _check(grads, _reference_given(*inputs, True), max_score, "LSE = -inf rows")
+
+
+@needs_sm90
+def test_empty_sizes():
+    f = _load().flash_attention_hopper_bwd
+    Q = torch.randn(1, 2, 5, 64, device="cuda").bfloat16()
+    K0 = torch.randn(1, 2, 0, 64, device="cuda").bfloat16()
+    dQ, dK, dV = f(Q, K0, K0, Q, Q, torch.full((1, 2, 5), -math.inf, device="cuda"), False)
+    assert (dQ == 0).all() and dK.shape == K0.shape and dV.shape == K0.shape
+    Q0 = torch.randn(1, 2, 0, 64, device="cuda").bfloat16()
+    K = torch.randn(1, 2, 7, 64, device="cuda").bfloat16()
+    dQ, dK, dV = f(Q0, K, K, Q0, Q0, torch.zeros(1, 2, 0, device="cuda"), True)
+    assert dQ.shape == Q0.shape and (dK == 0).all() and (dV == 0).all()
+
+
+@needs_sm90
+def test_bad_input_says_what_is_wrong():
+    f = _load().flash_attention_hopper_bwd
+    Q = torch.randn(1, 1, 8, 64, device="cuda").bfloat16()
+    LSE = torch.zeros(1, 1, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        f(Q.half(), Q.half(), Q.half(), Q.half(), Q.half(), LSE, False)
+    with pytest.raises(RuntimeError, match="head dim D must be 64 or 128, got 32"):
+        q = Q[..., :32].contiguous()
+        f(q, q, q, q, q, LSE, False)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        f(Q.transpose(2, 3), Q, Q, Q, Q, LSE, False)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        f(Q, Q, Q, Q, Q.transpose(2, 3).contiguous().transpose(2, 3), LSE, False)
+    with pytest.raises(RuntimeError, match="K and V must have the same shape"):
+        f(Q, Q, Q[:, :, :4].contiguous(), Q, Q, LSE, False)
+    with pytest.raises(RuntimeError, match="O and dO must have the shape of Q"):
+        f(Q, Q, Q, Q[:, :, :4].contiguous(), Q, LSE, False)
+    with pytest.raises(RuntimeError, match="Q and K must agree"):
+        f(Q, torch.randn(1, 2, 8, 64, device="cuda").bfloat16(),
+          torch.randn(1, 2, 8, 64, device="cuda").bfloat16(), Q, Q, LSE, False)
+    with pytest.raises(RuntimeError, match=r"LSE must have shape \(B, H, Nq\) = \(1, 1, 8\)"):
+        f(Q, Q, Q, Q, Q, LSE[..., :4], False)
+    with pytest.raises(RuntimeError, match="LSE must be float32"):
+        f(Q, Q, Q, Q, Q, LSE.double(), False)
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        f(Q.cpu(), Q, Q, Q, Q, LSE, False)
