@@ -101,14 +101,24 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, int phase) {
 // Wait until the phase of parity `phase` has completed. A wrong parity or a missing arrival
 // waits forever and hangs the GPU, and whatever waits on it (a notebook, a test). Built with
 // -DFA_HOPPER_WATCHDOG (the tests do), a wait gives up after 2^31 cycles (about a second) with
-// __trap(), and the next CUDA call reports "unspecified launch failure" instead of hanging. Not
-// by default: its one extra register makes the d = 128 overlapped consumers spill.
+// a trap, and the next CUDA call reports "unspecified launch failure" instead of hanging. The
+// watchdog's loop is one PTX block: written in C++ around clock() and __trap(), it made ptxas
+// spill the d = 128 overlapped consumers' registers. Off by default: what is measured is the
+// plain loop.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int phase) {
 #if defined(FA_HOPPER_WATCHDOG)
-    if (mbar_try_wait(bar, phase)) return;
-    const unsigned start = static_cast<unsigned>(clock());
-    while (!mbar_try_wait(bar, phase))
-        if (static_cast<unsigned>(clock()) - start > (1u << 31)) __trap();
+    asm volatile(
+        "{\n.reg .pred done, late;\n.reg .u32 t0, t1;\n"
+        "mov.u32 t0, %%clock;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@done bra DONE_%=;\n"
+        "mov.u32 t1, %%clock;\n"
+        "sub.u32 t1, t1, t0;\n"
+        "setp.gt.u32 late, t1, %2;\n"
+        "@late trap;\n"
+        "bra WAIT_%=;\n"
+        "DONE_%=:\n}\n" ::"r"(smem_addr(bar)), "r"(phase), "r"(1u << 31) : "memory");
 #else
     while (!mbar_try_wait(bar, phase)) {
     }
