@@ -29,6 +29,6 @@ ran = [c for c in code if c.get("execution_count")]
 for c in code[:1]:
     for out in c.get("outputs", []):
         print("first cell:", (out.get("text") or "").strip()[:300])
-print(f"{len(ran)} of {len(code)} code cells ran in {time.time() - start:.0f} s; executed notebook: "
-      f"{target}")
+print(f"{len(ran)} of {len(code)} code cells ran in {time.time() - start:.0f} s; "
+      f"executed notebook: {target}")
 sys.exit(status)
