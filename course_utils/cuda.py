@@ -188,7 +188,36 @@ def _read_source(source_or_path) -> tuple[str, str]:
             f"CUDA source file {str(path)!r} not found (relative paths start at the current "
             f"directory, {os.getcwd()})"
         )
-    return path.read_text(), path.name
+    return _inline_local_includes(path, set()), path.name
+
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(?://.*)?$')
+
+
+def _inline_local_includes(path: Path, seen: set) -> str:
+    """The text of ``path`` with each ``#include "name"`` of a file beside it put in its place.
+
+    The compilers see one source string (load_inline, nvcc -cubin of a copy, NVRTC), so a
+    header next to the .cu would not be found; inlined, it also enters the build cache's hash.
+    ``#line`` directives keep error messages on the right file and line. A header is inlined
+    once (a second include of it becomes nothing, as with ``#pragma once``).
+    """
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
+        match = _LOCAL_INCLUDE.match(line)
+        header = path.parent / match.group(1) if match else None
+        if header is None or not header.is_file():
+            out.append(line)
+            continue
+        out.append(f"// {line.strip()}: inlined by course_utils.cuda\n")  # keeps line `number`
+        if header.resolve() not in seen:
+            seen.add(header.resolve())
+            text = _inline_local_includes(header, seen)
+            out.append(f'#line 1 "{header.name}"\n{text}')
+            if not text.endswith("\n"):
+                out.append("\n")
+            out.append(f'#line {number + 1} "{path.name}"\n')
+    return "".join(out)
 
 
 def _check_placeholder(source: str, what: str) -> None:
@@ -531,8 +560,27 @@ def _line_offset_in(path: str, source: str) -> int | None:
     return None if at < 0 else written.count("\n", 0, at)
 
 
-def _excerpt(text: str, line: int, marker: str = ">") -> str:
-    lines = text.splitlines()
+_LINE_DIRECTIVE = re.compile(r'^\s*#\s*line\s+(\d+)(?:\s+"([^"]*)")?\s*$')
+
+
+def _file_lines(text: str, name: str) -> list[str]:
+    """The lines of file ``name`` in ``text``, undoing the ``#line`` directives with which
+    _inline_local_includes put headers in place (text without them: its own lines)."""
+    lines: dict[int, str] = {}
+    current, number = name, 1
+    for raw in text.splitlines():
+        m = _LINE_DIRECTIVE.match(raw)
+        if m:
+            number, current = int(m.group(1)), m.group(2) or current
+            continue
+        if current == name:
+            lines[number] = raw
+        number += 1
+    return [lines.get(k, "") for k in range(1, max(lines, default=0) + 1)]
+
+
+def _excerpt(text: str, line: int, marker: str = ">", name: str = "<source>") -> str:
+    lines = _file_lines(text, name) if "#line" in text else text.splitlines()
     lo, hi = max(1, line - CONTEXT_LINES), min(len(lines), line + CONTEXT_LINES)
     width = len(str(hi))
     out = []
@@ -585,7 +633,7 @@ def _compile_error(
         if student_line is not None:
             parts.append(
                 f"error: {d.message}\n  --> {_where(display_name, student_line)}\n"
-                + _excerpt(source, student_line)
+                + _excerpt(source, student_line, name=display_name)
             )
         elif d.file is not None and Path(d.file).name == "main.cpp":
             parts.append(

@@ -761,3 +761,37 @@ def test_gpu_flash_cu_errors_with_numbers_raise_not_crash(flash_modules):
     lse = torch.zeros(1, 1, 4, device="cuda")
     with pytest.raises(RuntimeError, match="got 48"):
         bwd.flash_attention_backward(Q, Q, Q, Q, lse, Q, False, 0.25, True)
+
+
+# ------------------------------------------------------------------ headers beside a .cu
+
+
+def _write_sources(tmp_path, main_body):
+    (tmp_path / "twice.cuh").write_text("__device__ int twice(int x) { return 2 * x; }\n")
+    main = tmp_path / "main.cu"
+    main.write_text('#include "twice.cuh"\n#include "twice.cuh"  // again\n' + main_body)
+    return main
+
+
+def test_a_header_beside_the_source_is_inlined_once_with_its_line_numbers(tmp_path):
+    kernel = "__global__ void k(int* y) { y[0] = twice(1); }"
+    main = _write_sources(tmp_path, f"#include <cuda_bf16.h>\n{kernel}\n")
+    text, name = C._read_source(main)
+    assert name == "main.cu"
+    assert text.count("__device__ int twice") == 1  # the second include adds nothing
+    assert "#include <cuda_bf16.h>" in text  # not a file beside it: left to the compiler
+    assert C._file_lines(text, "main.cu")[3] == kernel
+    assert C._file_lines(text, "twice.cuh") == ["__device__ int twice(int x) { return 2 * x; }"]
+    # the header's text is part of what the build cache hashes: a changed header is rebuilt
+    (tmp_path / "twice.cuh").write_text("__device__ int twice(int x) { return x + x; }\n")
+    assert C._read_source(main)[0] != text
+
+
+@pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
+def test_an_error_after_an_inlined_header_points_at_the_right_line(tmp_path):
+    main = _write_sources(tmp_path, "__global__ void k(int* y) {\n    y[0] = twice(oops);\n}\n")
+    with pytest.raises(C.CudaCompileError) as info:
+        C.resource_usage(main)
+    message = str(info.value)
+    assert "main.cu, line 4" in message
+    assert "> 4 |     y[0] = twice(oops);" in message

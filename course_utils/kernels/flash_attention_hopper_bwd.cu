@@ -70,123 +70,14 @@ constexpr int PRE_ROWS = 8;                   // query rows per block of bwd_pre
 #endif
 template <int D>
 constexpr int STAGES = D == 64 ? FA_BWD_STAGES_D64 : FA_BWD_STAGES_D128;
-constexpr float LOG2E = 1.4426950408889634f;
 
-// ---------------------------------------------------------------- helpers (as in the forward)
-// The helpers down to wgmma_rs_n128 are copies of flash_attention_hopper.cu's (load_cuda builds
-// one source string, so the file cannot include the forward); keep them identical.
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-// 2^x in one MUFU.EX2. volatile: the exponentials stay after the wgmma issued before them in
-// program order, so that they run while the tensor cores work (instead of the compiler moving
-// the issue behind them).
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm volatile("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo -> the lower 16 bits
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
-}
-// One arrival that also tells the barrier how many bytes the coming TMA copies will deliver.
-__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-                 "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Has the phase of parity `phase` completed? (try_wait suspends the thread for a while first.)
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, int phase) {
-    uint32_t done;
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
-    return done != 0;
-}
-// Wait until the phase of parity `phase` has completed. Built with -DFA_HOPPER_WATCHDOG (the
-// tests do), a wait gives up after 2^31 cycles (about a second) with a trap, and the next CUDA
-// call reports "unspecified launch failure" instead of hanging the GPU. Unlike the forward, the
-// watchdog's loop is one PTX block: written in C++ (a loop around try_wait, clock() and __trap()
-// inside the consumers' loop), it made ptxas spill 2.4 KB of the d = 128 consumers' registers;
-// as one asm statement it costs no spill.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int phase) {
-#if defined(FA_HOPPER_WATCHDOG)
-    asm volatile(
-        "{\n.reg .pred done, late;\n.reg .u32 t0, t1;\n"
-        "mov.u32 t0, %%clock;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@done bra DONE_%=;\n"
-        "mov.u32 t1, %%clock;\n"
-        "sub.u32 t1, t1, t0;\n"
-        "setp.gt.u32 late, t1, %2;\n"
-        "@late trap;\n"
-        "bra WAIT_%=;\n"
-        "DONE_%=:\n}\n" ::"r"(smem_addr(bar)), "r"(phase), "r"(1u << 31) : "memory");
-#else
-    while (!mbar_try_wait(bar, phase)) {
-    }
-#endif
-}
-
-// Copy box (c0, c1, c2) of a 3D tensor map (c0 the fastest dimension) into shared memory; the
-// barrier's transaction count drops by the box's bytes when it lands. Rows past the tensor's end
-// arrive as zeros.
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                         int c1, int c2) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_addr(dst)),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
-        : "memory");
-}
-
-// A shared-memory matrix descriptor for a 128-byte-swizzled tile: start address, the byte
-// distance between panels of 64 columns (LBO) and between groups of 8 rows (SBO), swizzle mode 1.
-__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-    const uint64_t a = smem_addr(p);
-    return ((a & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
-           (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keep the compiler from moving reads or writes of accumulator registers across a wait.
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&d)[R]) {
-    #pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-template <int R>
-__device__ __forceinline__ void fence_regs(uint32_t (&d)[R]) {
-    #pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
+// mbarriers, TMA, descriptors, the register-A products (shared with the forward)
+#include "hopper_common.cuh"
 
 // ---------------------------------------------------------------- wgmma
-// The operands after the descriptors are immediates: scale-d (a predicate here: 0 on the first
-// k-step overwrites D instead of adding to it), imm-scale-a and imm-scale-b (1: no negation),
-// then imm-trans-a and imm-trans-b. trans = 0: the operand is K-major (the reduction dimension
-// runs along the 128-byte rows of the tile); trans = 1: it is MN-major (M or N runs along
-// them). The register form (A from registers) has no imm-trans-a: its last immediate is
-// imm-trans-b. The forward uses (p, 1, 1, 0, 0) for S = Q K^T and (1, 1, 1, 1) for O += P V.
+// (The immediates after the descriptors: see hopper_common.cuh. The forward uses (p, 1, 1, 0, 0)
+// for S = Q K^T and (1, 1, 1, 1) for O += P V; dV += P^T dO and dK += dS^T Q are its register-A
+// products, wgmma_rs_n64 / _n128, with dO and Q read MN-major as V there.)
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B in shared memory, both K-major
 // (imm-trans-a = imm-trans-b = 0). S^T = K_w Q_i^T and dP^T = V_w dO_i^T.
@@ -215,24 +106,6 @@ __device__ __forceinline__ void wgmma_ss_tt_n64(float (&d)[32], uint64_t a, uint
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(accumulate));
-}
-
-// The two below are the forward's (copies): dV += P^T dO and dK += dS^T Q, with dO and Q read
-// MN-major as V there.
-// D[64 x 64] += A[64 x 16] B[16 x 64], A in registers (4 x bf16x2), B in shared memory MN-major.
-__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-// D[64 x 128] += A[64 x 16] B[16 x 128], A in registers (4 x bf16x2), B in shared memory MN-major.
-__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 1;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
 // The products per head dim: dV_w, dK_w are 64 x D (RS), this consumer's part of dQ_i 64 x D / 2.
@@ -653,34 +526,7 @@ FA_BWD_INSTANTIATE(64) FA_BWD_INSTANTIATE(128)
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 
-static void check_cuda(cudaError_t err, const char* what) {
-    TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
-}
-
-// A 3D TMA map over a (B*H, N, D) bf16 tensor: boxes of `rows` rows x 64 columns of one head,
-// 128-byte swizzle, zeros past row N. (As the forward's make_map.)
-static CUtensorMap make_map(const torch::Tensor& X, int rows) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    if (!encode) {
-        cudaDriverEntryPointQueryResult found;
-        check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled",
-                                                    reinterpret_cast<void**>(&encode), 12000,
-                                                    cudaEnableDefault, &found),
-                   "flash_attention_hopper_bwd: looking up cuTensorMapEncodeTiled");
-        TORCH_CHECK(found == cudaDriverEntryPointSuccess && encode,
-                    "flash_attention_hopper_bwd: the driver has no cuTensorMapEncodeTiled (CUDA 12+ needed)");
-    }
-    const int64_t D = X.size(3), N = X.size(2), BH = X.size(0) * X.size(1);
-    CUtensorMap map;
-    const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)N, (cuuint64_t)BH};
-    const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)(N * D * 2)};
-    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1}, step[3] = {1, 1, 1};
-    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, X.data_ptr(), dims, strides,
-                              box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    TORCH_CHECK(r == CUDA_SUCCESS, "flash_attention_hopper_bwd: cuTensorMapEncodeTiled failed (", (int)r, ")");
-    return map;
-}
+#include "hopper_host.cuh"  // check_cuda, make_map (the TMA tensor maps)
 
 static void require_sm90(const char* fn, const torch::Tensor& X) {
     int major = 0, minor = 0;  // device attributes: cheap, unlike cudaGetDeviceProperties
