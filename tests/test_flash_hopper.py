@@ -255,6 +255,37 @@ def test_bad_input_says_what_is_wrong():
         f(Q128, Q128, Q128, False, 5)
 
 
+# ------------------------------------------------------------------ the persistent kernel's tiles
+
+
+def _take_tile(tile, q_blocks, BH, causal):
+    """(qb, bh) of a tile of variant 6, as take_tile in flash_attention_hopper.cu."""
+    if causal:
+        return q_blocks - 1 - tile // BH, tile % BH
+    return tile % q_blocks, tile // q_blocks
+
+
+def test_kernel_source_takes_tiles_as_mirrored_here():
+    text = SOURCE.read_text()
+    for line in ("qb = q_blocks - 1 - tile / (B * H);", "bh = tile % (B * H);",
+                 "qb = tile % q_blocks;", "bh = tile / q_blocks;"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+
+
+@pytest.mark.parametrize("q_blocks, BH, sms", [(1, 1, 132), (3, 150, 132), (32, 128, 132),
+                                               (7, 5, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_blocks_cover_every_tile_once(q_blocks, BH, sms, causal):
+    n_tiles = q_blocks * BH
+    blocks = min(sms, n_tiles)
+    seen = [_take_tile(t, q_blocks, BH, causal)
+            for b in range(blocks) for t in range(b, n_tiles, blocks)]
+    assert sorted(seen) == [(qb, bh) for qb in range(q_blocks) for bh in range(BH)]
+    if causal:  # the longest rows (most key blocks) are taken first, by every block
+        order = [_take_tile(t, q_blocks, BH, causal)[0] for t in range(n_tiles)]
+        assert order == sorted(order, reverse=True)
+
+
 # ------------------------------------------------------------------ ping-pong's named barriers
 
 
