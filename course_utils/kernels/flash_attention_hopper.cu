@@ -128,9 +128,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     // the 64K registers of an SM, shared out by setmaxnreg: 24 a producer thread, the rest to
     // the consumers (a multiple of 8): 240 with two consumers, 160 with three
     constexpr int CONSUMER_REGS = (65536 / 128 - 24) / CONS / 8 * 8 > 240 ? 240 : (65536 / 128 - 24) / CONS / 8 * 8;
-    extern __shared__ unsigned char smem_raw[];
-    Tiles<D, BN, CONS>& sm = *reinterpret_cast<Tiles<D, BN, CONS>*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    Tiles<D, BN, CONS>& sm = shared_tiles<Tiles<D, BN, CONS>>();
 
     // The work: tiles of BLOCK_M query rows of one head. One tile a block (the grid is
     // q_blocks x H x B), or, PERSIST, one block per SM that takes tile after tile (blockIdx.x,
@@ -401,21 +399,6 @@ struct ProbeTiles {
     uint64_t full;
 };
 
-// A probe's tiles (from a 1024-byte boundary) and its one mbarrier, initialised and visible to
-// every thread of the block.
-template <int D>
-__device__ __forceinline__ ProbeTiles<D>& probe_setup() {
-    extern __shared__ unsigned char smem_raw[];
-    ProbeTiles<D>& sm = *reinterpret_cast<ProbeTiles<D>*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    if (threadIdx.x == 0) {
-        mbar_init(&sm.full, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    return sm;
-}
-
 // Load `rows` x D of head 0 through `map` into `tile`, panel by panel; every thread waits.
 template <int D>
 __device__ __forceinline__ void probe_load(__nv_bfloat16* tile, const CUtensorMap* map,
@@ -430,7 +413,7 @@ __device__ __forceinline__ void probe_load(__nv_bfloat16* tile, const CUtensorMa
 template <int D>
 __global__ void probe_layout_kernel(const __grid_constant__ CUtensorMap map, uint16_t* out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ProbeTiles<D>& sm = probe_setup<D>();
+    ProbeTiles<D>& sm = probe_setup<ProbeTiles<D>>();
     probe_load<D>(sm.A, &map, &sm.full, 128, 128 * D * 2);
     mbar_wait(&sm.full, 0);
     const uint16_t* words = reinterpret_cast<const uint16_t*>(sm.A);
@@ -446,7 +429,7 @@ template <int D>
 __global__ void probe_ss_kernel(const __grid_constant__ CUtensorMap q_map,
                                 const __grid_constant__ CUtensorMap k_map, float* S) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ProbeTiles<D>& sm = probe_setup<D>();
+    ProbeTiles<D>& sm = probe_setup<ProbeTiles<D>>();
     if (threadIdx.x == 0) {
         mbar_expect_bytes(&sm.full, (64 + 128) * D * 2);
         for (int p = 0; p < D / 64; ++p) {
@@ -481,7 +464,7 @@ template <int D>
 __global__ void probe_rs_kernel(const __nv_bfloat16* __restrict__ P,
                                 const __grid_constant__ CUtensorMap v_map, float* O) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    ProbeTiles<D>& sm = probe_setup<D>();
+    ProbeTiles<D>& sm = probe_setup<ProbeTiles<D>>();
     probe_load<D>(sm.A, &v_map, &sm.full, 128, 128 * D * 2);
     const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     const int r0 = 16 * warp + g;

@@ -250,9 +250,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
     constexpr int STAGES = fa_hopper_bwd::STAGES<D>;
     constexpr int ACC = D / 2;           // a thread's share of its warpgroup's 64 x D dK_w or dV_w
     constexpr int DQ = D / 4;            // ... and of its 64 x D / 2 part of dQ_i
-    extern __shared__ unsigned char smem_raw[];
-    Tiles<D>& sm = *reinterpret_cast<Tiles<D>*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    Tiles<D>& sm = shared_tiles<Tiles<D>>();
 
     const int k0 = blockIdx.x * BLOCK_N, bh = blockIdx.z * H + blockIdx.y;
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M, Nq_pad = q_blocks * BLOCK_M;
@@ -468,14 +466,7 @@ template <int D>
 __global__ void probe_dq_kernel(const __nv_bfloat16* __restrict__ dST_in,
                                 const __grid_constant__ CUtensorMap k_map, float* dQ) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ unsigned char smem_raw[];
-    ProbeTiles<D>& sm = *reinterpret_cast<ProbeTiles<D>*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    if (threadIdx.x == 0) {
-        mbar_init(&sm.full, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    ProbeTiles<D>& sm = probe_setup<ProbeTiles<D>>();
     if (threadIdx.x == 0) {
         mbar_expect_bytes(&sm.full, BLOCK_N * D * 2);
         for (int p = 0; p < D / 64; ++p) tma_load(sm.K + p * BLOCK_N * 64, &k_map, &sm.full, 64 * p, 0, 0);

@@ -25,6 +25,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// The block's dynamic shared memory as the tiles T, from its first 1024-byte boundary: the
+// 128-byte swizzle repeats every 8 rows of 128 bytes, so a swizzled tile must start on one (the
+// launch asks for sizeof(T) + 1024 bytes).
+template <class T>
+__device__ __forceinline__ T& shared_tiles() {
+    extern __shared__ unsigned char smem_raw[];
+    return *reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+}
+
 // ---------------------------------------------------------------- mbarriers and TMA
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
@@ -72,6 +81,19 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int phase) {
     while (!mbar_try_wait(bar, phase)) {
     }
 #endif
+}
+
+// A probe's tiles T (with one mbarrier, `full`), the barrier initialised and visible to every
+// thread of the block.
+template <class T>
+__device__ __forceinline__ T& probe_setup() {
+    T& sm = shared_tiles<T>();
+    if (threadIdx.x == 0) {
+        mbar_init(&sm.full, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    return sm;
 }
 
 // Copy box (c0, c1, c2) of a 3D tensor map (c0 the fastest dimension) into shared memory; the
