@@ -127,7 +127,8 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     constexpr int BLOCK_M = 64 * CONS;      // query rows of the block: 64 per consumer
     // the 64K registers of an SM, shared out by setmaxnreg: 24 a producer thread, the rest to
     // the consumers (a multiple of 8): 240 with two consumers, 160 with three
-    constexpr int CONSUMER_REGS = (65536 / 128 - 24) / CONS / 8 * 8 > 240 ? 240 : (65536 / 128 - 24) / CONS / 8 * 8;
+    constexpr int SHARE = (65536 / 128 - 24) / CONS / 8 * 8;
+    constexpr int CONSUMER_REGS = SHARE > 240 ? 240 : SHARE;
     Tiles<D, BN, CONS>& sm = shared_tiles<Tiles<D, BN, CONS>>();
 
     // The work: tiles of BLOCK_M query rows of one head. One tile a block (the grid is
