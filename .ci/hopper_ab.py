@@ -28,6 +28,7 @@ from course_utils import bench  # noqa: E402
 from course_utils.cuda import load_cuda  # noqa: E402
 
 SOURCE = ROOT / "course_utils" / "kernels" / "flash_attention_hopper.cu"
+BWD_SOURCE = SOURCE.with_name("flash_attention_hopper_bwd.cu")
 BUILDS = {"default": [], "skip rescale": ["-DFA_SKIP_UNIT_RESCALE"]}
 VARIANTS = {64: (0, 2, 3, 5, 6), 128: (0, 2, 3, 4, 6)}
 
@@ -44,11 +45,12 @@ def main():
     parser.add_argument("--ns", default="4096,16384")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="hopper_ab.json")
+    parser.add_argument("--bwd", action="store_true",
+                        help="also forward + backward: the wgmma backward against cuDNN's")
     args = parser.parse_args()
     cu.setup()
     started = time.time()
-    text = SOURCE.read_text()
-    mods = {label: load_cuda(text, ["flash_attention_hopper"], name="fa_ab", arch="sm_90a",
+    mods = {label: load_cuda(SOURCE, ["flash_attention_hopper"], name="fa_ab", arch="sm_90a",
                              extra_cuda_cflags=flags) for label, flags in BUILDS.items()}
     print(f"built {len(mods)} variants of the source in {time.time() - started:.0f} s")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -84,9 +86,64 @@ def main():
                 rows.append({"D": D, "causal": causal, "N": N, "tflops": times})
                 print(f"{str(causal):>6} {N:6d} " + " ".join(f"{med[n]:15.0f}" for n in names)
                       + f"   [{spread:.0%}]", flush=True)
+    if args.bwd:
+        rows += fwd_bwd(mods["default"], args)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
                                          indent=1))
     print(f"\nwrote {args.out} ({time.time() - started:.0f} s)")
+
+
+def fwd_bwd(fwd, args):
+    """Forward + backward in TFLOP/s (3.5x the forward's FLOPs): each forward variant with the
+    wgmma backward, against cuDNN's and flash's autograd; dQ, dK, dV compared with cuDNN's."""
+    bwd = load_cuda(BWD_SOURCE, ["flash_attention_hopper_bwd"], name="fa_ab_bwd", arch="sm_90a")
+    rows = []
+
+    def sdpa_both(backend):
+        def run(q, k, v, causal, dO):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            with sdpa_kernel(backend):
+                O = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+                return torch.autograd.grad(O, leaves, dO)
+        return run
+
+    def cuda_both(var):
+        def run(q, k, v, causal, dO):
+            O, lse = fwd.flash_attention_hopper(q, k, v, causal, var)
+            return bwd.flash_attention_hopper_bwd(q, k, v, O, dO, lse, causal)
+        return run
+
+    for D in (64, 128):
+        impls = {"sdpa flash": sdpa_both(SDPBackend.FLASH_ATTENTION),
+                 "sdpa cudnn": sdpa_both(SDPBackend.CUDNN_ATTENTION)}
+        impls |= {f"cuda v{var}": cuda_both(var) for var in (3, 6)}
+        names = list(impls)
+        print(f"\nd = {D}, forward + backward: TFLOP/s, median of {args.rounds} rounds")
+        print(f"{'causal':>6} {'N':>6} " + " ".join(f"{n:>12}" for n in names))
+        for causal in (False, True):
+            for N in (int(x) for x in args.ns.split(",")):
+                B, H = 32768 // N, 2048 // D
+                q, k, v, dO = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+                               for _ in range(4))
+                want = impls["sdpa cudnn"](q, k, v, causal, dO)
+                for name, fn in impls.items():
+                    for g, w, what in zip(fn(q, k, v, causal, dO), want, "QKV", strict=True):
+                        err = (g.float() - w.float()).abs().max().item()
+                        tol = 0.05 * max(1.0, w.float().abs().max().item())
+                        if not err < tol:
+                            print(f"   {name}: max |d{what} - cuDNN's| = {err:.3g} at N={N}, "
+                                  f"causal={causal}")
+                flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd+bwd")
+                times = {n: [] for n in names}
+                for _ in range(args.rounds):
+                    for name, fn in impls.items():
+                        ms = bench.time_fn(fn, q, k, v, causal, dO).median_ms
+                        times[name].append(bench.tflops(flops, ms))
+                med = {n: statistics.median(t) for n, t in times.items()}
+                rows.append({"D": D, "causal": causal, "N": N, "mode": "fwd+bwd", "tflops": times})
+                print(f"{str(causal):>6} {N:6d} " + " ".join(f"{med[n]:12.0f}" for n in names),
+                      flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -10,13 +10,22 @@
 //   dS = P * (dP - Delta)         dK = scale dS^T Q              dQ = scale dS K
 //
 // Three kernels:
-//   1. bwd_preprocess: Delta per query row, LSE * log2(e) (the exponent in base 2), both padded
-//      to a multiple of BLOCK_M rows, and a float32 dQ accumulator set to zero.
+//   1. bwd_preprocess: Delta per query row and LSE * log2(e) (the exponent in base 2), both
+//      padded to a multiple of BLOCK_M rows. (The float32 dQ accumulator is zeroed by a memset.)
 //   2. the main kernel: one block per BLOCK_N = 128 keys of one head. K_j and V_j stay in shared
 //      memory; the query blocks i stream past them. dK_j and dV_j are sums over i, so they stay
 //      in registers until the end; dQ_i is a sum over the key blocks j that different blocks
-//      own, so each block adds its share into the float32 accumulator with atomics.
-//   3. bwd_convert_dq: dQ = scale * accumulator, in bf16.
+//      own, so each block adds its share into a float32 accumulator: the consumers write it to
+//      shared memory and one thread hands it to the TMA unit as a bulk reduce-add
+//      (cp.reduce.async.bulk ... .add.f32), which adds 16 KB into global memory in the
+//      background. (Per-thread atomicAdd did the same and cost a quarter of the time at D = 128:
+//      the consumers waited on atomics while the tensor cores idled.)
+//   3. bwd_convert_dq: dQ = scale * accumulator, in bf16, undoing the accumulator's layout.
+//
+// The accumulator's layout is not dQ's: each (head, query block i) owns 64 x D floats, half per
+// consumer, stored in the order the consumer's threads hold them (float4 c of thread tid at
+// float4 index 128 c + tid), so that the shared-memory writes are conflict-free and one bulk
+// copy moves the whole half. bwd_convert_dq maps each float4 back to its rows and columns.
 //
 // The main kernel has 3 warpgroups of 128 threads, as the forward:
 //   * warpgroup 0, the producer: one thread issues the TMA copies. K_j and V_j once, then Q_i and
@@ -61,7 +70,8 @@ constexpr int BLOCK_M = 64;                   // query rows per step (Q_i, dO_i)
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int PRE_ROWS = 8;                   // query rows per block of bwd_preprocess (a warp each)
 // Q_i and dO_i buffers in the ring. d = 64: K + V 32 KB, 3 x 16 KB of Q and dO, 2 x 16 KB of
-// dS^T (112 KB); d = 128: 64 KB + 2 x 32 KB + 32 KB (160 KB) of the 227 KB a block may have.
+// dS^T, 16 KB of dQ (128 KB); d = 128: 64 KB + 2 x 32 KB + 32 KB + 32 KB (192 KB) of the 227 KB
+// a block may have.
 #ifndef FA_BWD_STAGES_D64
 #define FA_BWD_STAGES_D64 3
 #endif
@@ -182,6 +192,26 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void named_sync(int id) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
 }
+// ... and for one warpgroup (128 threads).
+__device__ __forceinline__ void named_sync_wg(int id) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(128) : "memory");
+}
+
+// global[0 .. bytes) += shared[0 .. bytes), float32, done by the TMA unit in the background
+// (bytes a multiple of 16, both addresses 16-byte aligned). One thread issues it; commit closes a
+// group; wait_read<0> returns once every committed group has finished READING shared memory (the
+// buffer may be written again), wait_all<0> once the additions are done.
+__device__ __forceinline__ void bulk_reduce_add(float* global, const float* shared, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(global), "r"(smem_addr(shared)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
 
 // ---------------------------------------------------------------- 1. preprocessing
 
@@ -189,12 +219,10 @@ __device__ __forceinline__ void named_sync(int id) {
 //   Delta[r] = sum_d dO[r, d] O[r, d]   (0 past Nq)
 //   lse2[r]  = LSE[r] * log2(e)          (+inf past Nq, and where LSE = -inf: a row that saw no
 //                                         key; P = 2^(s - lse2) is then 0, never inf or NaN)
-//   dQacc[r, :] = 0
 __global__ void __launch_bounds__(32 * PRE_ROWS)
 bwd_preprocess_kernel(const __nv_bfloat16* __restrict__ O, const __nv_bfloat16* __restrict__ dO,
                       const float* __restrict__ LSE, float* __restrict__ Delta,
-                      float* __restrict__ lse2, float* __restrict__ dQacc, int H, int Nq,
-                      int Nq_pad, int D) {
+                      float* __restrict__ lse2, int H, int Nq, int Nq_pad, int D) {
     const int bh = blockIdx.z * H + blockIdx.y;
     const int r = blockIdx.x * PRE_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (r >= Nq_pad) return;
@@ -212,7 +240,6 @@ bwd_preprocess_kernel(const __nv_bfloat16* __restrict__ O, const __nv_bfloat16* 
         const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(O + row + c));
         const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + row + c));
         sum = fmaf(o.x, d.x, fmaf(o.y, d.y, sum));
-        *reinterpret_cast<float2*>(dQacc + row + c) = make_float2(0.f, 0.f);
     }
     #pragma unroll
     for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffff, sum, m);
@@ -232,6 +259,7 @@ struct Tiles {  // every tile starts on a 1024-byte boundary (8 rows x 128 B: th
     __nv_bfloat16 Q[STAGES<D>][BLOCK_M * D];
     __nv_bfloat16 dO[STAGES<D>][BLOCK_M * D];
     __nv_bfloat16 dST[2][BLOCK_N * BLOCK_M];  // dS^T of query block i in buffer i % 2
+    float dQ[CONSUMERS][BLOCK_M * D / 2];      // consumer w's part of dQ_i, as its threads hold it
     uint64_t kv_full, full[STAGES<D>], empty[STAGES<D>];
 };
 
@@ -399,17 +427,27 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         fence_regs(ds);
         mbar_arrive(&sm.empty[s]);  // Q_i and dO_i are no longer read
 
-        // Add this block's part of dQ_i (unscaled) into the float32 accumulator: register idx is
-        // query q0 + 16 warp + g + 8 ((idx % 4) / 2), column (D/2) w + 8 (idx / 4) + 2t + (idx % 2)
+        // Add this block's part of dQ_i (unscaled) into the float32 accumulator. The buffer is
+        // free once the last step's bulk copy has read it; then float4 c of every thread goes to
+        // float4 128 c + tid (a warp writes 512 contiguous bytes: no bank conflict), and one
+        // thread hands the 64 x D / 2 floats to the TMA unit, which adds them to global memory
+        // while this warpgroup goes on to step i + 1.
+        float* dq_smem = sm.dQ[w];
+        if (tid == 0) bulk_wait_read();
+        named_sync_wg(2 + w);
         #pragma unroll
-        for (int idx = 0; idx < DQ; idx += 2) {
-            const int q = q0 + 16 * warp + g + 8 * ((idx % 4) / 2);
-            const int col = (D / 2) * w + 8 * (idx / 4) + 2 * t;
-            if (q < Nq)
-                atomicAdd(reinterpret_cast<float2*>(dQacc + ((size_t)bh * Nq + q) * D + col),
-                          make_float2(dq[idx], dq[idx + 1]));
+        for (int c = 0; c < DQ / 4; ++c)
+            reinterpret_cast<float4*>(dq_smem)[128 * c + tid] =
+                make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+        fence_proxy_async();  // the writes, visible to the TMA unit (the async proxy)
+        named_sync_wg(2 + w);
+        if (tid == 0) {
+            bulk_reduce_add(dQacc + ((size_t)bh * q_blocks + i) * BLOCK_M * D + w * (BLOCK_M * D / 2),
+                            dq_smem, BLOCK_M * D / 2 * 4);
+            bulk_commit();
         }
     }
+    if (tid == 0) bulk_wait_all();  // shared memory must outlive the copies
 
     // ---------------------------------------------------------------- epilogue
     // dK_w = scale dS^T Q and dV_w = P^T dO, rows key0 and key0 + 8 (rows past Nk not written)
@@ -434,16 +472,26 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
 
 // ---------------------------------------------------------------- 3. dQ to bf16
 
-// dQ = scale * dQacc, 4 elements per thread and step (the accumulator's length is a multiple of D).
+// dQ = scale * dQacc, one float4 of the accumulator per thread and step. Float4 f is, in the
+// main kernel's terms: tile f / (16 D) (head bh and query block i of that head), consumer w, its
+// register group c and thread tid, i.e. registers 4c .. 4c + 3 of that thread: dQ[q, col],
+// dQ[q, col + 1], dQ[q + 8, col], dQ[q + 8, col + 1] with q = 64 i + 16 warp + g and
+// col = (D / 2) w + 8 c + 2 t (the wgmma accumulator's layout). Rows past Nq are padding.
 __global__ void bwd_convert_dq_kernel(const float* __restrict__ dQacc, __nv_bfloat16* __restrict__ dQ,
-                                      size_t n4, float scale) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const float4 v = reinterpret_cast<const float4*>(dQacc)[i];
-        uint2 out;
-        out.x = pack_bf16(v.x * scale, v.y * scale);
-        out.y = pack_bf16(v.z * scale, v.w * scale);
-        reinterpret_cast<uint2*>(dQ)[i] = out;
+                                      size_t n4, int q_blocks, int Nq, int D, float scale) {
+    for (size_t f = (size_t)blockIdx.x * blockDim.x + threadIdx.x; f < n4;
+         f += (size_t)gridDim.x * blockDim.x) {
+        const float4 v = reinterpret_cast<const float4*>(dQacc)[f];
+        const size_t tile = f / (16 * D);
+        const int in_tile = f % (16 * D), w = in_tile / (8 * D), c = in_tile % (8 * D) / 128;
+        const int tid = in_tile % 128, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+        const size_t bh = tile / q_blocks;
+        const int q = (int)(tile % q_blocks) * BLOCK_M + 16 * warp + g;
+        const int col = (D / 2) * w + 8 * c + 2 * t;
+        if (q < Nq)
+            *reinterpret_cast<uint32_t*>(dQ + (bh * Nq + q) * D + col) = pack_bf16(v.x * scale, v.y * scale);
+        if (q + 8 < Nq)
+            *reinterpret_cast<uint32_t*>(dQ + (bh * Nq + q + 8) * D + col) = pack_bf16(v.z * scale, v.w * scale);
     }
 }
 
@@ -592,16 +640,17 @@ std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Te
     c10::cuda::CUDAGuard guard(Q.device());
     auto stream = c10::cuda::getCurrentCUDAStream();
 
-    // 1. Delta, LSE in base 2 (both padded to whole query blocks), dQ accumulator = 0
-    const int64_t Nq_pad = (Nq + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
+    // 1. Delta, LSE in base 2 (both padded to whole query blocks), dQ accumulator = 0 (whole
+    // query blocks too: 64 x D floats per head and block, in the main kernel's order)
+    const int64_t q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M, Nq_pad = q_blocks * BLOCK_M;
     auto f32 = Q.options().dtype(torch::kFloat32);
     auto Delta = torch::empty({B, H, Nq_pad}, f32);
     auto lse2 = torch::empty({B, H, Nq_pad}, f32);
-    auto dQacc = torch::empty({B, H, Nq, D}, f32);
+    auto dQacc = torch::zeros({B, H, Nq_pad, D}, f32);
     bwd_preprocess_kernel<<<dim3(Nq_pad / PRE_ROWS, H, B), 32 * PRE_ROWS, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), LSE.data_ptr<float>(),
-        Delta.data_ptr<float>(), lse2.data_ptr<float>(), dQacc.data_ptr<float>(), H, Nq, Nq_pad, D);
+        Delta.data_ptr<float>(), lse2.data_ptr<float>(), H, Nq, Nq_pad, D);
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: preprocess launch");
 
     // 2. dK, dV, and the dQ accumulator
@@ -612,7 +661,8 @@ std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Te
     const size_t n4 = static_cast<size_t>(dQacc.numel()) / 4;
     const int blocks = static_cast<int>(std::min<size_t>((n4 + 255) / 256, 65536));
     bwd_convert_dq_kernel<<<blocks, 256, 0, stream>>>(
-        dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dQ.data_ptr()), n4, scale);
+        dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dQ.data_ptr()), n4,
+        static_cast<int>(q_blocks), Nq, D, scale);
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: convert launch");
     return {dQ, dK, dV};
 }
