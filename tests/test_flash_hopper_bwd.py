@@ -265,8 +265,9 @@ def test_the_dq_accumulator_round_trip(D):
                         reg = 4 * c + j
                         np.testing.assert_array_equal(q + 8 * (j // 2), 64 * i + rows[:, reg])
                         np.testing.assert_array_equal(col + j % 2, D // 2 * w + cols[:, reg])
-                        seen.update(zip(np.full(128, bh), q + 8 * (j // 2), col + j % 2))
-                    # thread tid of warp k writes bytes 16 tid .. of the group: contiguous
+                        seen.update((bh, r, cc) for r, cc in
+                                    zip(q + 8 * (j // 2), col + j % 2, strict=True))
+                    # float4 128 c + tid for tid = 0 .. 127: one contiguous run, 512 bytes a warp
                     assert (np.diff(f) == 1).all()
     assert len(seen) == 2 * q_blocks * BLOCK_M * D  # every element of dQ once
 
