@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops
+from .runtime import half_dtype
 
 VOCAB = "0123456789+=;"  # the characters of the sums
 ATTENTIONS = ("sdpa", "course")
@@ -171,7 +172,9 @@ def train(attention, *, seed=0, steps=200, batch=16, block=64, n_layer=2, n_head
     ``tokens_per_s`` (after ``warmup`` steps, so compiling and tuning are not counted),
     ``first_step_s`` (the first step alone: compile time if ``compile``), ``unigram``
     (the unigram entropy, nats), ``final`` (mean loss of the last 10 steps), and the settings.
-    On CUDA the model runs under bfloat16 autocast (the course's kernels take bf16 inputs).
+    On CUDA the model runs under 16-bit autocast (the course's kernels take 16-bit inputs):
+    bfloat16, or float16 with a gradient scaler on a GPU without bf16 tensor cores (a T4;
+    ``course_utils.half_dtype()`` decides, and the result's ``amp_dtype`` says which).
     ``log``: a function called as ``log(step, loss)`` every 50 steps. ``cpu_threads``: torch's
     intra-op threads during a CPU run (restored after; None leaves them alone). The tiny model's
     matrices are too small to split: more threads only add synchronisation, and on a busy
@@ -213,7 +216,11 @@ def _train(attention, seed, steps, batch, block, n_layer, n_head, n_embd, device
     model = GPT(n_layer, n_head, n_embd, block, attention).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)  # the same batches for both attentions
-    step_fn = _step_function(model, device)
+    amp_dtype = half_dtype() if device.type == "cuda" else None  # says so once when float16
+    # float16's 5 exponent bits lose small gradients: scale the loss up, and the gradients back
+    # down before the step (skipping a step whose gradients overflowed). bf16 needs none of it.
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+    step_fn = _step_function(model, device, amp_dtype)
     if compile:
         step_fn = torch.compile(step_fn, fullgraph=True, dynamic=False)
 
@@ -227,8 +234,9 @@ def _train(attention, seed, steps, batch, block, n_layer, n_head, n_embd, device
             group["lr"] = learning_rate(step, steps, lr, lr_warmup, cosine)
         t_step = time.perf_counter()
         loss = step_fn(x, y)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()  # as loss.backward() when the scaler is off
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))  # float() waits for the GPU: every step is timed whole
         if step == 0:
@@ -244,12 +252,14 @@ def _train(attention, seed, steps, batch, block, n_layer, n_head, n_embd, device
             "block": block, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
             "device": str(device), "compile": compile, "lr": lr, "lr_warmup": lr_warmup,
             "cosine": cosine,
+            "amp_dtype": str(amp_dtype).removeprefix("torch.") if amp_dtype else None,
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def _step_function(model, device):
+def _step_function(model, device, amp_dtype):
     def loss_of(x, y):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16,
+                            enabled=amp_dtype is not None):
             logits = model(x)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
 

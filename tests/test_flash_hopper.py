@@ -260,15 +260,14 @@ def test_bad_input_says_what_is_wrong():
 
 def _take_tile(tile, q_blocks, BH, causal):
     """(qb, bh) of a tile of variant 6, as take_tile in flash_attention_hopper.cu."""
-    if causal:
-        return q_blocks - 1 - tile // BH, tile % BH
-    return tile % q_blocks, tile // q_blocks
+    qb, bh = tile % q_blocks, tile // q_blocks
+    return (q_blocks - 1 - qb if causal else qb), bh
 
 
 def test_kernel_source_takes_tiles_as_mirrored_here():
     text = SOURCE.read_text()
-    for line in ("qb = q_blocks - 1 - tile / (B * H);", "bh = tile % (B * H);",
-                 "qb = tile % q_blocks;", "bh = tile / q_blocks;"):
+    for line in ("qb = tile % q_blocks;", "bh = tile / q_blocks;",
+                 "if (causal) qb = q_blocks - 1 - qb;"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
 
 
@@ -281,9 +280,15 @@ def test_persistent_blocks_cover_every_tile_once(q_blocks, BH, sms, causal):
     seen = [_take_tile(t, q_blocks, BH, causal)
             for b in range(blocks) for t in range(b, n_tiles, blocks)]
     assert sorted(seen) == [(qb, bh) for qb in range(q_blocks) for bh in range(BH)]
-    if causal:  # the longest rows (most key blocks) are taken first, by every block
-        order = [_take_tile(t, q_blocks, BH, causal)[0] for t in range(n_tiles)]
-        assert order == sorted(order, reverse=True)
+    # the blocks at work at once (tiles t .. t + blocks - 1) share few heads' K and V (L2)
+    for t in range(0, n_tiles, blocks):
+        heads = {_take_tile(u, q_blocks, BH, causal)[1] for u in range(t, min(t + blocks, n_tiles))}
+        assert len(heads) <= -(-blocks // q_blocks) + 1
+    if causal:  # within a head, the longest rows (most key blocks) first
+        for bh in range(BH):
+            order = [_take_tile(t, q_blocks, BH, causal)[0] for t in range(n_tiles)
+                     if _take_tile(t, q_blocks, BH, causal)[1] == bh]
+            assert order == sorted(order, reverse=True)
 
 
 # ------------------------------------------------------------------ ping-pong's named barriers

@@ -134,7 +134,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     // The work: tiles of BLOCK_M query rows of one head. One tile a block (the grid is
     // q_blocks x H x B), or, PERSIST, one block per SM that takes tile after tile (blockIdx.x,
     // + gridDim.x, ...), so that a block's prologue and epilogue overlap its neighbours' work.
-    // Causal: the longest rows first (their tiles have the most key blocks).
+    // Causal: a head's longest rows first (their tiles have the most key blocks).
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
     const int first = PERSIST ? blockIdx.x : 0, step = PERSIST ? gridDim.x : 1;
     const int n_tiles = PERSIST ? q_blocks * B * H : 1;
@@ -144,12 +144,13 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         if (!PERSIST) {
             qb = causal ? q_blocks - 1 - blockIdx.x : blockIdx.x;
             bh = blockIdx.z * H + blockIdx.y;
-        } else if (causal) {
-            qb = q_blocks - 1 - tile / (B * H);  // every head's last rows, then the next ones
-            bh = tile % (B * H);
         } else {
-            qb = tile % q_blocks;  // the tiles of one head together: its K and V stay in L2
+            // the tiles of one head together: the blocks at work share a few heads' K and V,
+            // which stay in L2 (every head's last rows first, across all heads, was tried for
+            // causal: 132 blocks then read 132 heads' K and V, far more than the 50 MB of L2)
+            qb = tile % q_blocks;
             bh = tile / q_blocks;
+            if (causal) qb = q_blocks - 1 - qb;  // a head's longest rows first
         }
         q0 = qb * BLOCK_M;
         const int key_end = causal ? min(Nk, q0 + BLOCK_M) : Nk;
