@@ -17,8 +17,8 @@
 //      in registers until the end; dQ_i is a sum over the key blocks j that different blocks
 //      own, so each block adds its share into a float32 accumulator: the consumers write it to
 //      shared memory and one thread hands it to the TMA unit as a bulk reduce-add
-//      (cp.reduce.async.bulk ... .add.f32), which adds 16 KB into global memory in the
-//      background. (Per-thread atomicAdd did the same and cost a quarter of the time at D = 128:
+//      (cp.reduce.async.bulk ... .add.f32), which adds the 8 KB (D = 64) or 16 KB (D = 128)
+//      into global memory in the background. (Per-thread atomicAdd did the same and cost a quarter of the time at D = 128:
 //      the consumers waited on atomics while the tensor cores idled.)
 //   3. bwd_convert_dq: dQ = scale * accumulator, in bf16, undoing the accumulator's layout.
 //
