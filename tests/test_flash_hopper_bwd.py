@@ -51,10 +51,13 @@ def test_the_tiling_the_tests_assume():
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_shared_memory_fits_and_every_tile_is_1024_aligned(D):
-    """Tiles<D>: K, V, STAGES x (Q_i, dO_i), 2 x dS^T, then the mbarriers; the swizzle needs every
-    tile on a 1024-byte boundary (the struct starts on one; each tile's size is a multiple)."""
+    """Tiles<D>: K, V, STAGES x (Q_i, dO_i), 2 x dS^T, each consumer's float32 part of dQ_i (for
+    the bulk reduce-add), then the mbarriers; the swizzle needs every tile on a 1024-byte
+    boundary (the struct starts on one; each tile's size is a multiple)."""
+    text = SOURCE.read_text()
+    assert "float dQ[CONSUMERS][BLOCK_M * D / 2];" in text, "Tiles changed: update this test"
     tiles = ([BLOCK_N * D * 2] * 2 + [BLOCK_M * D * 2] * (2 * STAGES[D])
-             + [BLOCK_N * BLOCK_M * 2] * 2)
+             + [BLOCK_N * BLOCK_M * 2] * 2 + [BLOCK_M * D // 2 * 4] * CONSUMERS)
     assert all(size % 1024 == 0 for size in tiles)
     total = sum(tiles) + 8 * (1 + 2 * STAGES[D]) + 1024  # + barriers + the alignment slack
     assert total <= 227 * 1024, total
@@ -489,6 +492,15 @@ def test_compiles_for_sm90a_without_spills(watchdog):
         # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
         # before setmaxnreg moves them from the producer to the consumers
         assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
+
+
+@pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
+def test_a_ring_too_deep_for_shared_memory_fails_to_compile_with_a_clear_message():
+    """Four Q/dO stages at D = 128 need 256 KB: the static_assert stops the build and says why,
+    instead of a launch failing on the GPU."""
+    with pytest.raises(C.CudaCompileError, match="the shared tiles must fit the 227 KB"):
+        C.resource_usage(SOURCE, arch="sm_90a",
+                         extra_flags=["-DFA_KERNEL_ONLY", "-DFA_BWD_STAGES_D128=4"])
 
 
 # ------------------------------------------------------------------ on an H100 / H200

@@ -129,6 +129,8 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     // the consumers (a multiple of 8): 240 with two consumers, 160 with three
     constexpr int SHARE = (65536 / 128 - 24) / CONS / 8 * 8;
     constexpr int CONSUMER_REGS = SHARE > 240 ? 240 : SHARE;
+    static_assert(sizeof(Tiles<D, BN, CONS>) + 1024 <= 227 * 1024,  // + room to align the start to 1024 B
+                  "the shared tiles must fit the 227 KB a block may have on an H100: fewer stages");
     Tiles<D, BN, CONS>& sm = shared_tiles<Tiles<D, BN, CONS>>();
 
     // The work: tiles of BLOCK_M query rows of one head. One tile a block (the grid is

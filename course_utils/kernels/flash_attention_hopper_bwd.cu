@@ -278,6 +278,8 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
     constexpr int STAGES = fa_hopper_bwd::STAGES<D>;
     constexpr int ACC = D / 2;           // a thread's share of its warpgroup's 64 x D dK_w or dV_w
     constexpr int DQ = D / 4;            // ... and of its 64 x D / 2 part of dQ_i
+    static_assert(sizeof(Tiles<D>) + 1024 <= 227 * 1024,  // + room to align the start to 1024 B
+                  "the shared tiles must fit the 227 KB a block may have on an H100: fewer stages");
     Tiles<D>& sm = shared_tiles<Tiles<D>>();
 
     const int k0 = blockIdx.x * BLOCK_N, bh = blockIdx.z * H + blockIdx.y;
