@@ -40,6 +40,16 @@ def sdpa(backend):
     return run
 
 
+def in_rounds(impls, args, flops, rounds):
+    """TFLOP/s of each of impls (name -> function of args), timed round after round in turn, so
+    that clock drift hits all alike: name -> one value per round."""
+    times = {name: [] for name in impls}
+    for _ in range(rounds):
+        for name, fn in impls.items():
+            times[name].append(bench.tflops(flops, bench.time_fn(fn, *args).median_ms))
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ns", default="4096,16384")
@@ -72,15 +82,11 @@ def main():
                            for _ in range(3))
                 want = impls["sdpa cudnn"](q, k, v, causal).float()
                 flops = bench.attention_flops(B, H, N, N, D, causal)
-                times = {n: [] for n in names}
                 for name, fn in impls.items():
                     err = (fn(q, k, v, causal).float() - want).abs().max().item()
                     if not err < 0.05:
                         print(f"   {name}: max |O - O_cudnn| = {err:.3g} at N={N}, causal={causal}")
-                for _ in range(args.rounds):
-                    for name, fn in impls.items():
-                        ms = bench.time_fn(fn, q, k, v, causal).median_ms
-                        times[name].append(bench.tflops(flops, ms))
+                times = in_rounds(impls, (q, k, v, causal), flops, args.rounds)
                 med = {n: statistics.median(t) for n, t in times.items()}
                 spread = max(times["sdpa cudnn"]) / min(times["sdpa cudnn"]) - 1
                 rows.append({"D": D, "causal": causal, "N": N, "tflops": times})
@@ -134,11 +140,7 @@ def fwd_bwd(fwd, args):
                             print(f"   {name}: max |d{what} - cuDNN's| = {err:.3g} at N={N}, "
                                   f"causal={causal}")
                 flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd+bwd")
-                times = {n: [] for n in names}
-                for _ in range(args.rounds):
-                    for name, fn in impls.items():
-                        ms = bench.time_fn(fn, q, k, v, causal, dO).median_ms
-                        times[name].append(bench.tflops(flops, ms))
+                times = in_rounds(impls, (q, k, v, causal, dO), flops, args.rounds)
                 med = {n: statistics.median(t) for n, t in times.items()}
                 rows.append({"D": D, "causal": causal, "N": N, "mode": "fwd+bwd", "tflops": times})
                 print(f"{str(causal):>6} {N:6d} " + " ".join(f"{med[n]:12.0f}" for n in names),
