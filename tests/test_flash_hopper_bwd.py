@@ -270,8 +270,11 @@ def test_the_dq_accumulator_round_trip(D):
                         np.testing.assert_array_equal(col + j % 2, D // 2 * w + cols[:, reg])
                         seen.update((bh, r, cc) for r, cc in
                                     zip(q + 8 * (j // 2), col + j % 2, strict=True))
-                    # float4 128 c + tid for tid = 0 .. 127: one contiguous run, 512 bytes a warp
-                    assert (np.diff(f) == 1).all()
+                    # a 16-byte store goes in 4 phases of 8 lanes: each phase must cover the
+                    # 32 banks once (128 contiguous bytes), so the store has no bank conflict
+                    banks = (16 * (f - half))[:, None] // 4 % 32 + np.arange(4)
+                    for phase in range(16):  # 128 threads = 16 groups of 8 lanes
+                        assert len(set(banks[8 * phase:8 * phase + 8].ravel())) == 32
     assert len(seen) == 2 * q_blocks * BLOCK_M * D  # every element of dQ once
 
 
