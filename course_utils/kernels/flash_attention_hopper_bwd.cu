@@ -38,8 +38,8 @@
 //     forward's O += P V. dQ_i = dS K needs dS with queries as rows: both consumers store their
 //     dS^T (bf16) into one shared tile of 128 keys x 64 queries, wait for each other on a named
 //     barrier, and wgmma reads that tile transposed (MN-major A). Consumer w computes the
-//     columns (D / 2) w .. (D / 2)(w + 1) - 1 of dQ_i over all 128 keys and adds them to the
-//     accumulator with vector atomics.
+//     columns (D / 2) w .. (D / 2)(w + 1) - 1 of dQ_i over all 128 keys and hands them to the
+//     TMA unit's bulk reduce-add (above).
 // Shared tiles written by TMA use the 128-byte swizzle (see flash_attention_hopper.cu and
 // course_utils/hopper.py); the dS^T tile is written by the consumers with the same swizzle, so
 // that wgmma reads all tiles the same way and the stores have no bank conflicts.
@@ -47,8 +47,10 @@
 // Registers of a consumer thread at D = 128 (setmaxnreg gives it 240): dV_w and dK_w 64 floats
 // each, S^T and dP^T 32 each, then P^T and dS^T as 16 bf16 pairs each and dQ 32 floats (in the
 // registers S^T and dP^T no longer need). ptxas (CUDA 13.0) fits this without spills, with
-// about 16 registers to spare. Not done here (next rungs): ping-pong of the two consumers and
-// overlapping S^T(i + 1) with the products of step i, as in the forward.
+// about 16 registers to spare. Tried on an H100 and not kept, none faster by more than the
+// noise (lecture 14 gives the numbers): dV_w issued before dS^T is computed; S^T(i + 1) issued
+// before dQ_i goes out; the consumers taking turns at dQ_i; each consumer its own keys' share
+// of dQ_i; lse2 and Delta brought into shared memory by TMA with Q_i instead of read in the loop.
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 #include <torch/types.h>
