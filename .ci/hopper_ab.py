@@ -50,6 +50,17 @@ def in_rounds(impls, args, flops, rounds):
     return times
 
 
+def shapes(D, ns, n_tensors):
+    """The table's shapes at head dim D: B x N = 32768 tokens, H x D = 2048, without the mask
+    and causal. Yields (causal, N, B, H, tensors): n_tensors random bf16 (B, H, N, D) tensors."""
+    for causal in (False, True):
+        for N in (int(x) for x in ns.split(",")):
+            B, H = 32768 // N, 2048 // D
+            tensors = tuple(torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(n_tensors))
+            yield causal, N, B, H, tensors
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ns", default="4096,16384")
@@ -75,23 +86,19 @@ def main():
         names = list(impls)
         print(f"\nd = {D}: TFLOP/s, median of {args.rounds} rounds (cuDNN's spread in brackets)")
         print(f"{'causal':>6} {'N':>6} " + " ".join(f"{n[-15:]:>15}" for n in names))
-        for causal in (False, True):
-            for N in (int(x) for x in args.ns.split(",")):
-                B, H = 32768 // N, 2048 // D
-                q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
-                           for _ in range(3))
-                want = impls["sdpa cudnn"](q, k, v, causal).float()
-                flops = bench.attention_flops(B, H, N, N, D, causal)
-                for name, fn in impls.items():
-                    err = (fn(q, k, v, causal).float() - want).abs().max().item()
-                    if not err < 0.05:
-                        print(f"   {name}: max |O - O_cudnn| = {err:.3g} at N={N}, causal={causal}")
-                times = in_rounds(impls, (q, k, v, causal), flops, args.rounds)
-                med = {n: statistics.median(t) for n, t in times.items()}
-                spread = max(times["sdpa cudnn"]) / min(times["sdpa cudnn"]) - 1
-                rows.append({"D": D, "causal": causal, "N": N, "tflops": times})
-                print(f"{str(causal):>6} {N:6d} " + " ".join(f"{med[n]:15.0f}" for n in names)
-                      + f"   [{spread:.0%}]", flush=True)
+        for causal, N, B, H, (q, k, v) in shapes(D, args.ns, 3):
+            want = impls["sdpa cudnn"](q, k, v, causal).float()
+            flops = bench.attention_flops(B, H, N, N, D, causal)
+            for name, fn in impls.items():
+                err = (fn(q, k, v, causal).float() - want).abs().max().item()
+                if not err < 0.05:
+                    print(f"   {name}: max |O - O_cudnn| = {err:.3g} at N={N}, causal={causal}")
+            times = in_rounds(impls, (q, k, v, causal), flops, args.rounds)
+            med = {n: statistics.median(t) for n, t in times.items()}
+            spread = max(times["sdpa cudnn"]) / min(times["sdpa cudnn"]) - 1
+            rows.append({"D": D, "causal": causal, "N": N, "tflops": times})
+            print(f"{str(causal):>6} {N:6d} " + " ".join(f"{med[n]:15.0f}" for n in names)
+                  + f"   [{spread:.0%}]", flush=True)
     if args.bwd:
         rows += fwd_bwd(mods["default"], args)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
@@ -126,25 +133,21 @@ def fwd_bwd(fwd, args):
         names = list(impls)
         print(f"\nd = {D}, forward + backward: TFLOP/s, median of {args.rounds} rounds")
         print(f"{'causal':>6} {'N':>6} " + " ".join(f"{n:>12}" for n in names))
-        for causal in (False, True):
-            for N in (int(x) for x in args.ns.split(",")):
-                B, H = 32768 // N, 2048 // D
-                q, k, v, dO = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
-                               for _ in range(4))
-                want = impls["sdpa cudnn"](q, k, v, causal, dO)
-                for name, fn in impls.items():
-                    for g, w, what in zip(fn(q, k, v, causal, dO), want, "QKV", strict=True):
-                        err = (g.float() - w.float()).abs().max().item()
-                        tol = 0.05 * max(1.0, w.float().abs().max().item())
-                        if not err < tol:
-                            print(f"   {name}: max |d{what} - cuDNN's| = {err:.3g} at N={N}, "
-                                  f"causal={causal}")
-                flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd+bwd")
-                times = in_rounds(impls, (q, k, v, causal, dO), flops, args.rounds)
-                med = {n: statistics.median(t) for n, t in times.items()}
-                rows.append({"D": D, "causal": causal, "N": N, "mode": "fwd+bwd", "tflops": times})
-                print(f"{str(causal):>6} {N:6d} " + " ".join(f"{med[n]:12.0f}" for n in names),
-                      flush=True)
+        for causal, N, B, H, (q, k, v, dO) in shapes(D, args.ns, 4):
+            want = impls["sdpa cudnn"](q, k, v, causal, dO)
+            for name, fn in impls.items():
+                for g, w, what in zip(fn(q, k, v, causal, dO), want, "QKV", strict=True):
+                    err = (g.float() - w.float()).abs().max().item()
+                    tol = 0.05 * max(1.0, w.float().abs().max().item())
+                    if not err < tol:
+                        print(f"   {name}: max |d{what} - cuDNN's| = {err:.3g} at N={N}, "
+                              f"causal={causal}")
+            flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd+bwd")
+            times = in_rounds(impls, (q, k, v, causal, dO), flops, args.rounds)
+            med = {n: statistics.median(t) for n, t in times.items()}
+            rows.append({"D": D, "causal": causal, "N": N, "mode": "fwd+bwd", "tflops": times})
+            print(f"{str(causal):>6} {N:6d} " + " ".join(f"{med[n]:12.0f}" for n in names),
+                  flush=True)
     return rows
 
 
