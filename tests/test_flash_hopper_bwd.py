@@ -35,6 +35,7 @@ CONST = portability.cxx_constants(SOURCE.read_text())
 BLOCK_M, BLOCK_N = CONST["fa_hopper_bwd::BLOCK_M"], CONST["fa_hopper_bwd::BLOCK_N"]
 CONSUMERS = CONST["fa_hopper_bwd::CONSUMERS"]
 STAGES = {64: CONST["FA_BWD_STAGES_D64"], 128: CONST["FA_BWD_STAGES_D128"]}
+R_OF = {64: 128, 128: 64}  # BM<D>: the main kernel's query rows per step (R) at each head dim
 LOG2E = 1.4426950408889634
 
 
@@ -47,6 +48,7 @@ needs_sm90 = pytest.mark.skipif(not _is_h100_class(), reason="needs an sm_90 GPU
 
 def test_the_tiling_the_tests_assume():
     assert (BLOCK_M, BLOCK_N, CONSUMERS) == (64, 128, 2)  # consumer w: keys 64w .. 64w + 63
+    assert "constexpr int BM = D == 64 ? 128 : 64;" in SOURCE.read_text(), "update R_OF"
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -55,9 +57,10 @@ def test_shared_memory_fits_and_every_tile_is_1024_aligned(D):
     the bulk reduce-add), then the mbarriers; the swizzle needs every tile on a 1024-byte
     boundary (the struct starts on one; each tile's size is a multiple)."""
     text = SOURCE.read_text()
-    assert "float dQ[CONSUMERS][BLOCK_M * D / 2];" in text, "Tiles changed: update this test"
-    tiles = ([BLOCK_N * D * 2] * 2 + [BLOCK_M * D * 2] * (2 * STAGES[D])
-             + [BLOCK_N * BLOCK_M * 2] * 2 + [BLOCK_M * D // 2 * 4] * CONSUMERS)
+    assert "float dQ[CONSUMERS][BM<D> * D / 2];" in text, "Tiles changed: update this test"
+    R = R_OF[D]
+    tiles = ([BLOCK_N * D * 2] * 2 + [R * D * 2] * (2 * STAGES[D])
+             + [BLOCK_N * R * 2] * 2 + [R * D // 2 * 4] * CONSUMERS)
     assert all(size % 1024 == 0 for size in tiles)
     total = sum(tiles) + 8 * (1 + 2 * STAGES[D]) + 1024  # + barriers + the alignment slack
     assert total <= 227 * 1024, total
@@ -72,38 +75,55 @@ def _desc_kw(base, w, k):  # A of S^T = K_w Q_i^T (and of dP^T = V_w dO_i^T), K-
     return hopper.encode_descriptor(base + 2 * offset, 16, 1024)
 
 
-def _desc_rows_k(base, k):  # B of S^T (Q_i) and of dP^T (dO_i), K-major
-    return hopper.encode_descriptor(base + 2 * ((k // 4) * BLOCK_M * 64 + (k % 4) * 16), 16, 1024)
+def _desc_rows_k(base, k, R):  # B of S^T (Q_i) and of dP^T (dO_i), K-major
+    return hopper.encode_descriptor(base + 2 * ((k // 4) * R * 64 + (k % 4) * 16), 16, 1024)
 
 
-def _desc_rows_mn(base, k):  # B of dV += P^T dO_i and dK += dS^T Q_i, MN-major
-    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_M * 128, 1024)
+def _desc_rows_mn(base, k, R):  # B of dV += P^T dO_i and dK += dS^T Q_i, MN-major
+    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), R * 128, 1024)
 
 
 def _desc_dst(base, k):  # A of dQ_i = dS K: the dS^T tile read transposed (MN-major)
     return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_N * 128, 1024)
 
 
-def _desc_k_half(base, D, w, k):  # B of dQ_i: K[:, (D/2) w ..], MN-major
+def _desc_k_half(base, D, w, k):  # B of dQ_i: K[:, (D/2) w ..], MN-major (R = 64)
     offset = (D // 2) * w // 64 * BLOCK_N * 64 + (D // 2) * w % 64 + k * 16 * 64
     return hopper.encode_descriptor(base + 2 * offset, BLOCK_N * 128, 1024)
+
+
+def _desc_dst_panel(base, w, k):  # A of dQ_i at R = 128: panel w of dS^T (queries 64w ..)
+    offset = w * BLOCK_N * 64 + k * 16 * 64
+    return hopper.encode_descriptor(base + 2 * offset, BLOCK_N * 128, 1024)
+
+
+def _desc_k_all(base, k):  # B of dQ_i at R = 128 (D = 64): all of K, MN-major
+    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_N * 128, 1024)
 
 
 def test_kernel_source_builds_the_descriptors_mirrored_here():
     text = SOURCE.read_text()
     for line in (
             "smem_desc(K + (k / 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024)",
-            "smem_desc(X + (k / 4) * BLOCK_M * 64 + (k % 4) * 16, 16, 1024)",
-            "smem_desc(X + k * 16 * 64, BLOCK_M * 128, 1024)",
+            "smem_desc(X + (k / 4) * R * 64 + (k % 4) * 16, 16, 1024)",
+            "smem_desc(X + k * 16 * 64, R * 128, 1024)",
             "smem_desc(dST + k * 16 * 64, BLOCK_N * 128, 1024)",
             "smem_desc(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64 + k * 16 * 64, "
             "BLOCK_N * 128, 1024)",
+            "smem_desc(dST + w * BLOCK_N * 64 + k * 16 * 64, BLOCK_N * 128, 1024)",
+            "smem_desc(K + k * 16 * 64, BLOCK_N * 128, 1024)",
             # which descriptor feeds which product, and the transpose immediates
-            "wgmma_ss_n64(st, desc_kw(sm.K, w, k), desc_rows_k(sm.Q[s], k), k > 0)",
-            "wgmma_ss_n64(dpt, desc_kw(sm.V, w, k), desc_rows_k(sm.dO[s], k), k > 0)",
-            "wgmma_rs_d<D>(dv, a, desc_rows_mn(sm.dO[s], k))",
-            "wgmma_rs_d<D>(dk, a, desc_rows_mn(sm.Q[s], k))",
+            "wgmma_ss_st<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0)",
+            "wgmma_ss_st<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0)",
+            "wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k))",
+            "wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k))",
+            "if constexpr (R == 128)",
+            "wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_k_all(sm.K, k), k > 0)",
             "wgmma_ss_dq<D>(dq, desc_dst(dST, k), desc_k_half<D>(sm.K, w, k), k > 0)",
+            "m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
+            "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,"
+            "%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,"
+            "%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0",
             "m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
             "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0",
             "m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
@@ -115,13 +135,15 @@ def test_kernel_source_builds_the_descriptors_mirrored_here():
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_wgmma_reads_the_elements_each_product_needs(D):
-    """Each of the five products, k-step by k-step, reads exactly its operands' elements."""
-    k_base, v_base, q_base, do_base, ds_base = 0, 1024 * 32, 1024 * 64, 1024 * 80, 1024 * 96
+    """Each of the five products, k-step by k-step, reads exactly its operands' elements, with
+    the step's R query rows (128 at D = 64, 64 at D = 128)."""
+    R = R_OF[D]
+    k_base, v_base, q_base, do_base, ds_base = 0, 1024 * 32, 1024 * 64, 1024 * 96, 1024 * 128
     K = hopper.tile_addresses(BLOCK_N, D, k_base)
     V = hopper.tile_addresses(BLOCK_N, D, v_base)
-    Q = hopper.tile_addresses(BLOCK_M, D, q_base)
-    dO = hopper.tile_addresses(BLOCK_M, D, do_base)
-    dST = hopper.tile_addresses(BLOCK_N, BLOCK_M, ds_base)  # keys x queries, as store_dst writes
+    Q = hopper.tile_addresses(R, D, q_base)
+    dO = hopper.tile_addresses(R, D, do_base)
+    dST = hopper.tile_addresses(BLOCK_N, R, ds_base)  # keys x queries, as store_dst writes
     eq = np.testing.assert_array_equal
     for w in range(CONSUMERS):
         rows = slice(64 * w, 64 * w + 64)
@@ -129,19 +151,25 @@ def test_wgmma_reads_the_elements_each_product_needs(D):
             cols = slice(16 * k, 16 * k + 16)
             eq(hopper.operand_addresses(_desc_kw(k_base, w, k), 64, "K"), K[rows, cols])
             eq(hopper.operand_addresses(_desc_kw(v_base, w, k), 64, "K"), V[rows, cols])
-            eq(hopper.operand_addresses(_desc_rows_k(q_base, k), BLOCK_M, "K"), Q[:, cols])
-            eq(hopper.operand_addresses(_desc_rows_k(do_base, k), BLOCK_M, "K"), dO[:, cols])
-        for k in range(BLOCK_M // 16):  # dV += P^T dO_i, dK += dS^T Q_i: reduce over queries
+            eq(hopper.operand_addresses(_desc_rows_k(q_base, k, R), R, "K"), Q[:, cols])
+            eq(hopper.operand_addresses(_desc_rows_k(do_base, k, R), R, "K"), dO[:, cols])
+        for k in range(R // 16):  # dV += P^T dO_i, dK += dS^T Q_i: reduce over queries
             queries = slice(16 * k, 16 * k + 16)
-            eq(hopper.operand_addresses(_desc_rows_mn(do_base, k), D, "MN"), dO[queries, :].T)
-            eq(hopper.operand_addresses(_desc_rows_mn(q_base, k), D, "MN"), Q[queries, :].T)
-        half = slice(D // 2 * w, D // 2 * (w + 1))
-        for k in range(BLOCK_N // 16):  # dQ_i[:, half] = dS K[:, half]: reduce over 128 keys
+            eq(hopper.operand_addresses(_desc_rows_mn(do_base, k, R), D, "MN"), dO[queries, :].T)
+            eq(hopper.operand_addresses(_desc_rows_mn(q_base, k, R), D, "MN"), Q[queries, :].T)
+        for k in range(BLOCK_N // 16):  # consumer w's part of dQ_i = dS K: reduce over 128 keys
             keys = slice(16 * k, 16 * k + 16)
             # A (64 queries x 16 keys): element (q, key) of dS is element (key, q) of dS^T
-            eq(hopper.operand_addresses(_desc_dst(ds_base, k), BLOCK_M, "MN"), dST[keys, :].T)
-            eq(hopper.operand_addresses(_desc_k_half(k_base, D, w, k), D // 2, "MN"),
-               K[keys, half].T)
+            if R == 128:  # queries 64w .. 64w + 63, all D columns
+                mine = slice(64 * w, 64 * w + 64)
+                eq(hopper.operand_addresses(_desc_dst_panel(ds_base, w, k), 64, "MN"),
+                   dST[keys, mine].T)
+                eq(hopper.operand_addresses(_desc_k_all(k_base, k), D, "MN"), K[keys, :].T)
+            else:  # all 64 queries, columns (D / 2) w ..
+                half = slice(D // 2 * w, D // 2 * (w + 1))
+                eq(hopper.operand_addresses(_desc_dst(ds_base, k), 64, "MN"), dST[keys, :].T)
+                eq(hopper.operand_addresses(_desc_k_half(k_base, D, w, k), D // 2, "MN"),
+                   K[keys, half].T)
 
 
 def test_a_k_major_read_of_the_ds_tile_would_read_ds_transposed():
@@ -151,46 +179,53 @@ def test_a_k_major_read_of_the_ds_tile_would_read_ds_transposed():
     assert not np.array_equal(wrong, dST[:16, :].T)
 
 
-def _store_dst_addresses(w):
-    """The byte (from the dS^T tile's start) where store_dst puts each word: (128 threads, 16)."""
+def _store_dst_addresses(w, R):
+    """The byte (from the dS^T tile's start) where store_dst<R> puts each word: (128 threads,
+    R / 4)."""
     tid = np.arange(128)[:, None]
-    j = np.arange(16)[None, :]
+    j = np.arange(R // 4)[None, :]
     warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
     row = 64 * w + 16 * warp + g + 8 * (j % 2)
-    chunk = (j // 2) ^ g
-    return row * 128 + chunk * 16 + 4 * t
+    chunk = ((j // 2) % 8) ^ g
+    return (j // 16) * BLOCK_N * 128 + row * 128 + chunk * 16 + 4 * t
 
 
-def test_store_dst_writes_the_swizzled_tile_that_desc_dst_reads():
+@pytest.mark.parametrize("R", [64, 128])
+def test_store_dst_writes_the_swizzled_tile_that_desc_dst_reads(R):
     """Word j of a consumer thread is dS^T (registers 2j, 2j + 1 of its accumulator); store_dst
     must put each bf16 where tile_addresses (TMA's layout, which desc_dst reads) says."""
-    tile = hopper.tile_addresses(BLOCK_N, BLOCK_M, 0)
-    rows, cols = hopper.accumulator_rows_cols(BLOCK_M)  # S^T / dS^T: 64 keys x 64 queries
+    text = SOURCE.read_text()
+    for line in ("const int row = 64 * w + 16 * warp + g + 8 * (j % 2), chunk = ((j / 2) % 8) ^ g;",
+                 "base + (j / 16) * BLOCK_N * 128 + row * 128 + chunk * 16 + 4 * t) = ds[j];"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    tile = hopper.tile_addresses(BLOCK_N, R, 0)
+    rows, cols = hopper.accumulator_rows_cols(R)  # S^T / dS^T: 64 keys x R queries
     written = []
     for w in range(CONSUMERS):
-        addr = _store_dst_addresses(w)
+        addr = _store_dst_addresses(w, R)
         lo_row, lo_col = rows[:, 0::2] + 64 * w, cols[:, 0::2]  # register 2j: the low half
         hi_row, hi_col = rows[:, 1::2] + 64 * w, cols[:, 1::2]
         np.testing.assert_array_equal(addr, tile[lo_row, lo_col])
         np.testing.assert_array_equal(addr + 2, tile[hi_row, hi_col])
         written.append(addr)
     written = np.concatenate([a.ravel() for a in written])
-    assert sorted(written) == list(range(0, BLOCK_N * BLOCK_M * 2, 4))  # every word once
+    assert sorted(written) == list(range(0, BLOCK_N * R * 2, 4))  # every word once
     # and without bank conflicts: per store instruction (fixed j), a warp's 32 words hit 32 banks
     for w in range(CONSUMERS):
-        addr = _store_dst_addresses(w)
+        addr = _store_dst_addresses(w, R)
         for warp in range(4):
-            for j in range(16):
+            for j in range(R // 4):
                 banks = (addr[32 * warp:32 * warp + 32, j] // 4) % 32
                 assert len(set(banks)) == 32, (w, warp, j)
 
 
-def test_packed_words_are_the_a_fragments_of_the_next_products():
+@pytest.mark.parametrize("R", [64, 128])
+def test_packed_words_are_the_a_fragments_of_the_next_products(R):
     """p[j] = (st[2j], st[2j + 1]) and k-step k takes p[4k .. 4k + 3]: the A fragment of P^T's
     columns (queries) 16k .. 16k + 15, for every thread (as P in the forward's O += P V)."""
-    rows, cols = hopper.accumulator_rows_cols(BLOCK_M)
+    rows, cols = hopper.accumulator_rows_cols(R)
     a_rows, a_cols = hopper.a_fragment_rows_cols()
-    for k in range(BLOCK_M // 16):
+    for k in range(R // 16):
         for r in range(4):
             j = 4 * k + r
             for half in range(2):
@@ -198,7 +233,8 @@ def test_packed_words_are_the_a_fragments_of_the_next_products():
                 np.testing.assert_array_equal(cols[:, 2 * j + half], a_cols[:, r, half] + 16 * k)
 
 
-def test_the_kernels_index_formulas_follow_the_accumulator_layout():
+@pytest.mark.parametrize("R", [64, 128])
+def test_the_kernels_index_formulas_follow_the_accumulator_layout(R):
     """The .cu names the key and query of each register by hand (masks, LSE and Delta loads, the
     dK / dV epilogue); mirrored here, they must agree with accumulator_rows_cols."""
     text = SOURCE.read_text()
@@ -207,12 +243,13 @@ def test_the_kernels_index_formulas_follow_the_accumulator_layout():
                  "lse2_bh + q0 + 8 * c + 2 * t", "delta_bh + q0 + 8 * c + 2 * t",
                  "const int idx = 4 * c + j;", "dpt[idx] - (j % 2 ? dl.y : dl.x)",
                  "__floats2bfloat162_rn(dk[4 * c + 2 * h] * scale, dk[4 * c + 2 * h + 1] * scale)",
-                 "dv_out + 8 * c", "const int key0 = kw0 + 16 * warp + g;"):
+                 "dv_out + 8 * c", "const int key0 = kw0 + 16 * warp + g;",
+                 "for (int c = 0; c < R / 8; ++c) {"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
     tid = np.arange(128)
     warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
-    rows, cols = hopper.accumulator_rows_cols(BLOCK_M)  # S^T, dP^T: keys x queries
-    for c in range(8):
+    rows, cols = hopper.accumulator_rows_cols(R)  # S^T, dP^T: keys x queries
+    for c in range(R // 8):
         for h in range(2):
             for e in range(2):  # the P^T loop; the dS^T loop's j is 2h + e
                 idx = 4 * c + 2 * h + e
@@ -227,14 +264,26 @@ def test_the_kernels_index_formulas_follow_the_accumulator_layout():
 
 
 def _convert_dq(f, q_blocks, D):
-    """bwd_convert_dq_kernel's reading of accumulator float4 f, mirrored: (bh, row of q, col)."""
-    tile = f // (16 * D)
-    in_tile = f % (16 * D)
-    w, c = in_tile // (8 * D), in_tile % (8 * D) // 128
+    """bwd_convert_dq_kernel<D>'s reading of accumulator float4 f, mirrored: (bh, row of q, col)."""
+    R = R_OF[D]
+    tile4 = R * D // 4
+    tile, in_tile = f // tile4, f % tile4
+    w, c = in_tile // (tile4 // 2), in_tile % (tile4 // 2) // 128
     tid = in_tile % 128
     warp, g, t = tid // 32, tid % 32 // 4, tid % 4
-    q = tile % q_blocks * BLOCK_M + 16 * warp + g
-    return tile // q_blocks, q, D // 2 * w + 8 * c + 2 * t
+    q = tile % q_blocks * R + (64 * w if R == 128 else 0) + 16 * warp + g
+    return tile // q_blocks, q, (0 if R == 128 else D // 2 * w) + 8 * c + 2 * t
+
+
+def _dq_part(D, w):
+    """The (query, column) of dQ_i each register of consumer w's dq holds, from the wgmma
+    accumulator layout: at R = 128 (D = 64) the queries 64w .., all columns (m64n64); at R = 64
+    the 64 queries, columns (D / 2) w .. (m64n(D / 2))."""
+    if R_OF[D] == 128:
+        rows, cols = hopper.accumulator_rows_cols(D)
+        return rows + 64 * w, cols
+    rows, cols = hopper.accumulator_rows_cols(D // 2)
+    return rows, cols + D // 2 * w
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -246,28 +295,31 @@ def test_the_dq_accumulator_round_trip(D):
     text = SOURCE.read_text()
     for line in ("reinterpret_cast<float4*>(dq_smem)[128 * c + tid]",
                  "make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3])",
-                 "dQacc + ((size_t)bh * q_blocks + i) * BLOCK_M * D + w * (BLOCK_M * D / 2)",
-                 "const size_t tile = f / (16 * D);",
-                 "w = in_tile / (8 * D), c = in_tile % (8 * D) / 128;",
+                 "dQacc + ((size_t)bh * q_blocks + i) * R * D + w * (R * D / 2)",
+                 "constexpr int R = BM<D>, TILE4 = R * D / 4;",
+                 "const size_t tile = f / TILE4;",
+                 "w = in_tile / (TILE4 / 2), c = in_tile % (TILE4 / 2) / 128;",
                  "const int tid = in_tile % 128, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;",
-                 "const int q = (int)(tile % q_blocks) * BLOCK_M + 16 * warp + g;",
-                 "const int col = (D / 2) * w + 8 * c + 2 * t;",
+                 "const int q = (int)(tile % q_blocks) * R + (R == 128 ? 64 * w : 0) + 16 * warp"
+                 " + g;",
+                 "const int col = (R == 128 ? 0 : (D / 2) * w) + 8 * c + 2 * t;",
                  "dQ + (bh * Nq + q + 8) * D + col) = pack_bf16(v.z * scale, v.w * scale)"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
-    rows, cols = hopper.accumulator_rows_cols(D // 2)  # a consumer's 64 x D / 2 part of dQ_i
+    R = R_OF[D]
     q_blocks, seen = 3, set()
     for bh in range(2):
         for i in range(q_blocks):
             for w in range(CONSUMERS):
-                half = ((bh * q_blocks + i) * BLOCK_M * D + w * BLOCK_M * D // 2) // 4  # float4s
-                for c in range(D // 16):
+                rows, cols = _dq_part(D, w)
+                half = ((bh * q_blocks + i) * R * D + w * R * D // 2) // 4  # in float4s
+                for c in range(R * D // 1024):  # a thread's R * D / 256 floats, 4 at a time
                     f = half + 128 * c + np.arange(128)
                     got_bh, q, col = _convert_dq(f, q_blocks, D)
                     assert (got_bh == bh).all()
                     for j in range(4):
                         reg = 4 * c + j
-                        np.testing.assert_array_equal(q + 8 * (j // 2), 64 * i + rows[:, reg])
-                        np.testing.assert_array_equal(col + j % 2, D // 2 * w + cols[:, reg])
+                        np.testing.assert_array_equal(q + 8 * (j // 2), R * i + rows[:, reg])
+                        np.testing.assert_array_equal(col + j % 2, cols[:, reg])
                         seen.update((bh, r, cc) for r, cc in
                                     zip(q + 8 * (j // 2), col + j % 2, strict=True))
                     # a 16-byte store goes in 4 phases of 8 lanes: each phase must cover the
@@ -275,16 +327,17 @@ def test_the_dq_accumulator_round_trip(D):
                     banks = (16 * (f - half))[:, None] // 4 % 32 + np.arange(4)
                     for phase in range(16):  # 128 threads = 16 groups of 8 lanes
                         assert len(set(banks[8 * phase:8 * phase + 8].ravel())) == 32
-    assert len(seen) == 2 * q_blocks * BLOCK_M * D  # every element of dQ once
+    assert len(seen) == 2 * q_blocks * R * D  # every element of dQ once
 
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_every_output_element_has_one_writer(D):
-    """dQ_i: consumer w's accumulator (64 x D/2) goes to columns (D/2) w + its column; dK, dV:
-    rows 64w + its row. Together: each element of the 64 x D dQ_i and 128 x D dK, dV once."""
-    rows, cols = hopper.accumulator_rows_cols(D // 2)
-    dq = np.concatenate([(rows * D + cols + D // 2 * w).ravel() for w in range(CONSUMERS)])
-    assert sorted(dq) == list(range(BLOCK_M * D))
+    """dQ_i: consumer w's accumulator goes to its half of the R x D tile (queries at D = 64,
+    columns at D = 128); dK, dV: rows 64w + its row. Together: each element of dQ_i and of the
+    128 x D dK, dV once."""
+    parts = [_dq_part(D, w) for w in range(CONSUMERS)]
+    dq = np.concatenate([(rows * D + cols).ravel() for rows, cols in parts])
+    assert sorted(dq) == list(range(R_OF[D] * D))
     rows, cols = hopper.accumulator_rows_cols(D)
     dkv = np.concatenate([((rows + 64 * w) * D + cols).ravel() for w in range(CONSUMERS)])
     assert sorted(dkv) == list(range(BLOCK_N * D))
@@ -315,16 +368,17 @@ def _model_backward(Q, K, V, O, dO, LSE, causal, bug=None):
 
     Q, O, dO (Nq, D), K, V (Nk, D): bf16 values in float32 arrays; LSE (Nq,) float32. ``bug``
     plants a mistake, to show the comparison below catches it: "late causal start" (the loop
-    over query blocks starts one block late), "swapped dQ halves" (consumer w adds its dQ
-    columns into the other consumer's).
+    over query blocks starts one block late), "swapped dQ halves" (consumer w adds its part of
+    dQ_i into the other consumer's: its queries at D = 64, its columns at D = 128).
     """
     f32 = np.float32
     Nq, D = Q.shape
     Nk = K.shape[0]
     scale = f32(1.0 / math.sqrt(D))
     scale_log2 = f32(scale * f32(LOG2E))
-    q_blocks, k_blocks = -(-Nq // BLOCK_M), -(-Nk // BLOCK_N)
-    Nq_pad = q_blocks * BLOCK_M
+    R = R_OF[D]  # query rows per step
+    q_blocks, k_blocks = -(-Nq // R), -(-Nk // BLOCK_N)
+    Nq_pad = q_blocks * R
     # 1. bwd_preprocess: Delta and LSE in base 2, padded; the dQ accumulator
     Delta = np.zeros(Nq_pad, f32)
     Delta[:Nq] = (dO.astype(f32) * O.astype(f32)).sum(axis=1, dtype=f32)
@@ -338,16 +392,16 @@ def _model_backward(Q, K, V, O, dO, LSE, causal, bug=None):
     # 2. one block per key block j
     for j in range(k_blocks):
         k0 = j * BLOCK_N
-        i_first = k0 // BLOCK_M if causal else 0
+        i_first = k0 // R if causal else 0
         if causal and bug == "late causal start":
             i_first += 1
         dv = [np.zeros((64, D), f32) for _ in range(CONSUMERS)]
         dk = [np.zeros((64, D), f32) for _ in range(CONSUMERS)]
         for i in range(i_first, q_blocks):
-            q0 = i * BLOCK_M
-            queries = q0 + np.arange(BLOCK_M)
+            q0 = i * R
+            queries = q0 + np.arange(R)
             Qi, dOi = Qp[queries], dOp[queries]
-            dST = np.zeros((BLOCK_N, BLOCK_M), f32)  # the shared tile, bf16 values
+            dST = np.zeros((BLOCK_N, R), f32)  # the shared tile, bf16 values
             for w in range(CONSUMERS):
                 keys = k0 + 64 * w + np.arange(64)
                 ST = _mm(Kp[keys], Qi.T)
@@ -362,13 +416,19 @@ def _model_backward(Q, K, V, O, dO, LSE, causal, bug=None):
                 dv[w] += _mm(P_bf16, dOi)
                 dk[w] += _mm(dS_bf16, Qi)
                 dST[64 * w:64 * w + 64] = dS_bf16  # store_dst
-            # after the named barrier: consumer w, columns (D/2) w .., all 128 keys
-            valid = queries < Nq
+            # after the named barrier: consumer w's part of dQ_i over all 128 keys, queries
+            # 64w .. at R = 128 (D = 64), columns (D/2) w .. at R = 64
             for w in range(CONSUMERS):
-                half = slice(D // 2 * w, D // 2 * (w + 1))
-                dq = _mm(dST.T, Kp[k0:k0 + BLOCK_N, half])
                 to = w if bug != "swapped dQ halves" else 1 - w
-                dQacc[queries[valid], D // 2 * to:D // 2 * (to + 1)] += dq[valid]
+                if R == 128:
+                    mine, rows = slice(64 * w, 64 * w + 64), queries[64 * to:64 * to + 64]
+                    dq = _mm(dST[:, mine].T, Kp[k0:k0 + BLOCK_N])
+                    dQacc[rows[rows < Nq]] += dq[rows < Nq]
+                else:
+                    half = slice(D // 2 * w, D // 2 * (w + 1))
+                    dq = _mm(dST.T, Kp[k0:k0 + BLOCK_N, half])
+                    valid = queries < Nq
+                    dQacc[queries[valid], D // 2 * to:D // 2 * (to + 1)] += dq[valid]
         for w in range(CONSUMERS):  # the epilogue: rows past Nk not written
             keys = k0 + 64 * w + np.arange(64)
             ok = keys < Nk
@@ -462,9 +522,10 @@ def test_model_a_row_that_saw_no_key_gets_no_gradient():
     _check(grads, want, max_score, "model, LSE = -inf rows")
 
 
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("bug", ["late causal start", "swapped dQ halves"])
-def test_model_comparison_catches_a_planted_bug(bug):
-    inputs, want, max_score = _problem(1, 1, 200, 200, 64, True)
+def test_model_comparison_catches_a_planted_bug(bug, D):
+    inputs, want, max_score = _problem(1, 1, 300, 300, D, True)
     grads = _model_all_heads(inputs, True, bug=bug)
     with pytest.raises(checks.CheckFailure):
         _check(grads, want, max_score, bug)
@@ -486,7 +547,8 @@ def test_compiles_for_sm90a_without_spills(watchdog):
     report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=flags)
     names = sorted(r.name for r in report)
     assert names == sorted([
-        "fa_hopper_bwd::bwd_preprocess_kernel", "fa_hopper_bwd::bwd_convert_dq_kernel",
+        "fa_hopper_bwd::bwd_preprocess_kernel", "fa_hopper_bwd::bwd_convert_dq_kernel<64>",
+        "fa_hopper_bwd::bwd_convert_dq_kernel<128>",
         "fa_hopper_bwd::flash_attention_hopper_bwd_kernel<64>",
         "fa_hopper_bwd::flash_attention_hopper_bwd_kernel<128>",
         "fa_hopper_bwd::probe_dq_kernel<64>", "fa_hopper_bwd::probe_dq_kernel<128>"]), names
@@ -557,7 +619,7 @@ GPU_CASES = [
     (1, 1, 300, 300, 64, True, 1.0), (1, 1, 300, 64, 128, True, 1.0),
     (1, 2, 129, 65, 128, False, 20.0), (2, 1, 513, 513, 128, True, 1.0),
     (1, 2, 1024, 1024, 64, False, 1.0), (1, 1, 200, 333, 64, True, 1.0),
-    (1, 1, 257, 190, 128, True, 1.0)]
+    (1, 1, 257, 190, 128, True, 1.0), (1, 1, 300, 129, 64, True, 8.0)]
 
 
 @needs_sm90

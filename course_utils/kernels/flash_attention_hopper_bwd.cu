@@ -11,43 +11,47 @@
 //
 // Three kernels:
 //   1. bwd_preprocess: Delta per query row and LSE * log2(e) (the exponent in base 2), both
-//      padded to a multiple of BLOCK_M rows. (The float32 dQ accumulator is zeroed by a memset.)
+//      padded to a multiple of the step's query rows R. (The float32 dQ accumulator is zeroed by
+//      a memset.)
 //   2. the main kernel: one block per BLOCK_N = 128 keys of one head. K_j and V_j stay in shared
 //      memory; the query blocks i stream past them. dK_j and dV_j are sums over i, so they stay
 //      in registers until the end; dQ_i is a sum over the key blocks j that different blocks
 //      own, so each block adds its share into a float32 accumulator: the consumers write it to
 //      shared memory and one thread hands it to the TMA unit as a bulk reduce-add
-//      (cp.reduce.async.bulk ... .add.f32), which adds the 8 KB (D = 64) or 16 KB (D = 128)
+//      (cp.reduce.async.bulk ... .add.f32), which adds the 16 KB (R x D / 2 floats, at either D)
 //      into global memory in the background. (Per-thread atomicAdd did the same and cost a quarter of the time at D = 128:
 //      the consumers waited on atomics while the tensor cores idled.)
 //   3. bwd_convert_dq: dQ = scale * accumulator, in bf16, undoing the accumulator's layout.
 //
-// The accumulator's layout is not dQ's: each (head, query block i) owns 64 x D floats, half per
+// The accumulator's layout is not dQ's: each (head, query block i) owns R x D floats, half per
 // consumer, stored in the order the consumer's threads hold them (float4 c of thread tid at
 // float4 index 128 c + tid), so that the shared-memory writes are conflict-free and one bulk
 // copy moves the whole half. bwd_convert_dq maps each float4 back to its rows and columns.
 //
 // The main kernel has 3 warpgroups of 128 threads, as the forward:
 //   * warpgroup 0, the producer: one thread issues the TMA copies. K_j and V_j once, then Q_i and
-//     dO_i (BLOCK_M = 64 rows each) into a ring of STAGES buffers with a "full" and an "empty"
-//     mbarrier each.
+//     dO_i (R rows each: R = 64 at D = 128, R = 128 at D = 64) into a ring of STAGES buffers
+//     with a "full" and an "empty" mbarrier each.
 //   * warpgroups 1 and 2, the consumers: consumer w owns keys 64w .. 64w + 63 of the block. Per
 //     query block it computes everything TRANSPOSED, keys as rows: S^T = K_w Q_i^T and
-//     dP^T = V_w dO_i^T (64 keys x 64 queries in registers). Then P^T and dS^T are already the A
+//     dP^T = V_w dO_i^T (64 keys x R queries in registers). Then P^T and dS^T are already the A
 //     operands of dV_w += P^T dO_i and dK_w += dS^T Q_i, straight from registers as P in the
 //     forward's O += P V. dQ_i = dS K needs dS with queries as rows: both consumers store their
-//     dS^T (bf16) into one shared tile of 128 keys x 64 queries, wait for each other on a named
-//     barrier, and wgmma reads that tile transposed (MN-major A). Consumer w computes the
-//     columns (D / 2) w .. (D / 2)(w + 1) - 1 of dQ_i over all 128 keys and hands them to the
-//     TMA unit's bulk reduce-add (above).
+//     dS^T (bf16) into one shared tile of 128 keys x R queries, wait for each other on a named
+//     barrier, and wgmma reads that tile transposed (MN-major A). At D = 128 consumer w
+//     computes the columns (D / 2) w .. (D / 2)(w + 1) - 1 of dQ_i; at D = 64 it computes the
+//     queries 64w .. 64w + 63, all 64 columns. Either way over all 128 keys, and it hands its
+//     half of dQ_i to the TMA unit's bulk reduce-add (above).
 // Shared tiles written by TMA use the 128-byte swizzle (see flash_attention_hopper.cu and
 // course_utils/hopper.py); the dS^T tile is written by the consumers with the same swizzle, so
 // that wgmma reads all tiles the same way and the stores have no bank conflicts.
 //
 // Registers of a consumer thread at D = 128 (setmaxnreg gives it 240): dV_w and dK_w 64 floats
 // each, S^T and dP^T 32 each, then P^T and dS^T as 16 bf16 pairs each and dQ 32 floats (in the
-// registers S^T and dP^T no longer need). ptxas (CUDA 13.0) fits this without spills, with
-// about 16 registers to spare. Tried on an H100 and not kept, none faster by more than the
+// registers S^T and dP^T no longer need). At D = 64 with R = 128 it is the same count: dV_w and
+// dK_w 32 floats each, S^T and dP^T 64 each. ptxas (CUDA 13.0) fits both without spills.
+// (R = 128 at D = 64 measured 10-19% faster than R = 64 on an H100: every barrier, wait, lse2
+// and Delta load and bulk copy of a step serves twice the products.) Tried on an H100 and not kept, none faster by more than the
 // noise (lecture 14 gives the numbers): dV_w issued before dS^T is computed; S^T(i + 1) issued
 // before dQ_i goes out; the consumers taking turns at dQ_i; each consumer its own keys' share
 // of dQ_i; lse2 and Delta brought into shared memory by TMA with Q_i instead of read in the loop.
@@ -68,12 +72,16 @@ namespace fa_hopper_bwd {
 
 constexpr int CONSUMERS = 2;                  // consumer warpgroups, 64 keys each
 constexpr int BLOCK_N = 64 * CONSUMERS;       // keys per block (K_j, V_j)
-constexpr int BLOCK_M = 64;                   // query rows per step (Q_i, dO_i)
+constexpr int BLOCK_M = 64;                   // query rows per step at D = 128 (and the probe)
+// query rows per step of the main kernel: 128 at D = 64 (the registers allow it, and every
+// barrier, wait and bulk copy of a step is then shared by twice the products), 64 at D = 128
+template <int D>
+constexpr int BM = D == 64 ? 128 : 64;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int PRE_ROWS = 8;                   // query rows per block of bwd_preprocess (a warp each)
-// Q_i and dO_i buffers in the ring. d = 64: K + V 32 KB, 3 x 16 KB of Q and dO, 2 x 16 KB of
-// dS^T, 16 KB of dQ (128 KB); d = 128: 64 KB + 2 x 32 KB + 32 KB + 32 KB (192 KB) of the 227 KB
-// a block may have.
+// Q_i and dO_i buffers in the ring. d = 64 (R = 128): K + V 32 KB, 3 x 32 KB of Q and dO,
+// 2 x 32 KB of dS^T, 32 KB of dQ (224 KB); d = 128 (R = 64): 64 KB + 2 x 32 KB + 32 KB + 32 KB
+// (192 KB); of the 227 KB a block may have.
 #ifndef FA_BWD_STAGES_D64
 #define FA_BWD_STAGES_D64 3
 #endif
@@ -101,6 +109,22 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], both K-major: S^T and dP^T with 128 queries (D = 64).
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+template <int R>
+__device__ __forceinline__ void wgmma_ss_st(float (&d)[R / 2], uint64_t a, uint64_t b, int accumulate);
+template <>
+__device__ __forceinline__ void wgmma_ss_st<64>(float (&d)[32], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_n64(d, a, b, accumulate); }
+template <>
+__device__ __forceinline__ void wgmma_ss_st<128>(float (&d)[64], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_n128(d, a, b, accumulate); }
+
 // D[64 x 32] (+)= A[64 x 16] B[16 x 32], A and B in shared memory, both MN-major
 // (imm-trans-a = imm-trans-b = 1): dQ_i = dS K at D = 64, half of D per consumer.
 __device__ __forceinline__ void wgmma_ss_tt_n32(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
@@ -111,7 +135,8 @@ __device__ __forceinline__ void wgmma_ss_tt_n32(float (&d)[16], uint64_t a, uint
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// D[64 x 64] (+)= A[64 x 16] B[16 x 64], both MN-major: dQ_i = dS K at D = 128.
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], both MN-major: a consumer's dQ_i = dS K, at D = 128
+// (64 queries x half the columns) and at D = 64 (half of the 128 queries x all 64 columns).
 __device__ __forceinline__ void wgmma_ss_tt_n64(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -120,7 +145,8 @@ __device__ __forceinline__ void wgmma_ss_tt_n64(float (&d)[32], uint64_t a, uint
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// The products per head dim: dV_w, dK_w are 64 x D (RS), this consumer's part of dQ_i 64 x D / 2.
+// The products per head dim: dV_w, dK_w are 64 x D (RS); wgmma_ss_dq is the dQ path at R = 64
+// (the main kernel at D = 128; the probe at both D), a consumer's part of dQ_i 64 x D / 2.
 template <int D>
 __device__ __forceinline__ void wgmma_rs_d(float (&d)[D / 2], const uint32_t (&a)[4], uint64_t b);
 template <>
@@ -146,42 +172,53 @@ __device__ __forceinline__ void wgmma_ss_dq<128>(float (&d)[32], uint64_t a, uin
 __device__ __forceinline__ uint64_t desc_kw(const __nv_bfloat16* K, int w, int k) {
     return smem_desc(K + (k / 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024);
 }
-// B of S^T (Q_i) and of dP^T (dO_i): all 64 rows, K-major; step k covers columns 16k .. 16k + 15.
+// B of S^T (Q_i) and of dP^T (dO_i): all R rows, K-major; step k covers columns 16k .. 16k + 15.
+template <int R = BLOCK_M>
 __device__ __forceinline__ uint64_t desc_rows_k(const __nv_bfloat16* X, int k) {
-    return smem_desc(X + (k / 4) * BLOCK_M * 64 + (k % 4) * 16, 16, 1024);
+    return smem_desc(X + (k / 4) * R * 64 + (k % 4) * 16, 16, 1024);
 }
-// B of dV += P^T dO_i (dO_i) and of dK += dS^T Q_i (Q_i): the reduction runs over the 64 query
+// B of dV += P^T dO_i (dO_i) and of dK += dS^T Q_i (Q_i): the reduction runs over the R query
 // rows, so the tile is read MN-major (D along the rows, like V in the forward's P V); step k
 // covers rows 16k .. 16k + 15, LBO jumps from one 64-column panel of D to the next.
+template <int R = BLOCK_M>
 __device__ __forceinline__ uint64_t desc_rows_mn(const __nv_bfloat16* X, int k) {
-    return smem_desc(X + k * 16 * 64, BLOCK_M * 128, 1024);
+    return smem_desc(X + k * 16 * 64, R * 128, 1024);
 }
-// A of dQ_i = dS K: dS (64 queries x 128 keys) read from the dS^T tile (128 keys x 64 queries,
-// one panel): M (queries) runs along the 128-byte rows, MN-major; step k covers keys
-// 16k .. 16k + 15. LBO would be the next panel of queries; with 64 queries there is none.
+// dQ_i = dS K reads dS from the dS^T tile (128 keys x R queries), transposed: M (queries) runs
+// along the 128-byte rows, MN-major; step k covers keys 16k .. 16k + 15.
+// D = 128, R = 64: consumer w computes all 64 queries, columns (D / 2) w .. of dQ_i.
+//   A: the one panel of the tile (LBO would be the next panel of queries; there is none).
+//   B: K[:, (D / 2) w ..] (128 keys x 64), MN-major: panel w of the K tile.
 __device__ __forceinline__ uint64_t desc_dst(const __nv_bfloat16* dST, int k) {
     return smem_desc(dST + k * 16 * 64, BLOCK_N * 128, 1024);
 }
-// B of dQ_i = dS K: K[:, (D / 2) w ..] (128 keys x D / 2), MN-major, keys 16k .. 16k + 15. At
-// D = 128 consumer w's columns are panel w; at D = 64 they are the half w of the one panel (the
-// start moves 64 bytes into the 128-byte row; the swizzle applies to the resulting address).
 template <int D>
 __device__ __forceinline__ uint64_t desc_k_half(const __nv_bfloat16* K, int w, int k) {
     return smem_desc(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64 + k * 16 * 64, BLOCK_N * 128, 1024);
 }
+// D = 64, R = 128: consumer w computes queries 64w .. 64w + 63, all 64 columns of dQ_i.
+//   A: panel w of the tile (its 64 queries along the 128-byte rows).  B: all of K (one panel).
+__device__ __forceinline__ uint64_t desc_dst_panel(const __nv_bfloat16* dST, int w, int k) {
+    return smem_desc(dST + w * BLOCK_N * 64 + k * 16 * 64, BLOCK_N * 128, 1024);
+}
+__device__ __forceinline__ uint64_t desc_k_all(const __nv_bfloat16* K, int k) {
+    return smem_desc(K + k * 16 * 64, BLOCK_N * 128, 1024);
+}
 
-// Write this thread's dS^T words into the dS^T tile (128 keys x 64 queries, bf16) where TMA would
-// have put them with the 128-byte swizzle: element (row, col) at byte row * 128 + 2 col, with
-// the 16-byte chunk index (col / 8) XORed with row % 8. Word j holds dS^T of key row
-// 64w + 16 warp + g + 8 (j % 2) and queries 8 (j / 2) + 2t, + 1 (the accumulator's layout), and
+// Write this thread's dS^T words into the dS^T tile (128 keys x R queries, bf16: R / 64 panels
+// of 128 keys x 64 queries) where TMA would have put them with the 128-byte swizzle: element
+// (row, col) of a panel at byte row * 128 + 2 col, with the 16-byte chunk index (col / 8) XORed
+// with row % 8. Word j holds dS^T of key row 64w + 16 warp + g + 8 (j % 2) and queries
+// 8 (j / 2) + 2t, + 1 (the accumulator's layout): panel (j / 2) / 8, chunk (j / 2) % 8, and
 // row % 8 = g. The 8 lanes with the same t write 8 different chunks: no bank conflict.
+template <int R = BLOCK_M>
 __device__ __forceinline__ void store_dst(__nv_bfloat16* dST, int w, int warp, int g, int t,
-                                          const uint32_t (&ds)[16]) {
+                                          const uint32_t (&ds)[R / 4]) {
     unsigned char* base = reinterpret_cast<unsigned char*>(dST);
     #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        const int row = 64 * w + 16 * warp + g + 8 * (j % 2), chunk = (j / 2) ^ g;
-        *reinterpret_cast<uint32_t*>(base + row * 128 + chunk * 16 + 4 * t) = ds[j];
+    for (int j = 0; j < R / 4; ++j) {  // queries 8 (j / 2) + 2t: panel (j / 2) / 8 of 64 queries
+        const int row = 64 * w + 16 * warp + g + 8 * (j % 2), chunk = ((j / 2) % 8) ^ g;
+        *reinterpret_cast<uint32_t*>(base + (j / 16) * BLOCK_N * 128 + row * 128 + chunk * 16 + 4 * t) = ds[j];
     }
 }
 
@@ -258,10 +295,10 @@ template <int D>
 struct Tiles {  // every tile starts on a 1024-byte boundary (8 rows x 128 B: the swizzle's unit)
     __nv_bfloat16 K[BLOCK_N * D];
     __nv_bfloat16 V[BLOCK_N * D];
-    __nv_bfloat16 Q[STAGES<D>][BLOCK_M * D];
-    __nv_bfloat16 dO[STAGES<D>][BLOCK_M * D];
-    __nv_bfloat16 dST[2][BLOCK_N * BLOCK_M];  // dS^T of query block i in buffer i % 2
-    float dQ[CONSUMERS][BLOCK_M * D / 2];      // consumer w's part of dQ_i, as its threads hold it
+    __nv_bfloat16 Q[STAGES<D>][BM<D> * D];
+    __nv_bfloat16 dO[STAGES<D>][BM<D> * D];
+    __nv_bfloat16 dST[2][BLOCK_N * BM<D>];  // dS^T of query block i in buffer i % 2
+    float dQ[CONSUMERS][BM<D> * D / 2];      // consumer w's part of dQ_i, as its threads hold it
     uint64_t kv_full, full[STAGES<D>], empty[STAGES<D>];
 };
 
@@ -279,15 +316,16 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
     constexpr int PANELS = D / 64;       // 64-column panels of a tile
     constexpr int STAGES = fa_hopper_bwd::STAGES<D>;
     constexpr int ACC = D / 2;           // a thread's share of its warpgroup's 64 x D dK_w or dV_w
-    constexpr int DQ = D / 4;            // ... and of its 64 x D / 2 part of dQ_i
+    constexpr int R = BM<D>;             // query rows per step
+    constexpr int DQ = R * D / 256;      // ... and of its R x D / 2 part of dQ_i (32 floats)
     static_assert(sizeof(Tiles<D>) + 1024 <= 227 * 1024,  // + room to align the start to 1024 B
                   "the shared tiles must fit the 227 KB a block may have on an H100: fewer stages");
     Tiles<D>& sm = shared_tiles<Tiles<D>>();
 
     const int k0 = blockIdx.x * BLOCK_N, bh = blockIdx.z * H + blockIdx.y;
-    const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M, Nq_pad = q_blocks * BLOCK_M;
+    const int q_blocks = (Nq + R - 1) / R, Nq_pad = q_blocks * R;
     // causal: query r sees keys 0 .. r, so queries below k0 see no key of this block
-    const int i_first = causal ? k0 / BLOCK_M : 0;
+    const int i_first = causal ? k0 / R : 0;
     const bool any = i_first < q_blocks;  // false: no query sees these keys, dK = dV = 0
     const int wg = threadIdx.x / 128;
 
@@ -312,10 +350,10 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             for (int i = i_first; i < q_blocks; ++i) {
                 const int n = i - i_first, s = n % STAGES, phase = (n / STAGES) & 1;
                 mbar_wait(&sm.empty[s], phase ^ 1);  // a fresh barrier counts as emptied
-                mbar_expect_bytes(&sm.full[s], 2 * BLOCK_M * D * 2);
+                mbar_expect_bytes(&sm.full[s], 2 * R * D * 2);
                 for (int p = 0; p < PANELS; ++p) {
-                    tma_load(sm.Q[s] + p * BLOCK_M * 64, &q_map, &sm.full[s], 64 * p, i * BLOCK_M, bh);
-                    tma_load(sm.dO[s] + p * BLOCK_M * 64, &do_map, &sm.full[s], 64 * p, i * BLOCK_M, bh);
+                    tma_load(sm.Q[s] + p * R * 64, &q_map, &sm.full[s], 64 * p, i * R, bh);
+                    tma_load(sm.dO[s] + p * R * 64, &do_map, &sm.full[s], 64 * p, i * R, bh);
                 }
             }
         }
@@ -339,18 +377,18 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
 
     if (any) mbar_wait(&sm.kv_full, 0);
     for (int i = i_first; i < q_blocks; ++i) {
-        const int n = i - i_first, s = n % STAGES, q0 = i * BLOCK_M;
+        const int n = i - i_first, s = n % STAGES, q0 = i * R;
         __nv_bfloat16* dST = sm.dST[n % 2];
         mbar_wait(&sm.full[s], (n / STAGES) & 1);
 
         // S^T = K_w Q_i^T and dP^T = V_w dO_i^T: two chains, two commit groups, both in flight
-        float st[32], dpt[32];
+        float st[R / 2], dpt[R / 2];
         wgmma_fence();
         #pragma unroll
-        for (int k = 0; k < D / 16; ++k) wgmma_ss_n64(st, desc_kw(sm.K, w, k), desc_rows_k(sm.Q[s], k), k > 0);
+        for (int k = 0; k < D / 16; ++k) wgmma_ss_st<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0);
         wgmma_commit();
         #pragma unroll
-        for (int k = 0; k < D / 16; ++k) wgmma_ss_n64(dpt, desc_kw(sm.V, w, k), desc_rows_k(sm.dO[s], k), k > 0);
+        for (int k = 0; k < D / 16; ++k) wgmma_ss_st<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0);
         wgmma_commit();
 
         // P^T = 2^(S^T scale log2(e) - LSE log2(e)) while dP^T is still computing. Register i of
@@ -358,9 +396,9 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         // of lse2 serves 4 registers. Masked: keys past Nk, queries past Nq, causal key > query.
         wgmma_wait<1>();
         fence_regs(st);
-        const bool edge = kw0 + 64 > Nk || q0 + BLOCK_M > Nq || (causal && kw0 + 63 > q0);
+        const bool edge = kw0 + 64 > Nk || q0 + R > Nq || (causal && kw0 + 63 > q0);
         #pragma unroll
-        for (int c = 0; c < 8; ++c) {
+        for (int c = 0; c < R / 8; ++c) {
             const float2 l = *reinterpret_cast<const float2*>(lse2_bh + q0 + 8 * c + 2 * t);
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -380,7 +418,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         wgmma_wait<0>();
         fence_regs(dpt);
         #pragma unroll
-        for (int c = 0; c < 8; ++c) {
+        for (int c = 0; c < R / 8; ++c) {
             const float2 dl = *reinterpret_cast<const float2*>(delta_bh + q0 + 8 * c + 2 * t);
             #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -390,27 +428,27 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         }
         // bf16 pairs: word j = registers 2j, 2j + 1, which are the A fragments of the next
         // products (k-step k uses words 4k .. 4k + 3), as P in the forward's O += P V
-        uint32_t p[16], ds[16];
+        uint32_t p[R / 4], ds[R / 4];
         #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < R / 4; ++j) {
             p[j] = pack_bf16(st[2 * j], st[2 * j + 1]);
             ds[j] = pack_bf16(dpt[2 * j], dpt[2 * j + 1]);
         }
         // dS^T to shared memory for dQ, made visible to wgmma (the barrier comes below)
-        store_dst(dST, w, warp, g, t, ds);
+        store_dst<R>(dST, w, warp, g, t, ds);
         fence_proxy_async();
 
         // dV_w += P^T dO_i and dK_w += dS^T Q_i: 4 k-steps of 16 queries each
         wgmma_fence();
         #pragma unroll
-        for (int k = 0; k < BLOCK_M / 16; ++k) {
+        for (int k = 0; k < R / 16; ++k) {
             const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
-            wgmma_rs_d<D>(dv, a, desc_rows_mn(sm.dO[s], k));
+            wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k));
         }
         #pragma unroll
-        for (int k = 0; k < BLOCK_M / 16; ++k) {
+        for (int k = 0; k < R / 16; ++k) {
             const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
-            wgmma_rs_d<D>(dk, a, desc_rows_mn(sm.Q[s], k));
+            wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
         }
         wgmma_commit();
 
@@ -420,8 +458,12 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         named_sync(1);
         float dq[DQ];
         #pragma unroll
-        for (int k = 0; k < BLOCK_N / 16; ++k)
-            wgmma_ss_dq<D>(dq, desc_dst(dST, k), desc_k_half<D>(sm.K, w, k), k > 0);
+        for (int k = 0; k < BLOCK_N / 16; ++k) {
+            if constexpr (R == 128)  // queries 64w .. 64w + 63, all D = 64 columns
+                wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_k_all(sm.K, k), k > 0);
+            else                     // all 64 queries, columns (D / 2) w ..
+                wgmma_ss_dq<D>(dq, desc_dst(dST, k), desc_k_half<D>(sm.K, w, k), k > 0);
+        }
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dv);
@@ -434,7 +476,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         // Add this block's part of dQ_i (unscaled) into the float32 accumulator. The buffer is
         // free once the last step's bulk copy has read it; then float4 c of every thread goes to
         // float4 128 c + tid (a warp writes 512 contiguous bytes: no bank conflict), and one
-        // thread hands the 64 x D / 2 floats to the TMA unit, which adds them to global memory
+        // thread hands the R x D / 2 floats to the TMA unit, which adds them to global memory
         // while this warpgroup goes on to step i + 1.
         float* dq_smem = sm.dQ[w];
         if (tid == 0) bulk_wait_read();
@@ -446,8 +488,8 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         fence_proxy_async();  // the writes, visible to the TMA unit (the async proxy)
         named_sync_wg(2 + w);
         if (tid == 0) {
-            bulk_reduce_add(dQacc + ((size_t)bh * q_blocks + i) * BLOCK_M * D + w * (BLOCK_M * D / 2),
-                            dq_smem, BLOCK_M * D / 2 * 4);
+            bulk_reduce_add(dQacc + ((size_t)bh * q_blocks + i) * R * D + w * (R * D / 2),
+                            dq_smem, R * D / 2 * 4);
             bulk_commit();
         }
     }
@@ -477,21 +519,26 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
 // ---------------------------------------------------------------- 3. dQ to bf16
 
 // dQ = scale * dQacc, one float4 of the accumulator per thread and step. Float4 f is, in the
-// main kernel's terms: tile f / (16 D) (head bh and query block i of that head), consumer w, its
-// register group c and thread tid, i.e. registers 4c .. 4c + 3 of that thread: dQ[q, col],
-// dQ[q, col + 1], dQ[q + 8, col], dQ[q + 8, col + 1] with q = 64 i + 16 warp + g and
-// col = (D / 2) w + 8 c + 2 t (the wgmma accumulator's layout). Rows past Nq are padding.
+// main kernel's terms: tile f / (R D / 4) (head bh and query block i of that head), consumer w,
+// its register group c and thread tid, i.e. registers 4c .. 4c + 3 of that thread: dQ[q, col],
+// dQ[q, col + 1], dQ[q + 8, col], dQ[q + 8, col + 1] (the wgmma accumulator's layout), with
+// q = R i + 16 warp + g and col = (D / 2) w + 8 c + 2 t at D = 128 (consumer w holds half the
+// columns), q = R i + 64 w + 16 warp + g and col = 8 c + 2 t at D = 64 (half the queries).
+// Rows past Nq are padding.
+template <int D>
 __global__ void bwd_convert_dq_kernel(const float* __restrict__ dQacc, __nv_bfloat16* __restrict__ dQ,
-                                      size_t n4, int q_blocks, int Nq, int D, float scale) {
+                                      size_t n4, int q_blocks, int Nq, float scale) {
+    constexpr int R = BM<D>, TILE4 = R * D / 4;  // float4 of one (head, query block) tile
     for (size_t f = (size_t)blockIdx.x * blockDim.x + threadIdx.x; f < n4;
          f += (size_t)gridDim.x * blockDim.x) {
         const float4 v = reinterpret_cast<const float4*>(dQacc)[f];
-        const size_t tile = f / (16 * D);
-        const int in_tile = f % (16 * D), w = in_tile / (8 * D), c = in_tile % (8 * D) / 128;
+        const size_t tile = f / TILE4;
+        const int in_tile = f % TILE4, w = in_tile / (TILE4 / 2), c = in_tile % (TILE4 / 2) / 128;
         const int tid = in_tile % 128, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
         const size_t bh = tile / q_blocks;
-        const int q = (int)(tile % q_blocks) * BLOCK_M + 16 * warp + g;
-        const int col = (D / 2) * w + 8 * c + 2 * t;
+        // R = 128: consumer w holds queries 64w .., all columns; R = 64: all queries, half w of D
+        const int q = (int)(tile % q_blocks) * R + (R == 128 ? 64 * w : 0) + 16 * warp + g;
+        const int col = (R == 128 ? 0 : (D / 2) * w) + 8 * c + 2 * t;
         if (q < Nq)
             *reinterpret_cast<uint32_t*>(dQ + (bh * Nq + q) * D + col) = pack_bf16(v.x * scale, v.y * scale);
         if (q + 8 < Nq)
@@ -560,7 +607,9 @@ __global__ void probe_dq_kernel(const __nv_bfloat16* __restrict__ dST_in,
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, const float*,  \
         const float*, float*, __nv_bfloat16*, __nv_bfloat16*, int, int, int, float, int);        \
     template __global__ void probe_dq_kernel<DD>(const __nv_bfloat16*,                           \
-                                                 const __grid_constant__ CUtensorMap, float*);
+                                                 const __grid_constant__ CUtensorMap, float*);   \
+    template __global__ void bwd_convert_dq_kernel<DD>(const float*, __nv_bfloat16*, size_t, int, \
+                                                       int, float);
 FA_BWD_INSTANTIATE(64) FA_BWD_INSTANTIATE(128)
 #undef FA_BWD_INSTANTIATE
 #endif
@@ -586,7 +635,7 @@ static void launch_main(const torch::Tensor& Q, const torch::Tensor& K, const to
                         torch::Tensor& dV, float scale, bool causal) {
     using namespace fa_hopper_bwd;
     const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
-    const CUtensorMap q_map = make_map(Q, BLOCK_M), do_map = make_map(dO, BLOCK_M),
+    const CUtensorMap q_map = make_map(Q, BM<D>), do_map = make_map(dO, BM<D>),
                       k_map = make_map(K, BLOCK_N), v_map = make_map(V, BLOCK_N);
     constexpr int SMEM = sizeof(Tiles<D>) + 1024;  // + room to align the start to 1024 bytes
     auto kernel = flash_attention_hopper_bwd_kernel<D>;
@@ -645,8 +694,9 @@ std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Te
     auto stream = c10::cuda::getCurrentCUDAStream();
 
     // 1. Delta, LSE in base 2 (both padded to whole query blocks), dQ accumulator = 0 (whole
-    // query blocks too: 64 x D floats per head and block, in the main kernel's order)
-    const int64_t q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M, Nq_pad = q_blocks * BLOCK_M;
+    // query blocks too: R x D floats per head and block, in the main kernel's order)
+    const int64_t R = D == 64 ? BM<64> : BM<128>;
+    const int64_t q_blocks = (Nq + R - 1) / R, Nq_pad = q_blocks * R;
     auto f32 = Q.options().dtype(torch::kFloat32);
     auto Delta = torch::empty({B, H, Nq_pad}, f32);
     auto lse2 = torch::empty({B, H, Nq_pad}, f32);
@@ -664,9 +714,10 @@ std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Te
     // 3. dQ = scale * accumulator, in bf16
     const size_t n4 = static_cast<size_t>(dQacc.numel()) / 4;
     const int blocks = static_cast<int>(std::min<size_t>((n4 + 255) / 256, 65536));
-    bwd_convert_dq_kernel<<<blocks, 256, 0, stream>>>(
+    auto convert = D == 64 ? bwd_convert_dq_kernel<64> : bwd_convert_dq_kernel<128>;
+    convert<<<blocks, 256, 0, stream>>>(
         dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dQ.data_ptr()), n4,
-        static_cast<int>(q_blocks), Nq, D, scale);
+        static_cast<int>(q_blocks), Nq, scale);
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: convert launch");
     return {dQ, dK, dV};
 }
