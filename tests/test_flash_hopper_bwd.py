@@ -102,7 +102,7 @@ def _desc_k_all(base, k):  # B of dQ_i at R = 128 (D = 64): all of K, MN-major
 
 
 def test_kernel_source_builds_the_descriptors_mirrored_here():
-    text = SOURCE.read_text()
+    text = SOURCE.read_text() + (KERNELS / "hopper_common.cuh").read_text()  # + the shared products
     for line in (
             "smem_desc(K + (k / 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024)",
             "smem_desc(X + (k / 4) * R * 64 + (k % 4) * 16, 16, 1024)",
@@ -113,8 +113,8 @@ def test_kernel_source_builds_the_descriptors_mirrored_here():
             "smem_desc(dST + w * BLOCK_N * 64 + k * 16 * 64, BLOCK_N * 128, 1024)",
             "smem_desc(K + k * 16 * 64, BLOCK_N * 128, 1024)",
             # which descriptor feeds which product, and the transpose immediates
-            "wgmma_ss_st<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0)",
-            "wgmma_ss_st<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0)",
+            "wgmma_ss<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0)",
+            "wgmma_ss<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0)",
             "wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k))",
             "wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k))",
             "if constexpr (R == 128)",

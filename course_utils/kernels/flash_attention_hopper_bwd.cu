@@ -91,7 +91,8 @@ constexpr int PRE_ROWS = 8;                   // query rows per block of bwd_pre
 template <int D>
 constexpr int STAGES = D == 64 ? FA_BWD_STAGES_D64 : FA_BWD_STAGES_D128;
 
-// mbarriers, TMA, descriptors, the register-A products (shared with the forward)
+// mbarriers, TMA, descriptors, the register-A products and the m64n128 shared-memory product
+// (shared with the forward)
 #include "hopper_common.cuh"
 
 // ---------------------------------------------------------------- wgmma
@@ -109,21 +110,8 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128], both K-major: S^T and dP^T with 128 queries (D = 64).
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
-template <int R>
-__device__ __forceinline__ void wgmma_ss_st(float (&d)[R / 2], uint64_t a, uint64_t b, int accumulate);
-template <>
-__device__ __forceinline__ void wgmma_ss_st<64>(float (&d)[32], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_n64(d, a, b, accumulate); }
-template <>
-__device__ __forceinline__ void wgmma_ss_st<128>(float (&d)[64], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_n128(d, a, b, accumulate); }
+template <>  // wgmma_ss<N>: hopper_common.cuh; S^T and dP^T are 64 keys x R queries
+__device__ __forceinline__ void wgmma_ss<64>(float (&d)[32], uint64_t a, uint64_t b, int accumulate) { wgmma_ss_n64(d, a, b, accumulate); }
 
 // D[64 x 32] (+)= A[64 x 16] B[16 x 32], A and B in shared memory, both MN-major
 // (imm-trans-a = imm-trans-b = 1): dQ_i = dS K at D = 64, half of D per consumer.
@@ -385,10 +373,10 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         float st[R / 2], dpt[R / 2];
         wgmma_fence();
         #pragma unroll
-        for (int k = 0; k < D / 16; ++k) wgmma_ss_st<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0);
+        for (int k = 0; k < D / 16; ++k) wgmma_ss<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0);
         wgmma_commit();
         #pragma unroll
-        for (int k = 0; k < D / 16; ++k) wgmma_ss_st<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0);
+        for (int k = 0; k < D / 16; ++k) wgmma_ss<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0);
         wgmma_commit();
 
         // P^T = 2^(S^T scale log2(e) - LSE log2(e)) while dP^T is still computing. Register i of
