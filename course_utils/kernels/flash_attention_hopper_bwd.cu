@@ -51,11 +51,12 @@
 // registers S^T and dP^T no longer need). At D = 64 with R = 128 it is the same count: dV_w and
 // dK_w 32 floats each, S^T and dP^T 64 each. ptxas (CUDA 13.0) fits both without spills.
 // (R = 128 at D = 64 measured 10-19% faster than R = 64 on an H100: every barrier, wait, lse2
-// and Delta load and bulk copy of a step serves twice the products.) Tried on an H100 and not kept, none faster by more than the
-// noise (lecture 14 gives the numbers): dV_w issued before dS^T is computed; S^T(i + 1) issued
-// before dQ_i goes out; the consumers taking turns at dQ_i; each consumer its own keys' share
-// of dQ_i; lse2 and Delta brought into shared memory by TMA with Q_i instead of read in the loop;
-// the whole loop in two copies, with and without the mask (fewer instructions, slower).
+// and Delta load and bulk copy of a step serves twice the products.)
+// Tried on an H100 and not kept, none faster by more than the noise (lecture 14 gives the
+// numbers): dV_w issued before dS^T is computed; S^T(i + 1) issued before dQ_i goes out; the
+// consumers taking turns at dQ_i; each consumer its own keys' share of dQ_i; lse2 and Delta
+// brought into shared memory by TMA with Q_i instead of read in the loop; the whole loop in two
+// copies, with and without the mask (fewer instructions, slower).
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 #include <torch/types.h>
