@@ -19,8 +19,9 @@
 //      own, so each block adds its share into a float32 accumulator: the consumers write it to
 //      shared memory and one thread hands it to the TMA unit as a bulk reduce-add
 //      (cp.reduce.async.bulk ... .add.f32), which adds the 16 KB (R x D / 2 floats, at either D)
-//      into global memory in the background. (Per-thread atomicAdd did the same and cost a quarter of the time at D = 128:
-//      the consumers waited on atomics while the tensor cores idled.)
+//      into global memory in the background. (Per-thread atomicAdd did the same and cost a
+//      quarter of the time at D = 128: the consumers waited on atomics while the tensor cores
+//      idled.)
 //   3. bwd_convert_dq: dQ = scale * accumulator, in bf16, undoing the accumulator's layout.
 //
 // The accumulator's layout is not dQ's: each (head, query block i) owns R x D floats, half per
