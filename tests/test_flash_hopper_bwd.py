@@ -547,7 +547,8 @@ def test_compiles_for_sm90a_without_spills(watchdog):
     report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=flags)
     names = sorted(r.name for r in report)
     assert names == sorted([
-        "fa_hopper_bwd::bwd_preprocess_kernel", "fa_hopper_bwd::bwd_convert_dq_kernel<64>",
+        "fa_hopper_bwd::bwd_preprocess_kernel<64>", "fa_hopper_bwd::bwd_preprocess_kernel<128>",
+        "fa_hopper_bwd::bwd_convert_dq_kernel<64>",
         "fa_hopper_bwd::bwd_convert_dq_kernel<128>",
         "fa_hopper_bwd::flash_attention_hopper_bwd_kernel<64>",
         "fa_hopper_bwd::flash_attention_hopper_bwd_kernel<128>",

@@ -11,8 +11,8 @@
 //
 // Three kernels:
 //   1. bwd_preprocess: Delta per query row and LSE * log2(e) (the exponent in base 2), both
-//      padded to a multiple of the step's query rows R. (The float32 dQ accumulator is zeroed by
-//      a memset.)
+//      padded to a multiple of the step's query rows R, and the float32 dQ accumulator zeroed
+//      (in the same pass: one kernel less than a separate memset).
 //   2. the main kernel: one block per BLOCK_N = 128 keys of one head. K_j and V_j stay in shared
 //      memory; the query blocks i stream past them. dK_j and dV_j are sums over i, so they stay
 //      in registers until the end; dQ_i is a sum over the key blocks j that different blocks
@@ -56,8 +56,10 @@
 // Tried on an H100 and not kept, none faster by more than the noise (lecture 14 gives the
 // numbers): dV_w issued before dS^T is computed; S^T(i + 1) issued before dQ_i goes out; the
 // consumers taking turns at dQ_i; each consumer its own keys' share of dQ_i; lse2 and Delta
-// brought into shared memory by TMA with Q_i instead of read in the loop; the whole loop in two
-// copies, with and without the mask (fewer instructions, slower).
+// brought into shared memory by TMA with Q_i instead of read in the loop; the whole loop, or only
+// its exponentials, in two copies, with and without the mask (fewer instructions, slower); dQ_i
+// computed one query block late, with mbarriers instead of the named barrier so that the
+// consumers may drift apart (slower).
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 #include <torch/types.h>
@@ -81,7 +83,7 @@ constexpr int BLOCK_M = 64;                   // query rows per step at D = 128 
 template <int D>
 constexpr int BM = D == 64 ? 128 : 64;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
-constexpr int PRE_ROWS = 8;                   // query rows per block of bwd_preprocess (a warp each)
+constexpr int PRE_THREADS = 256;              // threads per block of bwd_preprocess
 // Q_i and dO_i buffers in the ring. d = 64 (R = 128): K + V 32 KB, 3 x 32 KB of Q and dO,
 // 2 x 32 KB of dS^T, 32 KB of dQ (224 KB); d = 128 (R = 64): 64 KB + 2 x 32 KB + 32 KB + 32 KB
 // (192 KB); of the 227 KB a block may have.
@@ -245,37 +247,46 @@ __device__ __forceinline__ void bulk_wait_all() {
 
 // ---------------------------------------------------------------- 1. preprocessing
 
-// One warp per query row r of head bh (Nq_pad rows, a multiple of BLOCK_M):
+// D / 8 lanes per query row r of head bh (Nq_pad rows, a multiple of R), each lane 8 columns
+// (16-byte loads of O and dO), so a block of PRE_THREADS threads takes 8 PRE_THREADS / D rows:
 //   Delta[r] = sum_d dO[r, d] O[r, d]   (0 past Nq)
 //   lse2[r]  = LSE[r] * log2(e)          (+inf past Nq, and where LSE = -inf: a row that saw no
 //                                         key; P = 2^(s - lse2) is then 0, never inf or NaN)
-__global__ void __launch_bounds__(32 * PRE_ROWS)
+//   dQacc[r'] = 0 for D floats of the accumulator (its row r' = r of the same head in the main
+//               kernel's order: the zeroing does not care which floats a row holds), so that no
+//               separate memset pass over the accumulator is needed
+template <int D>
+__global__ void __launch_bounds__(PRE_THREADS)
 bwd_preprocess_kernel(const __nv_bfloat16* __restrict__ O, const __nv_bfloat16* __restrict__ dO,
                       const float* __restrict__ LSE, float* __restrict__ Delta,
-                      float* __restrict__ lse2, int H, int Nq, int Nq_pad, int D) {
+                      float* __restrict__ lse2, float* __restrict__ dQacc, int H, int Nq,
+                      int Nq_pad) {
+    constexpr int L = D / 8, ROWS = PRE_THREADS / L;  // lanes per row, rows per block
     const int bh = blockIdx.z * H + blockIdx.y;
-    const int r = blockIdx.x * PRE_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (r >= Nq_pad) return;
+    const int r = blockIdx.x * ROWS + threadIdx.x / L, j = threadIdx.x % L;
+    // (no bounds check on r: the grid is exactly Nq_pad rows, and every lane reaches the shuffles)
     const size_t pad_at = (size_t)bh * Nq_pad + r;
-    if (r >= Nq) {
-        if (lane == 0) {
-            Delta[pad_at] = 0.f;
-            lse2[pad_at] = __int_as_float(0x7f800000);
-        }
-        return;
-    }
-    const size_t row = ((size_t)bh * Nq + r) * D;
+    float4* acc = reinterpret_cast<float4*>(dQacc + pad_at * D);  // D / 4 float4, 2 a lane
+    acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    acc[j + L] = make_float4(0.f, 0.f, 0.f, 0.f);
     float sum = 0.f;
-    for (int c = 2 * lane; c < D; c += 64) {
-        const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(O + row + c));
-        const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dO + row + c));
-        sum = fmaf(o.x, d.x, fmaf(o.y, d.y, sum));
+    if (r < Nq) {
+        const size_t at = ((size_t)bh * Nq + r) * D + 8 * j;
+        const uint4 o = *reinterpret_cast<const uint4*>(O + at);
+        const uint4 d = *reinterpret_cast<const uint4*>(dO + at);
+        const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float2 of = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ow[k]));
+            const float2 df = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dw[k]));
+            sum = fmaf(of.x, df.x, fmaf(of.y, df.y, sum));
+        }
     }
     #pragma unroll
-    for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffff, sum, m);
-    if (lane == 0) {
-        const float l = LSE[(size_t)bh * Nq + r];
-        Delta[pad_at] = sum;
+    for (int m = L / 2; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffff, sum, m);  // in the row's lanes
+    if (j == 0) {
+        const float l = r < Nq ? LSE[(size_t)bh * Nq + r] : neg_inf();
+        Delta[pad_at] = r < Nq ? sum : 0.f;
         lse2[pad_at] = l == neg_inf() ? __int_as_float(0x7f800000) : l * LOG2E;
     }
 }
@@ -600,7 +611,10 @@ __global__ void probe_dq_kernel(const __nv_bfloat16* __restrict__ dST_in,
     template __global__ void probe_dq_kernel<DD>(const __nv_bfloat16*,                           \
                                                  const __grid_constant__ CUtensorMap, float*);   \
     template __global__ void bwd_convert_dq_kernel<DD>(const float*, __nv_bfloat16*, size_t, int, \
-                                                       int, float);
+                                                       int, float);                              \
+    template __global__ void bwd_preprocess_kernel<DD>(const __nv_bfloat16*, const __nv_bfloat16*, \
+                                                       const float*, float*, float*, float*, int,  \
+                                                       int, int);
 FA_BWD_INSTANTIATE(64) FA_BWD_INSTANTIATE(128)
 #undef FA_BWD_INSTANTIATE
 #endif
@@ -685,17 +699,19 @@ std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Te
     auto stream = c10::cuda::getCurrentCUDAStream();
 
     // 1. Delta, LSE in base 2 (both padded to whole query blocks), dQ accumulator = 0 (whole
-    // query blocks too: R x D floats per head and block, in the main kernel's order)
+    // query blocks too: R x D floats per head and block, in the main kernel's order), one kernel
     const int64_t R = D == 64 ? BM<64> : BM<128>;
     const int64_t q_blocks = (Nq + R - 1) / R, Nq_pad = q_blocks * R;
     auto f32 = Q.options().dtype(torch::kFloat32);
     auto Delta = torch::empty({B, H, Nq_pad}, f32);
     auto lse2 = torch::empty({B, H, Nq_pad}, f32);
-    auto dQacc = torch::zeros({B, H, Nq_pad, D}, f32);
-    bwd_preprocess_kernel<<<dim3(Nq_pad / PRE_ROWS, H, B), 32 * PRE_ROWS, 0, stream>>>(
+    auto dQacc = torch::empty({B, H, Nq_pad, D}, f32);  // zeroed by bwd_preprocess
+    const int pre_rows = PRE_THREADS / (D / 8);  // divides R (16 at D = 128, 32 at D = 64)
+    auto preprocess = D == 64 ? bwd_preprocess_kernel<64> : bwd_preprocess_kernel<128>;
+    preprocess<<<dim3(Nq_pad / pre_rows, H, B), PRE_THREADS, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), LSE.data_ptr<float>(),
-        Delta.data_ptr<float>(), lse2.data_ptr<float>(), H, Nq, Nq_pad, D);
+        Delta.data_ptr<float>(), lse2.data_ptr<float>(), dQacc.data_ptr<float>(), H, Nq, Nq_pad);
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: preprocess launch");
 
     // 2. dK, dV, and the dQ accumulator
