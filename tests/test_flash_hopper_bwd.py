@@ -79,26 +79,17 @@ def _desc_rows_k(base, k, R):  # B of S^T (Q_i) and of dP^T (dO_i), K-major
     return hopper.encode_descriptor(base + 2 * ((k // 4) * R * 64 + (k % 4) * 16), 16, 1024)
 
 
-def _desc_rows_mn(base, k, R):  # B of dV += P^T dO_i and dK += dS^T Q_i, MN-major
-    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), R * 128, 1024)
+def _desc_rows_mn(base, k, rows):  # a tile of `rows` rows read MN-major: dO_i, Q_i; dS^T, K
+    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), rows * 128, 1024)
 
 
-def _desc_dst(base, k):  # A of dQ_i = dS K: the dS^T tile read transposed (MN-major)
-    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_N * 128, 1024)
+def _desc_dst_panel(base, w, k):  # A of dQ_i: panel w of dS^T (w = 0 at R = 64: its one panel)
+    return _desc_rows_mn(base + 2 * (w * BLOCK_N * 64), k, BLOCK_N)
 
 
-def _desc_k_half(base, D, w, k):  # B of dQ_i: K[:, (D/2) w ..], MN-major (R = 64)
-    offset = (D // 2) * w // 64 * BLOCK_N * 64 + (D // 2) * w % 64 + k * 16 * 64
-    return hopper.encode_descriptor(base + 2 * offset, BLOCK_N * 128, 1024)
-
-
-def _desc_dst_panel(base, w, k):  # A of dQ_i at R = 128: panel w of dS^T (queries 64w ..)
-    offset = w * BLOCK_N * 64 + k * 16 * 64
-    return hopper.encode_descriptor(base + 2 * offset, BLOCK_N * 128, 1024)
-
-
-def _desc_k_all(base, k):  # B of dQ_i at R = 128 (D = 64): all of K, MN-major
-    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BLOCK_N * 128, 1024)
+def _desc_k_half(base, D, w, k):  # B of dQ_i at R = 64: K[:, (D/2) w ..], MN-major
+    return _desc_rows_mn(base + 2 * ((D // 2) * w // 64 * BLOCK_N * 64 + (D // 2) * w % 64), k,
+                         BLOCK_N)
 
 
 def test_kernel_source_builds_the_descriptors_mirrored_here():
@@ -106,20 +97,17 @@ def test_kernel_source_builds_the_descriptors_mirrored_here():
     for line in (
             "smem_desc(K + (k / 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024)",
             "smem_desc(X + (k / 4) * R * 64 + (k % 4) * 16, 16, 1024)",
-            "smem_desc(X + k * 16 * 64, R * 128, 1024)",
-            "smem_desc(dST + k * 16 * 64, BLOCK_N * 128, 1024)",
-            "smem_desc(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64 + k * 16 * 64, "
-            "BLOCK_N * 128, 1024)",
-            "smem_desc(dST + w * BLOCK_N * 64 + k * 16 * 64, BLOCK_N * 128, 1024)",
-            "smem_desc(K + k * 16 * 64, BLOCK_N * 128, 1024)",
+            "smem_desc(X + k * 16 * 64, ROWS * 128, 1024)",
+            "desc_rows_mn<BLOCK_N>(dST + w * BLOCK_N * 64, k)",
+            "desc_rows_mn<BLOCK_N>(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64, k)",
             # which descriptor feeds which product, and the transpose immediates
             "wgmma_ss<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0)",
             "wgmma_ss<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0)",
             "wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k))",
             "wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k))",
             "if constexpr (R == 128)",
-            "wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_k_all(sm.K, k), k > 0)",
-            "wgmma_ss_dq<D>(dq, desc_dst(dST, k), desc_k_half<D>(sm.K, w, k), k > 0)",
+            "wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_rows_mn<BLOCK_N>(sm.K, k), k > 0)",
+            "wgmma_ss_dq<D>(dq, desc_dst_panel(dST, 0, k), desc_k_half<D>(sm.K, w, k), k > 0)",
             "m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
             "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,"
             "%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,"
@@ -164,10 +152,12 @@ def test_wgmma_reads_the_elements_each_product_needs(D):
                 mine = slice(64 * w, 64 * w + 64)
                 eq(hopper.operand_addresses(_desc_dst_panel(ds_base, w, k), 64, "MN"),
                    dST[keys, mine].T)
-                eq(hopper.operand_addresses(_desc_k_all(k_base, k), D, "MN"), K[keys, :].T)
+                eq(hopper.operand_addresses(_desc_rows_mn(k_base, k, BLOCK_N), D, "MN"),
+                   K[keys, :].T)
             else:  # all 64 queries, columns (D / 2) w ..
                 half = slice(D // 2 * w, D // 2 * (w + 1))
-                eq(hopper.operand_addresses(_desc_dst(ds_base, k), 64, "MN"), dST[keys, :].T)
+                eq(hopper.operand_addresses(_desc_dst_panel(ds_base, 0, k), 64, "MN"),
+                   dST[keys, :].T)
                 eq(hopper.operand_addresses(_desc_k_half(k_base, D, w, k), D // 2, "MN"),
                    K[keys, half].T)
 
@@ -193,7 +183,7 @@ def _store_dst_addresses(w, R):
 @pytest.mark.parametrize("R", [64, 128])
 def test_store_dst_writes_the_swizzled_tile_that_desc_dst_reads(R):
     """Word j of a consumer thread is dS^T (registers 2j, 2j + 1 of its accumulator); store_dst
-    must put each bf16 where tile_addresses (TMA's layout, which desc_dst reads) says."""
+    must put each bf16 where tile_addresses (TMA's layout, which desc_dst_panel reads) says."""
     text = SOURCE.read_text()
     for line in ("const int row = 64 * w + 16 * warp + g + 8 * (j % 2), chunk = ((j / 2) % 8) ^ g;",
                  "base + (j / 16) * BLOCK_N * 128 + row * 128 + chunk * 16 + 4 * t) = ds[j];"):

@@ -170,32 +170,25 @@ template <int R = BLOCK_M>
 __device__ __forceinline__ uint64_t desc_rows_k(const __nv_bfloat16* X, int k) {
     return smem_desc(X + (k / 4) * R * 64 + (k % 4) * 16, 16, 1024);
 }
-// B of dV += P^T dO_i (dO_i) and of dK += dS^T Q_i (Q_i): the reduction runs over the R query
-// rows, so the tile is read MN-major (D along the rows, like V in the forward's P V); step k
-// covers rows 16k .. 16k + 15, LBO jumps from one 64-column panel of D to the next.
-template <int R = BLOCK_M>
+// A tile of ROWS rows read MN-major, the reduction running over its rows; step k covers rows
+// 16k .. 16k + 15, and LBO jumps from one 64-column panel to the next. B of dV += P^T dO_i (dO_i)
+// and of dK += dS^T Q_i (Q_i), ROWS = R: D along the 128-byte rows, like V in the forward's P V.
+// Both operands of dQ_i = dS K, ROWS = 128 keys: A is dS read from the dS^T tile (128 keys x R
+// queries, so the queries run along the rows: dS transposed), B is K.
+template <int ROWS = BLOCK_M>
 __device__ __forceinline__ uint64_t desc_rows_mn(const __nv_bfloat16* X, int k) {
-    return smem_desc(X + k * 16 * 64, R * 128, 1024);
+    return smem_desc(X + k * 16 * 64, ROWS * 128, 1024);
 }
-// dQ_i = dS K reads dS from the dS^T tile (128 keys x R queries), transposed: M (queries) runs
-// along the 128-byte rows, MN-major; step k covers keys 16k .. 16k + 15.
-// D = 128, R = 64: consumer w computes all 64 queries, columns (D / 2) w .. of dQ_i.
-//   A: the one panel of the tile (LBO would be the next panel of queries; there is none).
-//   B: K[:, (D / 2) w ..] (128 keys x 64), MN-major: panel w of the K tile.
-__device__ __forceinline__ uint64_t desc_dst(const __nv_bfloat16* dST, int k) {
-    return smem_desc(dST + k * 16 * 64, BLOCK_N * 128, 1024);
+// A of dQ_i: the 64 queries of panel w of the dS^T tile. D = 128 (R = 64): consumer w computes
+// all 64 queries (the tile's one panel, w = 0), columns (D / 2) w .. of dQ_i. D = 64 (R = 128):
+// it computes queries 64w .. 64w + 63 (panel w), all 64 columns, with B = all of K.
+__device__ __forceinline__ uint64_t desc_dst_panel(const __nv_bfloat16* dST, int w, int k) {
+    return desc_rows_mn<BLOCK_N>(dST + w * BLOCK_N * 64, k);
 }
+// B of dQ_i at D = 128: K[:, (D / 2) w ..] (128 keys x 64), panel w of the K tile.
 template <int D>
 __device__ __forceinline__ uint64_t desc_k_half(const __nv_bfloat16* K, int w, int k) {
-    return smem_desc(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64 + k * 16 * 64, BLOCK_N * 128, 1024);
-}
-// D = 64, R = 128: consumer w computes queries 64w .. 64w + 63, all 64 columns of dQ_i.
-//   A: panel w of the tile (its 64 queries along the 128-byte rows).  B: all of K (one panel).
-__device__ __forceinline__ uint64_t desc_dst_panel(const __nv_bfloat16* dST, int w, int k) {
-    return smem_desc(dST + w * BLOCK_N * 64 + k * 16 * 64, BLOCK_N * 128, 1024);
-}
-__device__ __forceinline__ uint64_t desc_k_all(const __nv_bfloat16* K, int k) {
-    return smem_desc(K + k * 16 * 64, BLOCK_N * 128, 1024);
+    return desc_rows_mn<BLOCK_N>(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64, k);
 }
 
 // Write this thread's dS^T words into the dS^T tile (128 keys x R queries, bf16: R / 64 panels
@@ -462,9 +455,9 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         #pragma unroll
         for (int k = 0; k < BLOCK_N / 16; ++k) {
             if constexpr (R == 128)  // queries 64w .. 64w + 63, all D = 64 columns
-                wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_k_all(sm.K, k), k > 0);
+                wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_rows_mn<BLOCK_N>(sm.K, k), k > 0);
             else                     // all 64 queries, columns (D / 2) w ..
-                wgmma_ss_dq<D>(dq, desc_dst(dST, k), desc_k_half<D>(sm.K, w, k), k > 0);
+                wgmma_ss_dq<D>(dq, desc_dst_panel(dST, 0, k), desc_k_half<D>(sm.K, w, k), k > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -588,7 +581,7 @@ __global__ void probe_dq_kernel(const __nv_bfloat16* __restrict__ dST_in,
     wgmma_fence();
     #pragma unroll
     for (int k = 0; k < BLOCK_N / 16; ++k)
-        wgmma_ss_dq<D>(dq, desc_dst(sm.dST, k), desc_k_half<D>(sm.K, w, k), k > 0);
+        wgmma_ss_dq<D>(dq, desc_dst_panel(sm.dST, 0, k), desc_k_half<D>(sm.K, w, k), k > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(dq);
