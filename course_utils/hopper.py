@@ -44,6 +44,7 @@ __all__ = [
     "ATOM_BYTES",
     "PANEL_COLS",
     "decode_descriptor",
+    "descriptor_plus",
     "encode_descriptor",
     "operand_addresses",
     "SCHEDULES",
@@ -86,6 +87,15 @@ def encode_descriptor(start: int, lbo: int, sbo: int, swizzle: int = SWIZZLE_128
             raise ValueError(f"{name}={value}: must be a multiple of 16 below {16 << 14} bytes "
                              "(the descriptor stores it divided by 16 in 14 bits)")
     return (start >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (swizzle << 62)
+
+
+def descriptor_plus(desc: int, elems: int) -> int:
+    """The descriptor ``elems`` bf16 elements past ``desc``'s start, as the kernels' ``desc_plus``
+    builds it: ``elems * 2 / 16`` added to the low 32 bits. That equals
+    ``encode_descriptor(start + 2 * elems, ...)`` while the new start stays below 2^18 bytes (its
+    14-bit field); past that the start wraps and the carry lands in the bits above it."""
+    lo = ((desc & 0xFFFFFFFF) + elems * 2 // 16) & 0xFFFFFFFF
+    return (desc & ~0xFFFFFFFF) | lo
 
 
 def decode_descriptor(desc: int) -> dict:

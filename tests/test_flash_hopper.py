@@ -69,25 +69,46 @@ def test_descriptor_round_trip_and_errors():
 
 # The kernel's descriptors, as flash_attention_hopper.cu builds them (q_desc, k_desc, v_desc):
 # element offsets from the tile's start, times 2 bytes; tiles start on 1024-byte boundaries.
+# Each is the descriptor of a start plus the k-step's offset (desc_plus, hopper.descriptor_plus).
 def _q_desc(base, w, k, D, BM=BLOCK_M):
-    offset = (k // 4) * BM * 64 + w * 64 * 64 + (k % 4) * 16
-    return hopper.encode_descriptor(base + 2 * offset, 16, 1024)
+    start = hopper.encode_descriptor(base + 2 * (w * 64 * 64), 16, 1024)
+    return hopper.descriptor_plus(start, (k // 4) * BM * 64 + (k % 4) * 16)
 
 
 def _k_desc(base, k, BN=BLOCK_N):
-    return hopper.encode_descriptor(base + 2 * ((k // 4) * BN * 64 + (k % 4) * 16), 16, 1024)
+    return hopper.descriptor_plus(hopper.encode_descriptor(base, 16, 1024),
+                                  (k // 4) * BN * 64 + (k % 4) * 16)
 
 
 def _v_desc(base, k, BN=BLOCK_N):
-    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), BN * 128, 1024)
+    return hopper.descriptor_plus(hopper.encode_descriptor(base, BN * 128, 1024), k * 16 * 64)
 
 
 def test_kernel_source_builds_the_descriptors_mirrored_here():
-    text = SOURCE.read_text()
-    for line in ("smem_desc(sm.Q + (k / 4) * BLOCK_M * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024)",
-                 "smem_desc(sm.K[s] + (k / 4) * BN * 64 + (k % 4) * 16, 16, 1024)",
-                 "smem_desc(sm.V[s] + k * 16 * 64, BN * 128, 1024)"):
+    text = SOURCE.read_text() + (KERNELS / "hopper_common.cuh").read_text()
+    for line in ("q_start = smem_desc(sm.Q + w * 64 * 64, 16, 1024);",
+                 "desc_plus(q_start, (k / 4) * BLOCK_M * 64 + (k % 4) * 16)",
+                 "desc_plus(smem_desc(sm.K[s], 16, 1024), (k / 4) * BN * 64 + (k % 4) * 16)",
+                 "desc_plus(smem_desc(sm.V[s], BN * 128, 1024), k * 16 * 64)",
+                 "const uint32_t lo = static_cast<uint32_t>(d) + elems * 2 / 16;",
+                 "return (d & 0xFFFFFFFF00000000ull) | lo;"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+
+
+def test_descriptor_plus_is_the_descriptor_of_the_moved_start():
+    """desc_plus adds to the start field without masking: exact below 2^18 bytes, and the one
+    place it could go wrong (a carry out of the 14-bit field) lies past any shared address of an
+    H100 (227 KB)."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        start = int(rng.integers(0, 227 * 1024 // 1024)) * 1024
+        elems = int(rng.integers(0, (227 * 1024 - start) // 2 // 8)) * 8  # 16-byte steps
+        for lbo, sbo in ((16, 1024), (128 * 128, 1024)):
+            moved = hopper.descriptor_plus(hopper.encode_descriptor(start, lbo, sbo), elems)
+            assert moved == hopper.encode_descriptor(start + 2 * elems, lbo, sbo)
+    near_top = hopper.encode_descriptor((1 << 18) - 16, 16, 1024)
+    past = hopper.descriptor_plus(near_top, 8)  # start 2^18: one past what 14 bits hold
+    assert hopper.decode_descriptor(past)["start"] == 0 and past >> 14 & 1  # wrapped, carried
 
 
 @pytest.mark.parametrize("D, BN, BM", [(64, 128, 128), (128, 128, 128),

@@ -70,17 +70,21 @@ def test_shared_memory_fits_and_every_tile_is_1024_aligned(D):
 # As flash_attention_hopper_bwd.cu builds them: element offsets from the tile's start, times 2.
 
 
+def _plus(base, lbo, start_elems, k_elems):  # desc_plus(smem_desc(tile + start, ...), k-step)
+    start = hopper.encode_descriptor(base + 2 * start_elems, lbo, 1024)
+    return hopper.descriptor_plus(start, k_elems)
+
+
 def _desc_kw(base, w, k):  # A of S^T = K_w Q_i^T (and of dP^T = V_w dO_i^T), K-major
-    offset = (k // 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16
-    return hopper.encode_descriptor(base + 2 * offset, 16, 1024)
+    return _plus(base, 16, w * 64 * 64, (k // 4) * BLOCK_N * 64 + (k % 4) * 16)
 
 
 def _desc_rows_k(base, k, R):  # B of S^T (Q_i) and of dP^T (dO_i), K-major
-    return hopper.encode_descriptor(base + 2 * ((k // 4) * R * 64 + (k % 4) * 16), 16, 1024)
+    return _plus(base, 16, 0, (k // 4) * R * 64 + (k % 4) * 16)
 
 
 def _desc_rows_mn(base, k, rows):  # a tile of `rows` rows read MN-major: dO_i, Q_i; dS^T, K
-    return hopper.encode_descriptor(base + 2 * (k * 16 * 64), rows * 128, 1024)
+    return _plus(base, rows * 128, 0, k * 16 * 64)
 
 
 def _desc_dst_panel(base, w, k):  # A of dQ_i: panel w of dS^T (w = 0 at R = 64: its one panel)
@@ -95,9 +99,11 @@ def _desc_k_half(base, D, w, k):  # B of dQ_i at R = 64: K[:, (D/2) w ..], MN-ma
 def test_kernel_source_builds_the_descriptors_mirrored_here():
     text = SOURCE.read_text() + (KERNELS / "hopper_common.cuh").read_text()  # + the shared products
     for line in (
-            "smem_desc(K + (k / 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024)",
-            "smem_desc(X + (k / 4) * R * 64 + (k % 4) * 16, 16, 1024)",
-            "smem_desc(X + k * 16 * 64, ROWS * 128, 1024)",
+            "rows = smem_desc(K + w * 64 * 64, 16, 1024);",
+            "desc_plus(rows, (k / 4) * BLOCK_N * 64 + (k % 4) * 16)",
+            "desc_plus(smem_desc(X, 16, 1024), (k / 4) * R * 64 + (k % 4) * 16)",
+            "desc_plus(smem_desc(X, ROWS * 128, 1024), k * 16 * 64)",
+            "const uint32_t lo = static_cast<uint32_t>(d) + elems * 2 / 16;",
             "desc_rows_mn<BLOCK_N>(dST + w * BLOCK_N * 64, k)",
             "desc_rows_mn<BLOCK_N>(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64, k)",
             # which descriptor feeds which product, and the transpose immediates

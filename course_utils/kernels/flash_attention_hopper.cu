@@ -204,14 +204,14 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
 
     // descriptors: Q's rows of this consumer (K-major), K (K-major), V (MN-major: D runs along
     // the 128-byte rows); step k of 16 columns inside a panel moves the start by 32 bytes
-    auto q_desc = [&](int k) {
-        return smem_desc(sm.Q + (k / 4) * BLOCK_M * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024);
-    };
+    // (each the descriptor of the tile's start plus the k-step's offset: desc_plus)
+    const uint64_t q_start = smem_desc(sm.Q + w * 64 * 64, 16, 1024);  // this consumer's Q rows
+    auto q_desc = [&](int k) { return desc_plus(q_start, (k / 4) * BLOCK_M * 64 + (k % 4) * 16); };
     auto k_desc = [&](int s, int k) {
-        return smem_desc(sm.K[s] + (k / 4) * BN * 64 + (k % 4) * 16, 16, 1024);
+        return desc_plus(smem_desc(sm.K[s], 16, 1024), (k / 4) * BN * 64 + (k % 4) * 16);
     };
     auto v_desc = [&](int s, int k) {  // keys 16k .. 16k + 15
-        return smem_desc(sm.V[s] + k * 16 * 64, BN * 128, 1024);
+        return desc_plus(smem_desc(sm.V[s], BN * 128, 1024), k * 16 * 64);
     };
     // Turns go round: consumer w waits on barrier 1 + w and hands the turn to w + 1. The last
     // consumer opens consumer 0's first turn, so it leaves out its own last hand-over (each

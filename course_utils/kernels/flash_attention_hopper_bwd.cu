@@ -156,19 +156,21 @@ __device__ __forceinline__ void wgmma_ss_dq<128>(float (&d)[32], uint64_t a, uin
 // ---------------------------------------------------------------- the descriptors
 // One function per operand, shared by the kernel and the probe; tests/test_flash_hopper_bwd.py
 // mirrors each line and checks with course_utils.hopper that every k-step reads exactly the
-// elements its product needs. Offsets are in elements (bf16) from a tile's start. A tile of R
-// rows x D is D / 64 panels of R x 64 (R x 128 bytes each); a step of 16 along a 128-byte row is
-// 32 bytes, a step of 16 rows is 16 x 64 elements.
+// elements its product needs. Offsets are in elements (bf16) from a tile's start, added to the
+// descriptor of that start (desc_plus, hopper_common.cuh). A tile of R rows x D is D / 64 panels
+// of R x 64 (R x 128 bytes each); a step of 16 along a 128-byte row is 32 bytes, a step of 16
+// rows is 16 x 64 elements.
 
 // A of S^T = K_w Q_i^T (and V_w of dP^T): rows 64w .. 64w + 63 of the K (V) tile, K-major;
 // step k covers columns 16k .. 16k + 15 of D.
 __device__ __forceinline__ uint64_t desc_kw(const __nv_bfloat16* K, int w, int k) {
-    return smem_desc(K + (k / 4) * BLOCK_N * 64 + w * 64 * 64 + (k % 4) * 16, 16, 1024);
+    const uint64_t rows = smem_desc(K + w * 64 * 64, 16, 1024);  // rows 64w ..
+    return desc_plus(rows, (k / 4) * BLOCK_N * 64 + (k % 4) * 16);
 }
 // B of S^T (Q_i) and of dP^T (dO_i): all R rows, K-major; step k covers columns 16k .. 16k + 15.
 template <int R = BLOCK_M>
 __device__ __forceinline__ uint64_t desc_rows_k(const __nv_bfloat16* X, int k) {
-    return smem_desc(X + (k / 4) * R * 64 + (k % 4) * 16, 16, 1024);
+    return desc_plus(smem_desc(X, 16, 1024), (k / 4) * R * 64 + (k % 4) * 16);
 }
 // A tile of ROWS rows read MN-major, the reduction running over its rows; step k covers rows
 // 16k .. 16k + 15, and LBO jumps from one 64-column panel to the next. B of dV += P^T dO_i (dO_i)
@@ -177,7 +179,7 @@ __device__ __forceinline__ uint64_t desc_rows_k(const __nv_bfloat16* X, int k) {
 // queries, so the queries run along the rows: dS transposed), B is K.
 template <int ROWS = BLOCK_M>
 __device__ __forceinline__ uint64_t desc_rows_mn(const __nv_bfloat16* X, int k) {
-    return smem_desc(X + k * 16 * 64, ROWS * 128, 1024);
+    return desc_plus(smem_desc(X, ROWS * 128, 1024), k * 16 * 64);
 }
 // A of dQ_i: the 64 queries of panel w of the dS^T tile. D = 128 (R = 64): consumer w computes
 // all 64 queries (the tile's one panel, w = 0), columns (D / 2) w .. of dQ_i. D = 64 (R = 128):
