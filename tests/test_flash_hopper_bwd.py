@@ -404,8 +404,8 @@ def _model_backward(Q, K, V, O, dO, LSE, causal, bug=None):
                 dPT = _mm(Vp[keys], dOi.T)
                 with np.errstate(over="ignore"):
                     PT = np.exp2(ST * scale_log2 - lse2[queries][None, :]).astype(f32)
-                masked = ((keys[:, None] >= Nk) | (queries[None, :] >= Nq)
-                          | (causal & (keys[:, None] > queries[None, :])))
+                # no test of queries >= Nq, as in the kernel: lse2 = +inf there makes P = 0
+                masked = (keys[:, None] >= Nk) | (causal & (keys[:, None] > queries[None, :]))
                 PT[masked] = 0.0
                 dST_w = (PT * (dPT - Delta[queries][None, :])).astype(f32)
                 P_bf16, dS_bf16 = _bf16(PT), _bf16(dST_w)  # pack_bf16: the A fragments

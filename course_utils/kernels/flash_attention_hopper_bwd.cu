@@ -390,10 +390,11 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
 
         // P^T = 2^(S^T scale log2(e) - LSE log2(e)) while dP^T is still computing. Register i of
         // st is key row key0 + 8 ((i % 4) / 2), query q0 + 8 (i / 4) + 2t + (i % 2): one float2
-        // of lse2 serves 4 registers. Masked: keys past Nk, queries past Nq, causal key > query.
+        // of lse2 serves 4 registers. Masked: keys past Nk, causal key > query. Queries past Nq need
+        // no test: lse2 is +inf there (preprocessing), so P is 2^-inf = 0 without one.
         wgmma_wait<1>();
         fence_regs(st);
-        const bool edge = kw0 + 64 > Nk || q0 + R > Nq || (causal && kw0 + 63 > q0);
+        const bool edge = kw0 + 64 > Nk || (causal && kw0 + 63 > q0);
         #pragma unroll
         for (int c = 0; c < R / 8; ++c) {
             const float2 l = *reinterpret_cast<const float2*>(lse2_bh + q0 + 8 * c + 2 * t);
@@ -405,7 +406,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                     float prob = fast_exp2(fmaf(st[idx], scale_log2, -(e ? l.y : l.x)));
                     if (edge) {
                         const int key = key0 + 8 * h, q = q0 + 8 * c + 2 * t + e;
-                        if (key >= Nk || q >= Nq || (causal && key > q)) prob = 0.f;
+                        if (key >= Nk || (causal && key > q)) prob = 0.f;
                     }
                     st[idx] = prob;
                 }
@@ -649,6 +650,44 @@ static void launch_main(const torch::Tensor& Q, const torch::Tensor& K, const to
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: launch");
 }
 
+// The three passes at head dim D, after the caller's checks (Q, K, V, O, dO bf16, contiguous, on
+// the current GPU; B, H, Nq, Nk > 0); they write dQ, dK and dV.
+template <int D>
+static void backward_passes(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
+                            const torch::Tensor& O, const torch::Tensor& dO, const torch::Tensor& LSE,
+                            torch::Tensor& dQ, torch::Tensor& dK, torch::Tensor& dV, bool causal) {
+    using namespace fa_hopper_bwd;
+    const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    auto stream = c10::cuda::getCurrentCUDAStream();
+
+    // 1. Delta, LSE in base 2 (both padded to whole query blocks), dQ accumulator = 0 (whole
+    // query blocks too: R x D floats per head and block, in the main kernel's order), one kernel
+    constexpr int64_t R = BM<D>;
+    const int64_t q_blocks = (Nq + R - 1) / R, Nq_pad = q_blocks * R;
+    auto f32 = Q.options().dtype(torch::kFloat32);
+    auto Delta = torch::empty({B, H, Nq_pad}, f32);
+    auto lse2 = torch::empty({B, H, Nq_pad}, f32);
+    auto dQacc = torch::empty({B, H, Nq_pad, D}, f32);  // zeroed by bwd_preprocess
+    const int pre_rows = PRE_THREADS / (D / 8);  // divides R (16 at D = 128, 32 at D = 64)
+    bwd_preprocess_kernel<D><<<dim3(Nq_pad / pre_rows, H, B), PRE_THREADS, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), LSE.data_ptr<float>(),
+        Delta.data_ptr<float>(), lse2.data_ptr<float>(), dQacc.data_ptr<float>(), H, Nq, Nq_pad);
+    check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: preprocess launch");
+
+    // 2. dK, dV, and the dQ accumulator
+    launch_main<D>(Q, K, V, dO, lse2, Delta, dQacc, dK, dV, scale, causal);
+
+    // 3. dQ = scale * accumulator, in bf16
+    const size_t n4 = static_cast<size_t>(dQacc.numel()) / 4;
+    const int blocks = static_cast<int>(std::min<size_t>((n4 + 255) / 256, 65536));
+    bwd_convert_dq_kernel<D><<<blocks, 256, 0, stream>>>(
+        dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dQ.data_ptr()), n4,
+        static_cast<int>(q_blocks), Nq, scale);
+    check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: convert launch");
+}
+
 // dQ, dK, dV of attention(Q, K, V) given the forward's O and LSE and the gradient dO of O (sm_90).
 std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                       torch::Tensor O, torch::Tensor dO,
@@ -689,38 +728,9 @@ std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Te
     if (B == 0 || H == 0) return {dQ, dK, dV};
     if (Nq == 0) return {dQ, dK.zero_(), dV.zero_()};  // no query: no gradient reaches K, V
     if (Nk == 0) return {dQ.zero_(), dK, dV};           // no key: O = 0 does not depend on Q
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     c10::cuda::CUDAGuard guard(Q.device());
-    auto stream = c10::cuda::getCurrentCUDAStream();
-
-    // 1. Delta, LSE in base 2 (both padded to whole query blocks), dQ accumulator = 0 (whole
-    // query blocks too: R x D floats per head and block, in the main kernel's order), one kernel
-    const int64_t R = D == 64 ? BM<64> : BM<128>;
-    const int64_t q_blocks = (Nq + R - 1) / R, Nq_pad = q_blocks * R;
-    auto f32 = Q.options().dtype(torch::kFloat32);
-    auto Delta = torch::empty({B, H, Nq_pad}, f32);
-    auto lse2 = torch::empty({B, H, Nq_pad}, f32);
-    auto dQacc = torch::empty({B, H, Nq_pad, D}, f32);  // zeroed by bwd_preprocess
-    const int pre_rows = PRE_THREADS / (D / 8);  // divides R (16 at D = 128, 32 at D = 64)
-    auto preprocess = D == 64 ? bwd_preprocess_kernel<64> : bwd_preprocess_kernel<128>;
-    preprocess<<<dim3(Nq_pad / pre_rows, H, B), PRE_THREADS, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
-        reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), LSE.data_ptr<float>(),
-        Delta.data_ptr<float>(), lse2.data_ptr<float>(), dQacc.data_ptr<float>(), H, Nq, Nq_pad);
-    check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: preprocess launch");
-
-    // 2. dK, dV, and the dQ accumulator
-    if (D == 64) launch_main<64>(Q, K, V, dO, lse2, Delta, dQacc, dK, dV, scale, causal);
-    else launch_main<128>(Q, K, V, dO, lse2, Delta, dQacc, dK, dV, scale, causal);
-
-    // 3. dQ = scale * accumulator, in bf16
-    const size_t n4 = static_cast<size_t>(dQacc.numel()) / 4;
-    const int blocks = static_cast<int>(std::min<size_t>((n4 + 255) / 256, 65536));
-    auto convert = D == 64 ? bwd_convert_dq_kernel<64> : bwd_convert_dq_kernel<128>;
-    convert<<<blocks, 256, 0, stream>>>(
-        dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dQ.data_ptr()), n4,
-        static_cast<int>(q_blocks), Nq, scale);
-    check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: convert launch");
+    if (D == 64) backward_passes<64>(Q, K, V, O, dO, LSE, dQ, dK, dV, causal);
+    else backward_passes<128>(Q, K, V, O, dO, LSE, dQ, dK, dV, causal);
     return {dQ, dK, dV};
 }
 
