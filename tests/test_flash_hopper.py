@@ -205,7 +205,8 @@ def test_matches_float64(variant, B, H, Nq, Nk, D, causal, big):
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_blocks_take_many_tiles(D, causal):
     """Variant 6 with more query tiles (3 x 50 heads x 3) than SMs: every block takes several,
-    so Q's barrier and the K/V ring carry their phases from one tile to the next."""
+    so Q's barriers and the K/V ring carry their phases from one tile to the next, and every
+    tile but a block's last is stored after the next tile's first product."""
     B, H, Nq, Nk = 3, 50, 300, 257
     Q, K, V = (torch.randn(B, H, n, D, device="cuda").bfloat16() for n in (Nq, Nk, Nk))
     poison_free_cuda_memory()
@@ -369,11 +370,14 @@ def _run_named_barriers(programs, rng):
 @pytest.mark.parametrize("turns_per_tile", [[1], [2], [5], [4, 1, 3], [2, 2, 2, 7]])
 def test_turns_go_round_without_deadlock_or_leftover_arrivals(consumers, turns_per_tile):
     """The named barriers hang the GPU when wrong (the watchdog covers mbarriers only), so the
-    turn protocol is run here under random interleavings: one tile (variants 1, 3, 4, 5) and
-    several tiles a block (variant 6)."""
+    turn protocol is run here under random interleavings: one tile a block (variants 1, 3, 4, 5),
+    several tiles a block each opened and closed, and variant 6's stream, where a tile's last
+    turn is also the next tile's first (one opening and one skipped hand-over per block)."""
     rng = np.random.default_rng(0)
+    chained = [sum(turns_per_tile) - len(turns_per_tile) + 1]
     for _ in range(200):
         assert _run_named_barriers(_turn_programs(consumers, turns_per_tile), rng) is None
+        assert _run_named_barriers(_turn_programs(consumers, chained), rng) is None
 
 
 @pytest.mark.parametrize("consumers", [2, 3])

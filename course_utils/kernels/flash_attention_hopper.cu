@@ -25,6 +25,9 @@
 //   OVERLAP   inside one warpgroup, S(j + 1) = Q K(j + 1)^T is issued before the softmax of
 //             S(j) and O += P(j) V(j) runs under it: the exp units and the tensor cores work
 //             at the same time.
+//   PERSIST   one block per SM takes query tile after query tile, and the loop runs across
+//             them: the next tile's first S is issued with this tile's last P V, and this
+//             tile's O is stored under it (no block launch, Q wait or epilogue between tiles).
 // (Computing only the keys left in a short last block, with m64n64 / m64n128 products there, was
 // tried: the extra copies of the step made ptxas serialize every wgmma for want of registers,
 // its advisory C7511, and the kernel ran 22% slower. Check ptxas -v for C7511 after any change.)
@@ -91,7 +94,7 @@ struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boun
     __nv_bfloat16 Q[64 * CONS * D];
     __nv_bfloat16 K[STAGES<D>][BN * D];
     __nv_bfloat16 V[STAGES<D>][BN * D];
-    uint64_t q_full, q_empty;  // q_empty: the consumers are done with Q (persistent kernel)
+    uint64_t q_full[CONS], q_empty[CONS];  // consumer w's 64 rows of Q: landed / done with (persistent)
     uint64_t k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
 };
 
@@ -127,7 +130,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
 
     // The work: tiles of BLOCK_M query rows of one head. One tile a block (the grid is
     // q_blocks x H x B), or, PERSIST, one block per SM that takes tile after tile (blockIdx.x,
-    // + gridDim.x, ...), so that a block's prologue and epilogue overlap its neighbours' work.
+    // + gridDim.x, ...), so that one tile's last product and epilogue overlap the next's first.
     // Causal: a head's longest rows first (their tiles have the most key blocks).
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
     const int first = PERSIST ? blockIdx.x : 0, step = PERSIST ? gridDim.x : 1;
@@ -153,8 +156,10 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
-        mbar_init(&sm.q_full, 1);
-        mbar_init(&sm.q_empty, 128 * CONS);
+        for (int c = 0; c < CONS; ++c) {
+            mbar_init(&sm.q_full[c], 1);
+            mbar_init(&sm.q_empty[c], 128);
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.k_full[s], 1);
             mbar_init(&sm.v_full[s], 1);
@@ -171,10 +176,13 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             int it = 0;  // K/V tiles loaded so far: the position in the ring, across query tiles
             for (int tile = first, n = 0; tile < n_tiles; tile += step, ++n) {
                 take_tile(tile);
-                if (PERSIST) mbar_wait(&sm.q_empty, (n & 1) ^ 1);  // the last tile's Q is done
-                mbar_expect_bytes(&sm.q_full, BLOCK_M * D * 2);
-                for (int p = 0; p < PANELS; ++p)
-                    tma_load(sm.Q + p * BLOCK_M * 64, &q_map, &sm.q_full, 64 * p, q0, bh);
+                for (int c = 0; c < CONS; ++c) {  // consumer c's 64 rows of Q, each with its barriers
+                    if (PERSIST) mbar_wait(&sm.q_empty[c], (n & 1) ^ 1);  // c's last tile's S is done
+                    mbar_expect_bytes(&sm.q_full[c], 64 * D * 2);
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load(sm.Q + p * BLOCK_M * 64 + c * 64 * 64, &q_map, &sm.q_full[c], 64 * p,
+                                 q0 + 64 * c, bh);
+                }
                 for (int j = 0; j < n_blocks; ++j, ++it) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(&sm.k_empty[s], phase ^ 1);  // a fresh barrier counts as emptied
@@ -295,15 +303,56 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         for (int i = 0; i < P_REGS; ++i) p[i] = pack_bf16(s_acc[2 * i], s_acc[2 * i + 1]);
     };
 
-    for (int tile = first, n = 0; tile < n_tiles; tile += step, ++n) {
-    take_tile(tile);
-    row0 = q0 + 64 * w + 16 * warp + g;
-    m[0] = m[1] = neg_inf();
-    l[0] = l[1] = 0.f;
-    #pragma unroll
-    for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+    auto start_tile = [&]() {  // after take_tile: this lane's rows, an empty O, no key seen yet
+        row0 = q0 + 64 * w + 16 * warp + g;
+        m[0] = m[1] = neg_inf();
+        l[0] = l[1] = 0.f;
+        #pragma unroll
+        for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+    };
+    // ---------------------------------------------------------------- epilogue
+    // O / l as bf16 and the LSE of rows r_first and r_first + 8. A quad's four lanes hold one
+    // row: lane t the column pairs 8i + 2t, 8i + 2t + 1. Stored as they are, that is 4-byte
+    // stores of 16 bytes per row per instruction (measured: ~2000 cycles a tile). Two rounds of
+    // shuffles transpose each 4 x 4 block of pairs inside the quad, so that lane t holds the 8
+    // contiguous columns 8 (4a + t) .. + 7 and stores them with one 16-byte store (~1400).
+    auto store_o = [&](int r_first, int head, const float (&mm)[2], float (&ll)[2]) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            ll[h] += __shfl_xor_sync(0xffffffff, ll[h], 1);
+            ll[h] += __shfl_xor_sync(0xffffffff, ll[h], 2);
+            const int r = r_first + 8 * h;
+            const float inv = ll[h] > 0.f ? 1.f / ll[h] : 0.f;
+            __nv_bfloat16* out = O + ((size_t)head * Nq + r) * D;
+            #pragma unroll
+            for (int a = 0; a < D / 32; ++a) {
+                uint32_t x[4];  // x[c]: lane t's pair in column group 4a + c
+                #pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    x[c] = pack_bf16(o[4 * (4 * a + c) + 2 * h] * inv, o[4 * (4 * a + c) + 2 * h + 1] * inv);
+                #pragma unroll
+                for (int c = 0; c < 4; c += 2) {  // swap with lane t ^ 1 inside each 2 x 2 block
+                    const uint32_t got = __shfl_xor_sync(0xffffffff, (t & 1) ? x[c] : x[c + 1], 1);
+                    if (t & 1) x[c] = got; else x[c + 1] = got;
+                }
+                #pragma unroll
+                for (int c = 0; c < 2; ++c) {     // swap the off-diagonal 2 x 2 blocks with lane t ^ 2
+                    const uint32_t got = __shfl_xor_sync(0xffffffff, (t & 2) ? x[c] : x[c + 2], 2);
+                    if (t & 2) x[c] = got; else x[c + 2] = got;
+                }
+                if (r < Nq)  // (after the shuffles: every lane of the warp must take part in them)
+                    *reinterpret_cast<uint4*>(out + 8 * (4 * a + t)) = make_uint4(x[0], x[1], x[2], x[3]);
+            }
+            if (t == 0 && r < Nq)
+                LSE[(size_t)head * Nq + r] = ll[h] > 0.f ? (mm[h] * scale_log2 + __log2f(ll[h])) / LOG2E : neg_inf();
+        }
+    };
+
+    if constexpr (!PERSIST) {  // ------------------------------------ one query tile
+    take_tile(0);
+    start_tile();
     if (PINGPONG && w == CONS - 1) named_arrive(1);  // consumer 0 takes the first turn
-    mbar_wait(&sm.q_full, n & 1);
+    mbar_wait(&sm.q_full[w], 0);
     if (!OVERLAP) {
         for (int j = 0; j < n_blocks; ++j) {
             turn_begin();
@@ -352,30 +401,90 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         fence_regs(o);
         mbar_arrive(&sm.v_empty[stage(n_blocks - 1)]);
     }
-    it += n_blocks;
-    if (PERSIST) mbar_arrive(&sm.q_empty);  // no product reads Q any more: the next tile's may come
-
-    // ---------------------------------------------------------------- epilogue
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
-    }
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = row0 + 8 * h;
-        if (r >= Nq) continue;
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        __nv_bfloat16* out = O + ((size_t)bh * Nq + r) * D + 2 * t;
-        #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-            const __nv_bfloat162 v = __floats2bfloat162_rn(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
-            *reinterpret_cast<__nv_bfloat162*>(out + 8 * i) = v;
+    store_o(row0, bh, m, l);
+    } else {  // ---------------------------------------------------- persistent: tile after tile
+    // The loop above, run across the block's tiles as one stream of turns: the next tile's
+    // S(0) = Q K(0)^T is issued in the same turn as this tile's last O += P V, its softmax runs
+    // while that product does, and this tile's O is stored after it. So neither the last P V
+    // nor the epilogue leaves the tensor cores waiting for a new block, and only the very first
+    // turn opens (and the very last closes) the ping-pong. Each consumer releases its 64 rows of
+    // Q after its last S of a tile (q_empty[w]), and the producer loads its next rows at once,
+    // under that last softmax and P V.
+    static_assert(PINGPONG && OVERLAP, "the persistent kernel is built on ping-pong + overlap");
+    auto s_done = [&](int j) {  // S(j) has completed: its K stage is free, and Q after the last
+        mbar_arrive(&sm.k_empty[stage(j)]);
+        if (j == n_blocks - 1) mbar_arrive(&sm.q_empty[w]);
+    };
+    int tile = first, n = 0;
+    if (tile >= n_tiles) return;
+    take_tile(tile);
+    start_tile();
+    if (w == CONS - 1) named_arrive(1);  // consumer 0 takes the first turn
+    mbar_wait(&sm.q_full[w], 0);
+    turn_begin();
+    issue_s(0);
+    turn_end(false);
+    wgmma_wait<0>();
+    fence_regs(s_acc);
+    s_done(0);
+    softmax(0);
+    rescale_and_pack();
+    while (true) {
+        for (int j = 1; j < n_blocks; ++j) {
+            turn_begin();
+            issue_s(j);
+            issue_pv(j - 1);
+            turn_end(false);
+            wgmma_wait<1>();
+            fence_regs(s_acc);
+            s_done(j);
+            softmax(j);
+            wgmma_wait<0>();
+            fence_regs(o);
+            fence_regs(p);
+            mbar_arrive(&sm.v_empty[stage(j - 1)]);
+            rescale_and_pack();
         }
-        if (t == 0)
-            LSE[(size_t)bh * Nq + r] = l[h] > 0.f ? (m[h] * scale_log2 + __log2f(l[h])) / LOG2E : neg_inf();
+        const int next = tile + step;
+        if (next >= n_tiles) {  // the block's last tile: its last P V alone
+            turn_begin();
+            issue_pv(n_blocks - 1);
+            turn_end(true);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(&sm.v_empty[stage(n_blocks - 1)]);
+            store_o(row0, bh, m, l);
+            break;
+        }
+        const int r_done = row0, bh_done = bh;  // this tile, to be stored after the turn
+        const float m_done[2] = {m[0], m[1]};
+        float l_done[2] = {l[0], l[1]};
+        it += n_blocks;  // from here stage(-1) is this tile's last K/V stage
+        take_tile(next);
+        ++n;
+        row0 = q0 + 64 * w + 16 * warp + g;
+        turn_begin();
+        mbar_wait(&sm.q_full[w], n & 1);
+        issue_s(0);      // the next tile's S(0) ...
+        issue_pv(-1);    // ... and this tile's last P V, both in flight
+        turn_end(false);
+        wgmma_wait<1>(); // S(0) is done
+        fence_regs(s_acc);
+        s_done(0);
+        m[0] = m[1] = neg_inf();
+        softmax(0);      // while the P V runs
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(p);
+        mbar_arrive(&sm.v_empty[stage(-1)]);
+        store_o(r_done, bh_done, m_done, l_done);
+        #pragma unroll
+        for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
+        l[0] = l[1] = 0.f;
+        rescale_and_pack();  // P(0) of the new tile; alpha multiplies an O of zeros
+        tile = next;
     }
-    }  // the next query tile (PERSIST)
+    }
 #else
     __trap();  // built for a GPU without sm_90a's wgmma and TMA: the host refuses to launch
 #endif
@@ -506,7 +615,7 @@ FA_INSTANTIATE(128, false, true) FA_INSTANTIATE(128, true, true)
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
         const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, int, float, int);
 FA_INSTANTIATE(128, 176, 2, false) FA_INSTANTIATE(64, 128, 3, false)
-FA_INSTANTIATE(64, 128, 2, true) FA_INSTANTIATE(128, 128, 2, true)
+FA_INSTANTIATE(64, 128, 3, true) FA_INSTANTIATE(128, 176, 2, true)
 #undef FA_INSTANTIATE
 template __global__ void probe_layout_kernel<64>(const __grid_constant__ CUtensorMap, uint16_t*);
 template __global__ void probe_layout_kernel<128>(const __grid_constant__ CUtensorMap, uint16_t*);
@@ -530,7 +639,8 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
     using namespace fa_hopper;
     const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
     constexpr int BM = 64 * CONS;
-    const CUtensorMap q_map = make_map(Q, BM), k_map = make_map(K, BN), v_map = make_map(V, BN);
+    // Q in boxes of 64 rows: each consumer's rows have their own barrier
+    const CUtensorMap q_map = make_map(Q, 64), k_map = make_map(K, BN), v_map = make_map(V, BN);
     constexpr int SMEM = sizeof(Tiles<D, BN, CONS>) + 1024;  // + room to align the start to 1024 bytes
     auto kernel = flash_attention_hopper_kernel<D, BN, CONS, PINGPONG, OVERLAP, PERSIST>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
@@ -557,7 +667,8 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
 // key tiles of 176 instead of 128 (d = 128 only: fewer, longer softmax passes, FlashAttention-3's
 // choice; 88 + 44 + 64 registers of S, P and O a thread); 5 = 3 with three consumers, 192 query
 // rows a block (d = 64 only, where the exponentials weigh most: 160 registers a consumer thread);
-// 6 = 3 as a persistent kernel: one block per SM takes query tile after query tile.
+// 6 = the best tiles of d (4 at d = 128, 5 at d = 64) as a persistent kernel: one block per SM
+// takes query tile after query tile, the next tile's first product under this one's last.
 std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                   bool causal, int64_t variant) {
     const char* fn = "flash_attention_hopper";
@@ -598,12 +709,12 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
         if (variant == 0) FA_LAUNCH(64, false, false); else if (variant == 1) FA_LAUNCH(64, true, false);
         else if (variant == 2) FA_LAUNCH(64, false, true); else if (variant == 3) FA_LAUNCH(64, true, true);
         else if (variant == 5) launch<64, 128, 3, true, true>(Q, K, V, O, LSE, scale, causal);
-        else launch<64, 128, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
+        else launch<64, 128, 3, true, true, true>(Q, K, V, O, LSE, scale, causal);
     } else {
         if (variant == 0) FA_LAUNCH(128, false, false); else if (variant == 1) FA_LAUNCH(128, true, false);
         else if (variant == 2) FA_LAUNCH(128, false, true); else if (variant == 3) FA_LAUNCH(128, true, true);
         else if (variant == 4) launch<128, 176, 2, true, true>(Q, K, V, O, LSE, scale, causal);
-        else launch<128, 128, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
+        else launch<128, 176, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
     }
 #undef FA_LAUNCH
     return {O, LSE};
