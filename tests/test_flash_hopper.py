@@ -277,6 +277,53 @@ def test_bad_input_says_what_is_wrong():
         f(Q128, Q128, Q128, False, 5)
 
 
+# ------------------------------------------------------------------ 16-byte stores of a row
+
+
+def _store_row_bf16(cols, h, swaps=((1, ((0, 1), (2, 3))), (2, ((0, 2), (1, 3))))):
+    """What the epilogue's 16-byte stores (store_o) write, for one quad: returns {column offset of a
+    lane's 16-byte store: the 8 columns it holds}. Before the shuffles lane t holds, in group
+    4a + c, the pair of columns 8 (4a + c) + 2t, + 1 (the wgmma accumulator's layout, registers
+    4 (4a + c) + 2h and + 1); a pair is named here by its first column."""
+    stored = {}
+    for a in range(cols // 32):
+        x = [[8 * (4 * a + c) + 2 * t for c in range(4)] for t in range(4)]  # x[t][c]
+        for mask, pairs in swaps:  # one round: the __shfl_xor_sync(..., mask) of each pair
+            new = [row[:] for row in x]
+            for t in range(4):
+                for lo, hi in pairs:
+                    sent_by_partner = x[t ^ mask][lo] if (t ^ mask) & mask else x[t ^ mask][hi]
+                    if t & mask:
+                        new[t][lo] = sent_by_partner
+                    else:
+                        new[t][hi] = sent_by_partner
+            x = new
+        for t in range(4):
+            stored[8 * (4 * a + t)] = [col + e for col in x[t] for e in (0, 1)]
+    return stored
+
+
+def test_the_shuffles_give_each_lane_8_contiguous_columns():
+    text = SOURCE.read_text()
+    for line in ("__shfl_xor_sync(0xffffffff, (t & 1) ? x[c] : x[c + 1], 1);",
+                 "if (t & 1) x[c] = got; else x[c + 1] = got;",
+                 "__shfl_xor_sync(0xffffffff, (t & 2) ? x[c] : x[c + 2], 2);",
+                 "if (t & 2) x[c] = got; else x[c + 2] = got;",
+                 "*reinterpret_cast<uint4*>(out + 8 * (4 * a + t))"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    for cols in (64, 128):
+        stored = _store_row_bf16(cols, 0)
+        assert sorted(stored) == list(range(0, cols, 8))  # every 16-byte chunk of the row once
+        for at, held in stored.items():
+            assert held == list(range(at, at + 8)), (cols, at, held)
+
+
+def test_one_round_of_shuffles_is_not_enough():
+    """The check above can fail: without the second round a lane stores columns of 4 groups."""
+    stored = _store_row_bf16(128, 0, swaps=((1, ((0, 1), (2, 3))),))
+    assert any(held != list(range(at, at + 8)) for at, held in stored.items())
+
+
 # ------------------------------------------------------------------ the persistent kernel's tiles
 
 
