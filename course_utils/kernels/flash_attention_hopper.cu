@@ -348,6 +348,48 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         }
     };
 
+    // The overlapped loop of one tile (OVERLAP) in three parts: S(0) and its softmax; blocks
+    // 1 .. n - 1, each S(j) issued with P(j - 1) V(j - 1); the last P V alone.
+    auto s_done = [&](int j) {  // S(j) has completed: its K stage is free (persistent: Q after the last)
+        mbar_arrive(&sm.k_empty[stage(j)]);
+        if (PERSIST && j == n_blocks - 1) mbar_arrive(&sm.q_empty[w]);
+    };
+    auto first_block = [&]() {
+        turn_begin();
+        issue_s(0);
+        turn_end(false);
+        wgmma_wait<0>();
+        fence_regs(s_acc);
+        s_done(0);
+        softmax(0);
+        rescale_and_pack();
+    };
+    auto overlapped_blocks = [&]() {
+        for (int j = 1; j < n_blocks; ++j) {
+            turn_begin();
+            issue_s(j);          // S(j) = Q K(j)^T ...
+            issue_pv(j - 1);     // ... and O += P(j - 1) V(j - 1), both in flight
+            turn_end(false);
+            wgmma_wait<1>();     // S(j) is done; O += P V still runs under the softmax
+            fence_regs(s_acc);
+            s_done(j);
+            softmax(j);
+            wgmma_wait<0>();
+            fence_regs(o);
+            fence_regs(p);
+            mbar_arrive(&sm.v_empty[stage(j - 1)]);
+            rescale_and_pack();
+        }
+    };
+    auto last_pv = [&]() {
+        turn_begin();
+        issue_pv(n_blocks - 1);
+        turn_end(true);
+        wgmma_wait<0>();
+        fence_regs(o);
+        mbar_arrive(&sm.v_empty[stage(n_blocks - 1)]);
+    };
+
     if constexpr (!PERSIST) {  // ------------------------------------ one query tile
     take_tile(0);
     start_tile();
@@ -371,35 +413,9 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             mbar_arrive(&sm.v_empty[stage(j)]);
         }
     } else {
-        turn_begin();
-        issue_s(0);
-        turn_end(false);
-        wgmma_wait<0>();
-        fence_regs(s_acc);
-        mbar_arrive(&sm.k_empty[stage(0)]);
-        softmax(0);
-        rescale_and_pack();
-        for (int j = 1; j < n_blocks; ++j) {
-            turn_begin();
-            issue_s(j);          // S(j) = Q K(j)^T ...
-            issue_pv(j - 1);     // ... and O += P(j - 1) V(j - 1), both in flight
-            turn_end(false);
-            wgmma_wait<1>();     // S(j) is done; O += P V still runs under the softmax
-            fence_regs(s_acc);
-            mbar_arrive(&sm.k_empty[stage(j)]);
-            softmax(j);
-            wgmma_wait<0>();
-            fence_regs(o);
-            fence_regs(p);
-            mbar_arrive(&sm.v_empty[stage(j - 1)]);
-            rescale_and_pack();
-        }
-        turn_begin();
-        issue_pv(n_blocks - 1);
-        turn_end(true);
-        wgmma_wait<0>();
-        fence_regs(o);
-        mbar_arrive(&sm.v_empty[stage(n_blocks - 1)]);
+        first_block();
+        overlapped_blocks();
+        last_pv();
     }
     store_o(row0, bh, m, l);
     } else {  // ---------------------------------------------------- persistent: tile after tile
@@ -411,48 +427,18 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     // Q after its last S of a tile (q_empty[w]), and the producer loads its next rows at once,
     // under that last softmax and P V.
     static_assert(PINGPONG && OVERLAP, "the persistent kernel is built on ping-pong + overlap");
-    auto s_done = [&](int j) {  // S(j) has completed: its K stage is free, and Q after the last
-        mbar_arrive(&sm.k_empty[stage(j)]);
-        if (j == n_blocks - 1) mbar_arrive(&sm.q_empty[w]);
-    };
     int tile = first, n = 0;
     if (tile >= n_tiles) return;
     take_tile(tile);
     start_tile();
     if (w == CONS - 1) named_arrive(1);  // consumer 0 takes the first turn
     mbar_wait(&sm.q_full[w], 0);
-    turn_begin();
-    issue_s(0);
-    turn_end(false);
-    wgmma_wait<0>();
-    fence_regs(s_acc);
-    s_done(0);
-    softmax(0);
-    rescale_and_pack();
+    first_block();
     while (true) {
-        for (int j = 1; j < n_blocks; ++j) {
-            turn_begin();
-            issue_s(j);
-            issue_pv(j - 1);
-            turn_end(false);
-            wgmma_wait<1>();
-            fence_regs(s_acc);
-            s_done(j);
-            softmax(j);
-            wgmma_wait<0>();
-            fence_regs(o);
-            fence_regs(p);
-            mbar_arrive(&sm.v_empty[stage(j - 1)]);
-            rescale_and_pack();
-        }
+        overlapped_blocks();
         const int next = tile + step;
         if (next >= n_tiles) {  // the block's last tile: its last P V alone
-            turn_begin();
-            issue_pv(n_blocks - 1);
-            turn_end(true);
-            wgmma_wait<0>();
-            fence_regs(o);
-            mbar_arrive(&sm.v_empty[stage(n_blocks - 1)]);
+            last_pv();
             store_o(row0, bh, m, l);
             break;
         }
