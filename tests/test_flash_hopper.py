@@ -280,11 +280,12 @@ def test_bad_input_says_what_is_wrong():
 # ------------------------------------------------------------------ 16-byte stores of a row
 
 
-def _store_row_bf16(cols, h, swaps=((1, ((0, 1), (2, 3))), (2, ((0, 2), (1, 3))))):
+def _store_row_bf16(cols, swaps=((1, ((0, 1), (2, 3))), (2, ((0, 2), (1, 3))))):
     """What the epilogue's 16-byte stores (store_o) write, for one quad: returns {column offset of a
     lane's 16-byte store: the 8 columns it holds}. Before the shuffles lane t holds, in group
     4a + c, the pair of columns 8 (4a + c) + 2t, + 1 (the wgmma accumulator's layout, registers
-    4 (4a + c) + 2h and + 1); a pair is named here by its first column."""
+    4 (4a + c) + 2h and + 1 for either row h: the same for both); a pair is named by its first
+    column."""
     stored = {}
     for a in range(cols // 32):
         x = [[8 * (4 * a + c) + 2 * t for c in range(4)] for t in range(4)]  # x[t][c]
@@ -312,7 +313,7 @@ def test_the_shuffles_give_each_lane_8_contiguous_columns():
                  "*reinterpret_cast<uint4*>(out + 8 * (4 * a + t))"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
     for cols in (64, 128):
-        stored = _store_row_bf16(cols, 0)
+        stored = _store_row_bf16(cols)
         assert sorted(stored) == list(range(0, cols, 8))  # every 16-byte chunk of the row once
         for at, held in stored.items():
             assert held == list(range(at, at + 8)), (cols, at, held)
@@ -320,7 +321,7 @@ def test_the_shuffles_give_each_lane_8_contiguous_columns():
 
 def test_one_round_of_shuffles_is_not_enough():
     """The check above can fail: without the second round a lane stores columns of 4 groups."""
-    stored = _store_row_bf16(128, 0, swaps=((1, ((0, 1), (2, 3))),))
+    stored = _store_row_bf16(128, swaps=((1, ((0, 1), (2, 3))),))
     assert any(held != list(range(at, at + 8)) for at, held in stored.items())
 
 
