@@ -281,11 +281,11 @@ def test_bad_input_says_what_is_wrong():
 
 
 def _store_row_bf16(cols, swaps=((1, ((0, 1), (2, 3))), (2, ((0, 2), (1, 3))))):
-    """What the epilogue's 16-byte stores (store_o) write, for one quad: returns {column offset of a
-    lane's 16-byte store: the 8 columns it holds}. Before the shuffles lane t holds, in group
-    4a + c, the pair of columns 8 (4a + c) + 2t, + 1 (the wgmma accumulator's layout, registers
-    4 (4a + c) + 2h and + 1 for either row h: the same for both); a pair is named by its first
-    column."""
+    """What the epilogue's 16-byte stores (store_row_bf16) write, for one quad: returns {column
+    offset of a lane's 16-byte store: the 8 columns it holds}. Before the shuffles lane t holds,
+    in group 4a + c, the pair of columns 8 (4a + c) + 2t, + 1 (the wgmma accumulator's layout,
+    registers 4 (4a + c) + 2h and + 1 for either row h: the same for both); a pair is named by
+    its first column."""
     stored = {}
     for a in range(cols // 32):
         x = [[8 * (4 * a + c) + 2 * t for c in range(4)] for t in range(4)]  # x[t][c]
@@ -305,7 +305,10 @@ def _store_row_bf16(cols, swaps=((1, ((0, 1), (2, 3))), (2, ((0, 2), (1, 3))))):
 
 
 def test_the_shuffles_give_each_lane_8_contiguous_columns():
-    text = SOURCE.read_text()
+    """store_row_bf16 (hopper_common.cuh): the forward's O and the backward's dK and dV."""
+    text = (SOURCE.parent / "hopper_common.cuh").read_text()
+    assert ("store_row_bf16<D>(O + ((size_t)head * Nq + r) * D, o, h, inv, t, r < Nq);"
+            in SOURCE.read_text())
     for line in ("__shfl_xor_sync(0xffffffff, (t & 1) ? x[c] : x[c + 1], 1);",
                  "if (t & 1) x[c] = got; else x[c + 1] = got;",
                  "__shfl_xor_sync(0xffffffff, (t & 2) ? x[c] : x[c + 2], 2);",

@@ -238,8 +238,10 @@ def test_the_kernels_index_formulas_follow_the_accumulator_layout(R):
                  "const int key = key0 + 8 * h, q = q0 + 8 * c + 2 * t + e;",
                  "lse2_bh + q0 + 8 * c + 2 * t", "delta_bh + q0 + 8 * c + 2 * t",
                  "const int idx = 4 * c + j;", "dpt[idx] - (j % 2 ? dl.y : dl.x)",
-                 "__floats2bfloat162_rn(dk[4 * c + 2 * h] * scale, dk[4 * c + 2 * h + 1] * scale)",
-                 "dv_out + 8 * c", "const int key0 = kw0 + 16 * warp + g;",
+                 "const size_t row = ((size_t)bh * Nk + key) * D;",
+                 "store_row_bf16<D>(dK + row, dk, h, scale, t, key < Nk);",
+                 "store_row_bf16<D>(dV + row, dv, h, 1.f, t, key < Nk);",
+                 "const int key0 = kw0 + 16 * warp + g;",
                  "for (int c = 0; c < R / 8; ++c) {"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
     tid = np.arange(128)
@@ -291,7 +293,7 @@ def test_the_dq_accumulator_round_trip(D):
     text = SOURCE.read_text()
     for line in ("reinterpret_cast<float4*>(dq_smem)[128 * c + tid]",
                  "make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3])",
-                 "dQacc + ((size_t)bh * q_blocks + i) * R * D + w * (R * D / 2)",
+                 "dQacc + ((size_t)head * q_blocks + i) * R * D + w * (R * D / 2)",
                  "constexpr int R = BM<D>, TILE4 = R * D / 4;",
                  "const size_t tile = f / TILE4;",
                  "w = in_tile / (TILE4 / 2), c = in_tile % (TILE4 / 2) / 128;",
@@ -541,19 +543,26 @@ def test_reference_given_o_and_lse_is_chapter_09s():
 def test_compiles_for_sm90a_without_spills(watchdog):
     flags = ["-DFA_KERNEL_ONLY"] + (["-DFA_HOPPER_WATCHDOG"] if watchdog else [])
     report = C.resource_usage(SOURCE, arch="sm_90a", extra_flags=flags)
-    names = sorted(r.name for r in report)
-    assert names == sorted([
+    def normal(name):  # ptxas writes a bool template argument as true or as 1 (CUDA 13.0)
+        return name.replace(" ", "").replace("true", "1").replace("false", "0")
+
+    names = sorted(normal(r.name) for r in report)
+    assert names == sorted(normal(n) for n in [
         "fa_hopper_bwd::bwd_preprocess_kernel<64>", "fa_hopper_bwd::bwd_preprocess_kernel<128>",
-        "fa_hopper_bwd::bwd_convert_dq_kernel<64>",
-        "fa_hopper_bwd::bwd_convert_dq_kernel<128>",
-        "fa_hopper_bwd::flash_attention_hopper_bwd_kernel<64>",
-        "fa_hopper_bwd::flash_attention_hopper_bwd_kernel<128>",
+        "fa_hopper_bwd::bwd_convert_dq_kernel<64>", "fa_hopper_bwd::bwd_convert_dq_kernel<128>",
+        *(f"fa_hopper_bwd::flash_attention_hopper_bwd_kernel<{d}, {p}>"
+          for d in (64, 128) for p in ("false", "true")),
         "fa_hopper_bwd::probe_dq_kernel<64>", "fa_hopper_bwd::probe_dq_kernel<128>"]), names
     for r in report:
         print(r)
         # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
         # before setmaxnreg moves them from the producer to the consumers
-        assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
+        assert r.registers <= 168, f"{r.name}: {r.registers} registers"
+        # The watchdog's waits hold two more registers; in the persistent D = 64 consumers,
+        # which have none to spare, ptxas then spills one 4-byte value. The watchdog build is
+        # the tests' (a hang becomes an error); what is timed is the plain build, with none.
+        allowed = 4 if watchdog and normal(r.name).endswith("kernel<64,1>") else 0
+        assert r.spill_store_bytes <= allowed, f"{r.name}: {r.spill_store_bytes} bytes spilled"
 
 
 @pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
@@ -563,6 +572,53 @@ def test_a_ring_too_deep_for_shared_memory_fails_to_compile_with_a_clear_message
     with pytest.raises(C.CudaCompileError, match="the shared tiles must fit the 227 KB"):
         C.resource_usage(SOURCE, arch="sm_90a",
                          extra_flags=["-DFA_KERNEL_ONLY", "-DFA_BWD_STAGES_D128=4"])
+
+
+# ------------------------------------------------------------------ the persistent kernel's tiles
+
+
+def _tiles_taken(n_tiles, sms, order, counter_start=0):
+    """The tiles each block of the persistent kernel works on, as its producer takes them:
+    blockIdx.x first, then gridDim.x + atomicAdd(counter, 1) until one is past the end (the
+    consumers stop there). `order` is the order in which the blocks reach the counter (any:
+    the GPU decides). Returns {block: [tiles]}."""
+    grid = min(sms, n_tiles)
+    counter = counter_start
+    taken = {b: [b] for b in range(grid)}
+    live = list(range(grid))
+    for pick in order:
+        if not live:
+            break
+        b = live[pick % len(live)]
+        tile, counter = grid + counter, counter + 1  # gridDim.x + atomicAdd(counter, 1)
+        if tile >= n_tiles:
+            live.remove(b)  # sm.tile past the end: this block's consumers stop
+        else:
+            taken[b].append(tile)
+    assert not live, "order too short"
+    return taken
+
+
+def test_the_persistent_blocks_take_every_tile_once():
+    text = SOURCE.read_text()
+    for line in ("const int my_tile = PERSIST ? blockIdx.x : (blockIdx.z * H + blockIdx.y) * n_kb"
+                 " + blockIdx.x;",
+                 "tile = gridDim.x + atomicAdd(tile_counter, 1);",
+                 "if (tile_counter && bh == 0 && r == 0 && j == 0) *tile_counter = 0;",
+                 "if (tile >= n_tiles) break;",
+                 "const int kb = tile % n_kb, bh = tile / n_kb, i_first = first_q_block(kb);"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    rng = np.random.default_rng(0)
+    for n_tiles in (1, 5, 132, 133, 1000):
+        order = rng.integers(0, 1 << 30, size=4 * n_tiles)
+        taken = _tiles_taken(n_tiles, 132, order)
+        assert sorted(t for ts in taken.values() for t in ts) == list(range(n_tiles))
+
+
+def test_the_tile_check_catches_a_counter_that_is_not_zeroed():
+    """The check above can fail: a counter left at 1 by the last call skips a tile."""
+    taken = _tiles_taken(300, 132, list(range(1000)), counter_start=1)
+    assert sorted(t for ts in taken.values() for t in ts) != list(range(300))
 
 
 # ------------------------------------------------------------------ on an H100 / H200
@@ -616,7 +672,11 @@ GPU_CASES = [
     (1, 1, 300, 300, 64, True, 1.0), (1, 1, 300, 64, 128, True, 1.0),
     (1, 2, 129, 65, 128, False, 20.0), (2, 1, 513, 513, 128, True, 1.0),
     (1, 2, 1024, 1024, 64, False, 1.0), (1, 1, 200, 333, 64, True, 1.0),
-    (1, 1, 257, 190, 128, True, 1.0), (1, 1, 300, 129, 64, True, 8.0)]
+    (1, 1, 257, 190, 128, True, 1.0), (1, 1, 300, 129, 64, True, 8.0),
+    # the persistent kernel: more tiles than an H100 has SMs, with key blocks no query sees
+    # (causal, Nk > Nq: dK = dV = 0 there), so that blocks take tiles from the counter
+    (2, 40, 300, 700, 128, True, 1.0), (3, 30, 200, 520, 64, True, 1.0),
+    (2, 36, 256, 256, 64, False, 1.0)]
 
 
 @needs_sm90
@@ -641,6 +701,28 @@ def test_matches_the_numpy_model(B, H, Nq, Nk, D, causal, big):
         scale = max(1.0, float(expected.abs().max()))
         torch.testing.assert_close(got.float().cpu(), expected.float(), atol=2e-2 * scale,
                                    rtol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@needs_sm90
+@pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big",
+                         [GPU_CASES[2], GPU_CASES[8], GPU_CASES[-3], GPU_CASES[-2]])
+def test_one_block_per_tile_build_matches_float64(B, H, Nq, Nk, D, causal, big):
+    """-DFA_BWD_PERSIST=0: the main kernel as a grid of one block per tile (the step before the
+    persistent kernel, kept for comparison)."""
+    global _module_per_tile
+    if _module_per_tile is None:
+        _module_per_tile = C.load_cuda(SOURCE, ["flash_attention_hopper_bwd"],
+                                       name="flash_attention_hopper_bwd_per_tile", arch="sm_90a",
+                                       extra_cuda_cflags=["-DFA_HOPPER_WATCHDOG",
+                                                          "-DFA_BWD_PERSIST=0"])
+    inputs, want, max_score = _problem(B, H, Nq, Nk, D, causal, big, device="cuda")
+    poison_free_cuda_memory()
+    grads = _module_per_tile.flash_attention_hopper_bwd(*inputs, causal)
+    torch.cuda.synchronize()
+    _check(grads, want, max_score, f"one block per tile, {B, H, Nq, Nk, D, causal, big}")
+
+
+_module_per_tile = None
 
 
 @needs_sm90

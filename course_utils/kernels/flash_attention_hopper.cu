@@ -311,11 +311,9 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
     };
     // ---------------------------------------------------------------- epilogue
-    // O / l as bf16 and the LSE of rows r_first and r_first + 8. A quad's four lanes hold one
-    // row: lane t the column pairs 8i + 2t, 8i + 2t + 1. Stored as they are, that is 4-byte
-    // stores of 16 bytes per row per instruction (measured: ~2000 cycles a tile). Two rounds of
-    // shuffles transpose each 4 x 4 block of pairs inside the quad, so that lane t holds the 8
-    // contiguous columns 8 (4a + t) .. + 7 and stores them with one 16-byte store (~1400).
+    // O / l as bf16 and the LSE of rows r_first and r_first + 8, O 16 bytes a lane
+    // (store_row_bf16: stored as the accumulator holds it, 4 bytes a lane, this took ~2000 cycles
+    // a tile on an H100; ~1400 so)
     auto store_o = [&](int r_first, int head, const float (&mm)[2], float (&ll)[2]) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -323,26 +321,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             ll[h] += __shfl_xor_sync(0xffffffff, ll[h], 2);
             const int r = r_first + 8 * h;
             const float inv = ll[h] > 0.f ? 1.f / ll[h] : 0.f;
-            __nv_bfloat16* out = O + ((size_t)head * Nq + r) * D;
-            #pragma unroll
-            for (int a = 0; a < D / 32; ++a) {
-                uint32_t x[4];  // x[c]: lane t's pair in column group 4a + c
-                #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    x[c] = pack_bf16(o[4 * (4 * a + c) + 2 * h] * inv, o[4 * (4 * a + c) + 2 * h + 1] * inv);
-                #pragma unroll
-                for (int c = 0; c < 4; c += 2) {  // swap with lane t ^ 1 inside each 2 x 2 block
-                    const uint32_t got = __shfl_xor_sync(0xffffffff, (t & 1) ? x[c] : x[c + 1], 1);
-                    if (t & 1) x[c] = got; else x[c + 1] = got;
-                }
-                #pragma unroll
-                for (int c = 0; c < 2; ++c) {     // swap the off-diagonal 2 x 2 blocks with lane t ^ 2
-                    const uint32_t got = __shfl_xor_sync(0xffffffff, (t & 2) ? x[c] : x[c + 2], 2);
-                    if (t & 2) x[c] = got; else x[c + 2] = got;
-                }
-                if (r < Nq)  // (after the shuffles: every lane of the warp must take part in them)
-                    *reinterpret_cast<uint4*>(out + 8 * (4 * a + t)) = make_uint4(x[0], x[1], x[2], x[3]);
-            }
+            store_row_bf16<D>(O + ((size_t)head * Nq + r) * D, o, h, inv, t, r < Nq);
             if (t == 0 && r < Nq)
                 LSE[(size_t)head * Nq + r] = ll[h] > 0.f ? (mm[h] * scale_log2 + __log2f(ll[h])) / LOG2E : neg_inf();
         }

@@ -13,9 +13,13 @@
 //   1. bwd_preprocess: Delta per query row and LSE * log2(e) (the exponent in base 2), both
 //      padded to a multiple of the step's query rows R, and the float32 dQ accumulator zeroed
 //      (in the same pass: one kernel less than a separate memset).
-//   2. the main kernel: one block per BLOCK_N = 128 keys of one head. K_j and V_j stay in shared
-//      memory; the query blocks i stream past them. dK_j and dV_j are sums over i, so they stay
-//      in registers until the end; dQ_i is a sum over the key blocks j that different blocks
+//   2. the main kernel: a tile is BLOCK_N = 128 keys of one head. K_j and V_j stay in shared
+//      memory; the query blocks i stream past them. One block per SM takes tile after tile
+//      (persistent, FA_BWD_PERSIST = 1, the default), so that one tile's dK_j, dV_j are stored
+//      while the next tile's K, V, Q_i and dO_i load, with no block launch in between (one
+//      block per tile with FA_BWD_PERSIST = 0: measured on an H100, forward + backward 1-4%
+//      slower at N = 1024, level at N >= 4096). dK_j and dV_j are sums over i, so they stay
+//      in registers until the tile ends; dQ_i is a sum over the key blocks j that different blocks
 //      own, so each block adds its share into a float32 accumulator: the consumers write it to
 //      shared memory and one thread hands it to the TMA unit as a bulk reduce-add
 //      (cp.reduce.async.bulk ... .add.f32), which adds the 16 KB (R x D / 2 floats, at either D)
@@ -87,6 +91,10 @@ constexpr int PRE_THREADS = 256;              // threads per block of bwd_prepro
 // Q_i and dO_i buffers in the ring. d = 64 (R = 128): K + V 32 KB, 3 x 32 KB of Q and dO,
 // 2 x 32 KB of dS^T, 32 KB of dQ (224 KB); d = 128 (R = 64): 64 KB + 2 x 32 KB + 32 KB + 32 KB
 // (192 KB); of the 227 KB a block may have.
+// The main kernel: one block per SM taking tile after tile (1), or one block per tile (0).
+#ifndef FA_BWD_PERSIST
+#define FA_BWD_PERSIST 1
+#endif
 #ifndef FA_BWD_STAGES_D64
 #define FA_BWD_STAGES_D64 3
 #endif
@@ -254,13 +262,14 @@ template <int D>
 __global__ void __launch_bounds__(PRE_THREADS)
 bwd_preprocess_kernel(const __nv_bfloat16* __restrict__ O, const __nv_bfloat16* __restrict__ dO,
                       const float* __restrict__ LSE, float* __restrict__ Delta,
-                      float* __restrict__ lse2, float* __restrict__ dQacc, int H, int Nq,
-                      int Nq_pad) {
+                      float* __restrict__ lse2, float* __restrict__ dQacc,
+                      int* __restrict__ tile_counter, int H, int Nq, int Nq_pad) {
     constexpr int L = D / 8, ROWS = PRE_THREADS / L;  // lanes per row, rows per block
     const int bh = blockIdx.z * H + blockIdx.y;
     const int r = blockIdx.x * ROWS + threadIdx.x / L, j = threadIdx.x % L;
     // (no bounds check on r: the grid is exactly Nq_pad rows, and every lane reaches the shuffles)
     const size_t pad_at = (size_t)bh * Nq_pad + r;
+    if (tile_counter && bh == 0 && r == 0 && j == 0) *tile_counter = 0;  // the persistent main kernel's
     float4* acc = reinterpret_cast<float4*>(dQacc + pad_at * D);  // D / 4 float4, 2 a lane
     acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
     acc[j + L] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -296,10 +305,11 @@ struct Tiles {  // every tile starts on a 1024-byte boundary (8 rows x 128 B: th
     __nv_bfloat16 dO[STAGES<D>][BM<D> * D];
     __nv_bfloat16 dST[2][BLOCK_N * BM<D>];  // dS^T of query block i in buffer i % 2
     float dQ[CONSUMERS][BM<D> * D / 2];      // consumer w's part of dQ_i, as its threads hold it
-    uint64_t kv_full, full[STAGES<D>], empty[STAGES<D>];
+    uint64_t kv_full, kv_empty, full[STAGES<D>], empty[STAGES<D>];
+    int tile;  // the (key block, head) the K_j, V_j in kv_full's current phase belong to
 };
 
-template <int D>
+template <int D, bool PERSIST>
 __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                                   const __grid_constant__ CUtensorMap k_map,
@@ -307,8 +317,8 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                                   const __grid_constant__ CUtensorMap do_map,
                                   const float* __restrict__ lse2, const float* __restrict__ Delta,
                                   float* __restrict__ dQacc, __nv_bfloat16* __restrict__ dK,
-                                  __nv_bfloat16* __restrict__ dV, int H, int Nq, int Nk,
-                                  float scale, int causal) {
+                                  __nv_bfloat16* __restrict__ dV, int* __restrict__ tile_counter,
+                                  int B, int H, int Nq, int Nk, float scale, int causal) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int PANELS = D / 64;       // 64-column panels of a tile
     constexpr int STAGES = fa_hopper_bwd::STAGES<D>;
@@ -319,15 +329,24 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                   "the shared tiles must fit the 227 KB a block may have on an H100: fewer stages");
     Tiles<D>& sm = shared_tiles<Tiles<D>>();
 
-    const int k0 = blockIdx.x * BLOCK_N, bh = blockIdx.z * H + blockIdx.y;
+    // The work: tiles of BLOCK_N keys of one head, numbered head by head (key block kb of head
+    // bh is tile bh n_kb + kb: the blocks at work share a few heads' Q, dO and dQ accumulator,
+    // which stay in L2). One tile a block (the grid is n_kb x H x B), or, PERSIST, one block per
+    // SM that takes tile after tile: the first blockIdx.x, then the next one nobody has taken,
+    // from a counter in global memory (bwd_preprocess zeroes it). Handed out in order, the causal
+    // tiles balance as the hardware's block scheduler balances them (a static order did not:
+    // causal key blocks differ in length). The producer takes the next tile and passes it to
+    // the consumers in sm.tile with K_j and V_j; meanwhile they store the last tile's dK, dV.
     const int q_blocks = (Nq + R - 1) / R, Nq_pad = q_blocks * R;
-    // causal: query r sees keys 0 .. r, so queries below k0 see no key of this block
-    const int i_first = causal ? k0 / R : 0;
-    const bool any = i_first < q_blocks;  // false: no query sees these keys, dK = dV = 0
+    const int n_kb = (Nk + BLOCK_N - 1) / BLOCK_N, n_tiles = n_kb * B * H;
+    const int my_tile = PERSIST ? blockIdx.x : (blockIdx.z * H + blockIdx.y) * n_kb + blockIdx.x;
+    // causal: query r sees keys 0 .. r, so queries below k0 see no key of key block kb
+    auto first_q_block = [&](int kb) { return causal ? kb * BLOCK_N / R : 0; };
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.kv_full, 1);
+        mbar_init(&sm.kv_empty, 128 * CONSUMERS);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.full[s], 1);
             mbar_init(&sm.empty[s], 128 * CONSUMERS);
@@ -338,20 +357,42 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
 
     if (wg == 0) {  // ------------------------------------------------ the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if (threadIdx.x == 0 && any) {
-            mbar_expect_bytes(&sm.kv_full, 2 * BLOCK_N * D * 2);
-            for (int p = 0; p < PANELS; ++p) {
-                tma_load(sm.K + p * BLOCK_N * 64, &k_map, &sm.kv_full, 64 * p, k0, bh);
-                tma_load(sm.V + p * BLOCK_N * 64, &v_map, &sm.kv_full, 64 * p, k0, bh);
-            }
-            for (int i = i_first; i < q_blocks; ++i) {
-                const int n = i - i_first, s = n % STAGES, phase = (n / STAGES) & 1;
-                mbar_wait(&sm.empty[s], phase ^ 1);  // a fresh barrier counts as emptied
-                mbar_expect_bytes(&sm.full[s], 2 * R * D * 2);
-                for (int p = 0; p < PANELS; ++p) {
-                    tma_load(sm.Q[s] + p * R * 64, &q_map, &sm.full[s], 64 * p, i * R, bh);
-                    tma_load(sm.dO[s] + p * R * 64, &do_map, &sm.full[s], 64 * p, i * R, bh);
+        if (threadIdx.x == 0) {
+            // the position in the ring, across tiles: stage s in its phase-th use (mod 2); kept
+            // as two counters, not it % STAGES and it / STAGES: at 3 stages the divisions need
+            // registers the producer's 24 do not have
+            int s = 0, phase = 0;
+            for (int n = 0, tile = my_tile;; ++n) {
+                if (n > 0) mbar_wait(&sm.kv_empty, (n - 1) & 1);  // the last tile's K, V are free
+                sm.tile = tile;                                   // published by the arrival
+                if (tile >= n_tiles) {                            // no work left: the consumers stop
+                    mbar_arrive(&sm.kv_full);
+                    break;
                 }
+                const int kb = tile % n_kb, bh = tile / n_kb, i_first = first_q_block(kb);
+                if (i_first < q_blocks) {
+                    mbar_expect_bytes(&sm.kv_full, 2 * BLOCK_N * D * 2);
+                    for (int p = 0; p < PANELS; ++p) {
+                        tma_load(sm.K + p * BLOCK_N * 64, &k_map, &sm.kv_full, 64 * p, kb * BLOCK_N, bh);
+                        tma_load(sm.V + p * BLOCK_N * 64, &v_map, &sm.kv_full, 64 * p, kb * BLOCK_N, bh);
+                    }
+                } else {
+                    mbar_arrive(&sm.kv_full);  // no query sees these keys: nothing to load
+                }
+                for (int i = i_first; i < q_blocks; ++i) {
+                    mbar_wait(&sm.empty[s], phase ^ 1);  // a fresh barrier counts as emptied
+                    mbar_expect_bytes(&sm.full[s], 2 * R * D * 2);
+                    for (int p = 0; p < PANELS; ++p) {
+                        tma_load(sm.Q[s] + p * R * 64, &q_map, &sm.full[s], 64 * p, i * R, bh);
+                        tma_load(sm.dO[s] + p * R * 64, &do_map, &sm.full[s], 64 * p, i * R, bh);
+                    }
+                    if (++s == STAGES) s = 0, phase ^= 1;
+                }
+                if (!PERSIST) break;
+                // the next tile: taken here, its atomic's latency hides under the wait for
+                // kv_empty (taken before the ring's loads, its value held 4 more registers than
+                // the producer's 24 and spilled)
+                tile = gridDim.x + atomicAdd(tile_counter, 1);
             }
         }
         return;
@@ -359,156 +400,165 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
 
     // -------------------------------------------------------------- the consumers
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
-    const int w = wg - 1;                       // consumer 0 or 1: keys k0 + 64w .. k0 + 64w + 63
+    const int w = wg - 1;                       // consumer 0 or 1: keys 64w .. 64w + 63 of a block
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;       // a lane holds rows g and g + 8, columns 2t, 2t + 1
-    const int kw0 = k0 + 64 * w;                // this consumer's first key
-    const int key0 = kw0 + 16 * warp + g;       // this thread's keys (rows of S^T): key0, key0 + 8
     const float scale_log2 = scale * LOG2E;
-    const float* lse2_bh = lse2 + (size_t)bh * Nq_pad;
-    const float* delta_bh = Delta + (size_t)bh * Nq_pad;
 
-    float dv[ACC], dk[ACC];
-    #pragma unroll
-    for (int i = 0; i < ACC; ++i) dv[i] = dk[i] = 0.f;
+    // the position in the ring across tiles (stage s in its phase-th use, as the producer counts)
+    // and the dS^T buffer of the step (they alternate)
+    int s = 0, phase = 0, buf = 0;
+    for (int n = 0;; ++n) {
+        mbar_wait(&sm.kv_full, n & 1);  // this tile's K_j and V_j have landed
+        const int tile = sm.tile;
+        if (tile >= n_tiles) break;
+        const int kb = tile % n_kb, bh = tile / n_kb, i_first = first_q_block(kb);
+        const int kw0 = kb * BLOCK_N + 64 * w;      // this consumer's first key
+        const int key0 = kw0 + 16 * warp + g;       // this thread's keys (rows of S^T): key0, key0 + 8
+        const float* lse2_bh = lse2 + (size_t)bh * Nq_pad;
+        const float* delta_bh = Delta + (size_t)bh * Nq_pad;
 
-    if (any) mbar_wait(&sm.kv_full, 0);
-    for (int i = i_first; i < q_blocks; ++i) {
-        const int n = i - i_first, s = n % STAGES, q0 = i * R;
-        __nv_bfloat16* dST = sm.dST[n % 2];
-        mbar_wait(&sm.full[s], (n / STAGES) & 1);
-
-        // S^T = K_w Q_i^T and dP^T = V_w dO_i^T: two chains, two commit groups, both in flight
-        float st[R / 2], dpt[R / 2];
-        wgmma_fence();
+        float dv[ACC], dk[ACC];  // zero if no query sees these keys (i_first = q_blocks)
         #pragma unroll
-        for (int k = 0; k < D / 16; ++k) wgmma_ss<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0);
-        wgmma_commit();
-        #pragma unroll
-        for (int k = 0; k < D / 16; ++k) wgmma_ss<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0);
-        wgmma_commit();
+        for (int i = 0; i < ACC; ++i) dv[i] = dk[i] = 0.f;
 
-        // P^T = 2^(S^T scale log2(e) - LSE log2(e)) while dP^T is still computing. Register i of
-        // st is key row key0 + 8 ((i % 4) / 2), query q0 + 8 (i / 4) + 2t + (i % 2): one float2
-        // of lse2 serves 4 registers. Masked: keys past Nk, causal key > query. Queries past Nq need
-        // no test: lse2 is +inf there (preprocessing), so P is 2^-inf = 0 without one.
-        wgmma_wait<1>();
-        fence_regs(st);
-        const bool edge = kw0 + 64 > Nk || (causal && kw0 + 63 > q0);
-        #pragma unroll
-        for (int c = 0; c < R / 8; ++c) {
-            const float2 l = *reinterpret_cast<const float2*>(lse2_bh + q0 + 8 * c + 2 * t);
+        for (int i = i_first; i < q_blocks; ++i) {
+            const int q0 = i * R;
+            __nv_bfloat16* dST = sm.dST[buf];
+            mbar_wait(&sm.full[s], phase);
+
+            // S^T = K_w Q_i^T and dP^T = V_w dO_i^T: two chains, two commit groups, both in flight
+            float st[R / 2], dpt[R / 2];
+            wgmma_fence();
             #pragma unroll
-            for (int h = 0; h < 2; ++h) {
+            for (int k = 0; k < D / 16; ++k) wgmma_ss<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0);
+            wgmma_commit();
+            #pragma unroll
+            for (int k = 0; k < D / 16; ++k) wgmma_ss<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0);
+            wgmma_commit();
+
+            // P^T = 2^(S^T scale log2(e) - LSE log2(e)) while dP^T is still computing. Register i of
+            // st is key row key0 + 8 ((i % 4) / 2), query q0 + 8 (i / 4) + 2t + (i % 2): one float2
+            // of lse2 serves 4 registers. Masked: keys past Nk, causal key > query. Queries past Nq need
+            // no test: lse2 is +inf there (preprocessing), so P is 2^-inf = 0 without one.
+            wgmma_wait<1>();
+            fence_regs(st);
+            const bool edge = kw0 + 64 > Nk || (causal && kw0 + 63 > q0);
+            #pragma unroll
+            for (int c = 0; c < R / 8; ++c) {
+                const float2 l = *reinterpret_cast<const float2*>(lse2_bh + q0 + 8 * c + 2 * t);
                 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int idx = 4 * c + 2 * h + e;
-                    float prob = fast_exp2(fmaf(st[idx], scale_log2, -(e ? l.y : l.x)));
-                    if (edge) {
-                        const int key = key0 + 8 * h, q = q0 + 8 * c + 2 * t + e;
-                        if (key >= Nk || (causal && key > q)) prob = 0.f;
+                for (int h = 0; h < 2; ++h) {
+                    #pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int idx = 4 * c + 2 * h + e;
+                        float prob = fast_exp2(fmaf(st[idx], scale_log2, -(e ? l.y : l.x)));
+                        if (edge) {
+                            const int key = key0 + 8 * h, q = q0 + 8 * c + 2 * t + e;
+                            if (key >= Nk || (causal && key > q)) prob = 0.f;
+                        }
+                        st[idx] = prob;
                     }
-                    st[idx] = prob;
                 }
             }
-        }
-        // dS^T = P^T * (dP^T - Delta), Delta per query (column)
-        wgmma_wait<0>();
-        fence_regs(dpt);
-        #pragma unroll
-        for (int c = 0; c < R / 8; ++c) {
-            const float2 dl = *reinterpret_cast<const float2*>(delta_bh + q0 + 8 * c + 2 * t);
+            // dS^T = P^T * (dP^T - Delta), Delta per query (column)
+            wgmma_wait<0>();
+            fence_regs(dpt);
             #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int idx = 4 * c + j;
-                dpt[idx] = st[idx] * (dpt[idx] - (j % 2 ? dl.y : dl.x));
+            for (int c = 0; c < R / 8; ++c) {
+                const float2 dl = *reinterpret_cast<const float2*>(delta_bh + q0 + 8 * c + 2 * t);
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int idx = 4 * c + j;
+                    dpt[idx] = st[idx] * (dpt[idx] - (j % 2 ? dl.y : dl.x));
+                }
             }
-        }
-        // bf16 pairs: word j = registers 2j, 2j + 1, which are the A fragments of the next
-        // products (k-step k uses words 4k .. 4k + 3), as P in the forward's O += P V
-        uint32_t p[R / 4], ds[R / 4];
-        #pragma unroll
-        for (int j = 0; j < R / 4; ++j) {
-            p[j] = pack_bf16(st[2 * j], st[2 * j + 1]);
-            ds[j] = pack_bf16(dpt[2 * j], dpt[2 * j + 1]);
-        }
-        // dS^T to shared memory for dQ, made visible to wgmma (the barrier comes below)
-        store_dst<R>(dST, w, warp, g, t, ds);
-        fence_proxy_async();
+            // bf16 pairs: word j = registers 2j, 2j + 1, which are the A fragments of the next
+            // products (k-step k uses words 4k .. 4k + 3), as P in the forward's O += P V
+            uint32_t p[R / 4], ds[R / 4];
+            #pragma unroll
+            for (int j = 0; j < R / 4; ++j) {
+                p[j] = pack_bf16(st[2 * j], st[2 * j + 1]);
+                ds[j] = pack_bf16(dpt[2 * j], dpt[2 * j + 1]);
+            }
+            // dS^T to shared memory for dQ, made visible to wgmma (the barrier comes below)
+            store_dst<R>(dST, w, warp, g, t, ds);
+            fence_proxy_async();
 
-        // dV_w += P^T dO_i and dK_w += dS^T Q_i: 4 k-steps of 16 queries each
-        wgmma_fence();
-        #pragma unroll
-        for (int k = 0; k < R / 16; ++k) {
-            const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
-            wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k));
-        }
-        #pragma unroll
-        for (int k = 0; k < R / 16; ++k) {
-            const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
-            wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
-        }
-        wgmma_commit();
+            // dV_w += P^T dO_i and dK_w += dS^T Q_i: 4 k-steps of 16 queries each
+            wgmma_fence();
+            #pragma unroll
+            for (int k = 0; k < R / 16; ++k) {
+                const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
+                wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k));
+            }
+            #pragma unroll
+            for (int k = 0; k < R / 16; ++k) {
+                const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
+                wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
+            }
+            wgmma_commit();
 
-        // dQ_i[:, (D/2) w ..] = dS K[:, (D/2) w ..] over all 128 keys: needs both consumers' dS^T.
-        // The tile is double-buffered: passing this barrier at step n means the other consumer
-        // finished step n - 1 (its last read of the buffer step n + 1 will overwrite).
-        named_sync(1);
-        float dq[DQ];
-        #pragma unroll
-        for (int k = 0; k < BLOCK_N / 16; ++k) {
-            if constexpr (R == 128)  // queries 64w .. 64w + 63, all D = 64 columns
-                wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_rows_mn<BLOCK_N>(sm.K, k), k > 0);
-            else                     // all 64 queries, columns (D / 2) w ..
-                wgmma_ss_dq<D>(dq, desc_dst_panel(dST, 0, k), desc_k_half<D>(sm.K, w, k), k > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(dv);
-        fence_regs(dk);
-        fence_regs(dq);
-        fence_regs(p);
-        fence_regs(ds);
-        mbar_arrive(&sm.empty[s]);  // Q_i and dO_i are no longer read
+            // dQ_i[:, (D/2) w ..] = dS K[:, (D/2) w ..] over all 128 keys: needs both consumers' dS^T.
+            // The tile is double-buffered: passing this barrier at step n means the other consumer
+            // finished step n - 1 (its last read of the buffer step n + 1 will overwrite).
+            named_sync(1);
+            float dq[DQ];
+            #pragma unroll
+            for (int k = 0; k < BLOCK_N / 16; ++k) {
+                if constexpr (R == 128)  // queries 64w .. 64w + 63, all D = 64 columns
+                    wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_rows_mn<BLOCK_N>(sm.K, k), k > 0);
+                else                     // all 64 queries, columns (D / 2) w ..
+                    wgmma_ss_dq<D>(dq, desc_dst_panel(dST, 0, k), desc_k_half<D>(sm.K, w, k), k > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(dv);
+            fence_regs(dk);
+            fence_regs(dq);
+            fence_regs(p);
+            fence_regs(ds);
+            mbar_arrive(&sm.empty[s]);  // Q_i and dO_i are no longer read
 
-        // Add this block's part of dQ_i (unscaled) into the float32 accumulator. The buffer is
-        // free once the last step's bulk copy has read it; then float4 c of every thread goes to
-        // float4 128 c + tid (a warp writes 512 contiguous bytes: no bank conflict), and one
-        // thread hands the R x D / 2 floats to the TMA unit, which adds them to global memory
-        // while this warpgroup goes on to step i + 1.
-        float* dq_smem = sm.dQ[w];
-        if (tid == 0) bulk_wait_read();
-        named_sync_wg(2 + w);
-        #pragma unroll
-        for (int c = 0; c < DQ / 4; ++c)
-            reinterpret_cast<float4*>(dq_smem)[128 * c + tid] =
-                make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
-        fence_proxy_async();  // the writes, visible to the TMA unit (the async proxy)
-        named_sync_wg(2 + w);
-        if (tid == 0) {
-            bulk_reduce_add(dQacc + ((size_t)bh * q_blocks + i) * R * D + w * (R * D / 2),
-                            dq_smem, R * D / 2 * 4);
-            bulk_commit();
+            // Add this block's part of dQ_i (unscaled) into the float32 accumulator. The buffer is
+            // free once the last step's bulk copy has read it; then float4 c of every thread goes to
+            // float4 128 c + tid (a warp writes 512 contiguous bytes: no bank conflict), and one
+            // thread hands the R x D / 2 floats to the TMA unit, which adds them to global memory
+            // while this warpgroup goes on to step i + 1.
+            float* dq_smem = sm.dQ[w];
+            if (tid == 0) bulk_wait_read();
+            named_sync_wg(2 + w);
+            #pragma unroll
+            for (int c = 0; c < DQ / 4; ++c)
+                reinterpret_cast<float4*>(dq_smem)[128 * c + tid] =
+                    make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+            fence_proxy_async();  // the writes, visible to the TMA unit (the async proxy)
+            named_sync_wg(2 + w);
+            if (tid == 0) {  // (the head read again from sm.tile: kept in a register across the
+                             // step, it spilled at D = 64, where the consumers have none to spare)
+                const int head = sm.tile / n_kb;
+                bulk_reduce_add(dQacc + ((size_t)head * q_blocks + i) * R * D + w * (R * D / 2),
+                                dq_smem, R * D / 2 * 4);
+                bulk_commit();
+            }
+            if (++s == STAGES) s = 0, phase ^= 1;
+            buf ^= 1;
         }
+        mbar_arrive(&sm.kv_empty);  // K_j, V_j and sm.tile are no longer read: the next tile's may come
+
+        // ---------------------------------------------------------------- epilogue
+        // dK_w = scale dS^T Q and dV_w = P^T dO, rows key0 and key0 + 8, 16 bytes a lane
+        // (store_row_bf16; rows past Nk not written)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int key = key0 + 8 * h;
+            const size_t row = ((size_t)bh * Nk + key) * D;
+            store_row_bf16<D>(dK + row, dk, h, scale, t, key < Nk);
+            store_row_bf16<D>(dV + row, dv, h, 1.f, t, key < Nk);
+        }
+        if (!PERSIST) break;
     }
     if (tid == 0) bulk_wait_all();  // shared memory must outlive the copies
-
-    // ---------------------------------------------------------------- epilogue
-    // dK_w = scale dS^T Q and dV_w = P^T dO, rows key0 and key0 + 8 (rows past Nk not written)
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int key = key0 + 8 * h;
-        if (key >= Nk) continue;
-        __nv_bfloat16* dk_out = dK + ((size_t)bh * Nk + key) * D + 2 * t;
-        __nv_bfloat16* dv_out = dV + ((size_t)bh * Nk + key) * D + 2 * t;
-        #pragma unroll
-        for (int c = 0; c < D / 8; ++c) {
-            *reinterpret_cast<__nv_bfloat162*>(dk_out + 8 * c) =
-                __floats2bfloat162_rn(dk[4 * c + 2 * h] * scale, dk[4 * c + 2 * h + 1] * scale);
-            *reinterpret_cast<__nv_bfloat162*>(dv_out + 8 * c) =
-                __floats2bfloat162_rn(dv[4 * c + 2 * h], dv[4 * c + 2 * h + 1]);
-        }
-    }
 #else
     __trap();  // built for a GPU without sm_90a's wgmma and TMA: the host refuses to launch
 #endif
@@ -599,20 +649,24 @@ __global__ void probe_dq_kernel(const __nv_bfloat16* __restrict__ dST_in,
 }
 
 #if defined(FA_KERNEL_ONLY)  // compile-only builds (ptxas -v): every variant
-#define FA_BWD_INSTANTIATE(DD)                                                                   \
-    template __global__ void flash_attention_hopper_bwd_kernel<DD>(                              \
+#define FA_BWD_MAIN(DD, PERSIST)                                                                 \
+    template __global__ void flash_attention_hopper_bwd_kernel<DD, PERSIST>(                     \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, const float*,  \
-        const float*, float*, __nv_bfloat16*, __nv_bfloat16*, int, int, int, float, int);        \
+        const float*, float*, __nv_bfloat16*, __nv_bfloat16*, int*, int, int, int, int, float,   \
+        int);
+#define FA_BWD_INSTANTIATE(DD)                                                                   \
+    FA_BWD_MAIN(DD, false) FA_BWD_MAIN(DD, true)                                                 \
     template __global__ void probe_dq_kernel<DD>(const __nv_bfloat16*,                           \
                                                  const __grid_constant__ CUtensorMap, float*);   \
     template __global__ void bwd_convert_dq_kernel<DD>(const float*, __nv_bfloat16*, size_t, int, \
                                                        int, float);                              \
     template __global__ void bwd_preprocess_kernel<DD>(const __nv_bfloat16*, const __nv_bfloat16*, \
-                                                       const float*, float*, float*, float*, int,  \
-                                                       int, int);
+                                                       const float*, float*, float*, float*, int*, \
+                                                       int, int, int);
 FA_BWD_INSTANTIATE(64) FA_BWD_INSTANTIATE(128)
 #undef FA_BWD_INSTANTIATE
+#undef FA_BWD_MAIN
 #endif
 
 }  // namespace fa_hopper_bwd
@@ -629,30 +683,40 @@ static void require_sm90(const char* fn, const torch::Tensor& X) {
                 std::to_string(major * 10 + minor), ". Use chapter 09 or 10's backward instead.");
 }
 
-template <int D>
+template <int D, bool PERSIST>
 static void launch_main(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
                         const torch::Tensor& dO, const torch::Tensor& lse2,
                         const torch::Tensor& Delta, torch::Tensor& dQacc, torch::Tensor& dK,
-                        torch::Tensor& dV, float scale, bool causal) {
+                        torch::Tensor& dV, int* tile_counter, float scale, bool causal) {
     using namespace fa_hopper_bwd;
     const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
     const CUtensorMap q_map = make_map(Q, BM<D>), do_map = make_map(dO, BM<D>),
                       k_map = make_map(K, BLOCK_N), v_map = make_map(V, BLOCK_N);
     constexpr int SMEM = sizeof(Tiles<D>) + 1024;  // + room to align the start to 1024 bytes
-    auto kernel = flash_attention_hopper_bwd_kernel<D>;
+    auto kernel = flash_attention_hopper_bwd_kernel<D, PERSIST>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
                "flash_attention_hopper_bwd: asking for shared memory");
-    dim3 grid((Nk + BLOCK_N - 1) / BLOCK_N, H, B);  // causal: block 0 has the most query blocks
+    const int n_kb = (Nk + BLOCK_N - 1) / BLOCK_N;
+    dim3 grid(n_kb, H, B);  // a block per tile (causal: key block 0 has the most query blocks)
+    if (PERSIST) {          // a block per SM (or per tile, when there are fewer)
+        TORCH_CHECK(int64_t(n_kb) * B * H + 1024 < (int64_t(1) << 31), "flash_attention_hopper_bwd: "
+                    "too many key blocks for the persistent kernel (B x H x Nk / 128 must be below 2^31)");
+        int sms = 0;
+        check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, Q.get_device()),
+                   "flash_attention_hopper_bwd: counting SMs");
+        grid = dim3(static_cast<unsigned>(std::min<int64_t>(sms, int64_t(n_kb) * B * H)));
+    }
     kernel<<<grid, THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>(
         q_map, k_map, v_map, do_map, lse2.data_ptr<float>(), Delta.data_ptr<float>(),
         dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dK.data_ptr()),
-        reinterpret_cast<__nv_bfloat16*>(dV.data_ptr()), H, Nq, Nk, scale, causal ? 1 : 0);
+        reinterpret_cast<__nv_bfloat16*>(dV.data_ptr()), tile_counter, B, H, Nq, Nk, scale,
+        causal ? 1 : 0);
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: launch");
 }
 
 // The three passes at head dim D, after the caller's checks (Q, K, V, O, dO bf16, contiguous, on
 // the current GPU; B, H, Nq, Nk > 0); they write dQ, dK and dV.
-template <int D>
+template <int D, bool PERSIST = FA_BWD_PERSIST>
 static void backward_passes(const torch::Tensor& Q, const torch::Tensor& K, const torch::Tensor& V,
                             const torch::Tensor& O, const torch::Tensor& dO, const torch::Tensor& LSE,
                             torch::Tensor& dQ, torch::Tensor& dK, torch::Tensor& dV, bool causal) {
@@ -669,15 +733,19 @@ static void backward_passes(const torch::Tensor& Q, const torch::Tensor& K, cons
     auto Delta = torch::empty({B, H, Nq_pad}, f32);
     auto lse2 = torch::empty({B, H, Nq_pad}, f32);
     auto dQacc = torch::empty({B, H, Nq_pad, D}, f32);  // zeroed by bwd_preprocess
+    // the persistent main kernel's next tile (zeroed by bwd_preprocess too)
+    auto counter = torch::empty({PERSIST ? 1 : 0}, Q.options().dtype(torch::kInt32));
+    int* tile_counter = PERSIST ? counter.data_ptr<int>() : nullptr;
     const int pre_rows = PRE_THREADS / (D / 8);  // divides R (16 at D = 128, 32 at D = 64)
     bwd_preprocess_kernel<D><<<dim3(Nq_pad / pre_rows, H, B), PRE_THREADS, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
         reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), LSE.data_ptr<float>(),
-        Delta.data_ptr<float>(), lse2.data_ptr<float>(), dQacc.data_ptr<float>(), H, Nq, Nq_pad);
+        Delta.data_ptr<float>(), lse2.data_ptr<float>(), dQacc.data_ptr<float>(), tile_counter, H,
+        Nq, Nq_pad);
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: preprocess launch");
 
     // 2. dK, dV, and the dQ accumulator
-    launch_main<D>(Q, K, V, dO, lse2, Delta, dQacc, dK, dV, scale, causal);
+    launch_main<D, PERSIST>(Q, K, V, dO, lse2, Delta, dQacc, dK, dV, tile_counter, scale, causal);
 
     // 3. dQ = scale * accumulator, in bf16
     const size_t n4 = static_cast<size_t>(dQacc.numel()) / 4;

@@ -25,6 +25,36 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Row g + 8h of a 64 x COLS wgmma accumulator (acc, this lane's COLS / 2 floats), times `mul`,
+// as COLS bf16 at out[0 .. COLS). A quad's four lanes hold the row: lane t the column pairs
+// 8i + 2t, 8i + 2t + 1. Stored as they are, that is 4-byte stores of 16 bytes per row per
+// instruction. Two rounds of shuffles transpose each 4 x 4 block of pairs inside the quad, so
+// that lane t holds the 8 contiguous columns 8 (4a + t) .. + 7 and stores them with one 16-byte
+// store. Every lane of the warp must call it (the shuffles); `store` false skips only the store
+// (a row past the end of the tensor). The forward stores O with it, the backward dK and dV.
+template <int COLS>
+__device__ __forceinline__ void store_row_bf16(__nv_bfloat16* out, const float (&acc)[COLS / 2],
+                                               int h, float mul, int t, bool store) {
+    #pragma unroll
+    for (int a = 0; a < COLS / 32; ++a) {
+        uint32_t x[4];  // x[c]: lane t's pair in column group 4a + c
+        #pragma unroll
+        for (int c = 0; c < 4; ++c)
+            x[c] = pack_bf16(acc[4 * (4 * a + c) + 2 * h] * mul, acc[4 * (4 * a + c) + 2 * h + 1] * mul);
+        #pragma unroll
+        for (int c = 0; c < 4; c += 2) {  // swap with lane t ^ 1 inside each 2 x 2 block
+            const uint32_t got = __shfl_xor_sync(0xffffffff, (t & 1) ? x[c] : x[c + 1], 1);
+            if (t & 1) x[c] = got; else x[c + 1] = got;
+        }
+        #pragma unroll
+        for (int c = 0; c < 2; ++c) {     // swap the off-diagonal 2 x 2 blocks with lane t ^ 2
+            const uint32_t got = __shfl_xor_sync(0xffffffff, (t & 2) ? x[c] : x[c + 2], 2);
+            if (t & 2) x[c] = got; else x[c + 2] = got;
+        }
+        if (store) *reinterpret_cast<uint4*>(out + 8 * (4 * a + t)) = make_uint4(x[0], x[1], x[2], x[3]);
+    }
+}
+
 // The block's dynamic shared memory as the tiles T, from its first 1024-byte boundary: the
 // 128-byte swizzle repeats every 8 rows of 128 bytes, so a swizzled tile must start on one (the
 // launch asks for sizeof(T) + 1024 bytes). The padding is added to smem_raw itself, not to its
