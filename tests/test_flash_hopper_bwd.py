@@ -621,6 +621,112 @@ def test_the_tile_check_catches_a_counter_that_is_not_zeroed():
     assert sorted(t for ts in taken.values() for t in ts) != list(range(300))
 
 
+def _persistent_block(steps, stages, rng, bug=None):
+    """One block of the persistent kernel, run on model mbarriers (chapter 14's exercise model)
+    under a random interleaving: the producer and the two consumers as the kernel writes them.
+    steps[n]: the query blocks of the block's n-th tile (0: a causal key block no query sees).
+    Returns None when every tile is read as it should be, else what went wrong."""
+    from course_utils.specs.ch14 import _Mbarrier
+
+    END = len(steps)
+    kv_full, kv_empty = _Mbarrier(1), _Mbarrier(CONSUMERS)
+    full = [_Mbarrier(1) for _ in range(stages)]
+    empty = [_Mbarrier(CONSUMERS) for _ in range(stages)]
+    shared = {"tile": None, "kv": None, "ring": [None] * stages, "readers": set()}
+
+    def producer():
+        s = phase = 0
+        for n in range(END + 1):
+            if n > 0 and bug != "no kv_empty wait":
+                yield kv_empty, (n - 1) & 1
+            if shared["readers"]:
+                return f"tile {n} published while consumers {shared['readers']} read tile {n - 1}"
+            shared["tile"] = n
+            if n == END:
+                kv_full.arrive()
+                return None
+            shared["kv"] = n if steps[n] else None  # the TMA copy of K_j, V_j (none if no query)
+            shared["readers"] = set(range(CONSUMERS))
+            kv_full.arrive()
+            for i in range(steps[n]):
+                yield empty[s], phase ^ 1
+                shared["ring"][s] = (n, i)
+                full[s].arrive()
+                if s + 1 == stages:
+                    s, phase = 0, phase ^ 1
+                else:
+                    s += 1
+            if bug == "ring restarts each tile":
+                s = phase = 0
+        return None
+
+    def consumer(w):
+        s = phase = 0
+        for n in range(END + 1):
+            yield kv_full, (n & 1) if bug != "kv parity fixed" else 0
+            tile = shared["tile"]
+            if tile == END:
+                return None
+            if tile != n:
+                return f"consumer {w} expected tile {n}, sm.tile holds {tile}"
+            if steps[n] and shared["kv"] != n:
+                return f"consumer {w} at tile {n} found K, V of tile {shared['kv']}"
+            for i in range(steps[n]):
+                yield full[s], phase
+                if shared["ring"][s] != (n, i):
+                    return f"consumer {w} at tile {n}, step {i} read {shared['ring'][s]}"
+                empty[s].arrive()
+                if s + 1 == stages:
+                    s, phase = 0, phase ^ 1
+                else:
+                    s += 1
+            shared["readers"].discard(w)
+            kv_empty.arrive()
+        return "a consumer ran past the end"
+
+    actors = {"producer": producer(), 0: consumer(0), 1: consumer(1)}
+    waits = {who: next(gen) for who, gen in actors.items()}  # each runs to its first wait
+    while waits:
+        ready = [who for who, (bar, parity) in waits.items() if bar.passes(parity)]
+        if not ready:
+            return f"deadlock: {sorted(map(str, waits))} all wait"
+        who = ready[rng.integers(len(ready))]
+        try:
+            waits[who] = actors[who].send(None)
+        except StopIteration as done:
+            if done.value is not None:
+                return done.value
+            del waits[who]
+    return None
+
+
+def test_the_persistent_protocol_under_random_interleavings():
+    """The ring's stage and parity counters run on across tiles of different lengths (causal
+    key blocks see fewer query blocks, some none); kv_full carries the tile number and kv_empty
+    holds the next tile's K, V back until both consumers are done. Every interleaving must read
+    each step's Q_i, dO_i and each tile's K, V, without deadlock."""
+    text = SOURCE.read_text()
+    for line in ("if (n > 0) mbar_wait(&sm.kv_empty, (n - 1) & 1);",
+                 "mbar_wait(&sm.kv_full, n & 1);", "mbar_wait(&sm.empty[s], phase ^ 1);",
+                 "mbar_wait(&sm.full[s], phase);", "if (++s == STAGES) s = 0, phase ^= 1;",
+                 "mbar_arrive(&sm.kv_full);  // no query sees these keys: nothing to load",
+                 "mbar_arrive(&sm.kv_empty);"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's model"
+    rng = np.random.default_rng(1)
+    for steps in ([16], [16, 14, 12, 10], [3, 0, 0, 5, 1, 0], [0, 0, 2], [1] * 7, [2, 5, 0, 3, 3]):
+        for stages in (2, 3):
+            for _ in range(20):
+                assert _persistent_block(steps, stages, rng) is None, (steps, stages)
+
+
+@pytest.mark.parametrize("bug", ["no kv_empty wait", "ring restarts each tile", "kv parity fixed"])
+def test_the_protocol_model_catches_planted_bugs(bug):
+    rng = np.random.default_rng(2)
+    found = [_persistent_block(steps, 3, rng, bug=bug)
+             for steps in ([3, 0, 5, 1], [16, 14, 12], [2, 2, 2, 2]) for _ in range(20)]
+    assert any(found), bug
+
+
 # ------------------------------------------------------------------ on an H100 / H200
 
 _module = None
