@@ -303,7 +303,7 @@ struct Tiles {  // every tile starts on a 1024-byte boundary (8 rows x 128 B: th
     __nv_bfloat16 V[BLOCK_N * D];
     __nv_bfloat16 Q[STAGES<D>][BM<D> * D];
     __nv_bfloat16 dO[STAGES<D>][BM<D> * D];
-    __nv_bfloat16 dST[2][BLOCK_N * BM<D>];  // dS^T of query block i in buffer i % 2
+    __nv_bfloat16 dST[2][BLOCK_N * BM<D>];  // dS^T of a step: the steps alternate buffers
     float dQ[CONSUMERS][BM<D> * D / 2];      // consumer w's part of dQ_i, as its threads hold it
     uint64_t kv_full, kv_empty, full[STAGES<D>], empty[STAGES<D>];
     int tile;  // the (key block, head) the K_j, V_j in kv_full's current phase belong to
@@ -340,7 +340,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
     const int q_blocks = (Nq + R - 1) / R, Nq_pad = q_blocks * R;
     const int n_kb = (Nk + BLOCK_N - 1) / BLOCK_N, n_tiles = n_kb * B * H;
     const int my_tile = PERSIST ? blockIdx.x : (blockIdx.z * H + blockIdx.y) * n_kb + blockIdx.x;
-    // causal: query r sees keys 0 .. r, so queries below k0 see no key of key block kb
+    // causal: query r sees keys 0 .. r, so queries below kb * BLOCK_N see no key of key block kb
     auto first_q_block = [&](int kb) { return causal ? kb * BLOCK_N / R : 0; };
     const int wg = threadIdx.x / 128;
 
@@ -500,8 +500,9 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             wgmma_commit();
 
             // dQ_i[:, (D/2) w ..] = dS K[:, (D/2) w ..] over all 128 keys: needs both consumers' dS^T.
-            // The tile is double-buffered: passing this barrier at step n means the other consumer
-            // finished step n - 1 (its last read of the buffer step n + 1 will overwrite).
+            // The tile is double-buffered: passing this barrier at a step means the other consumer
+            // finished the step before (its last read of the buffer the next step will overwrite).
+            // Both consumers take the same steps, tile after tile, so this holds across tiles.
             named_sync(1);
             float dq[DQ];
             #pragma unroll
