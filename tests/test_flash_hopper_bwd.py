@@ -10,8 +10,13 @@ On a CPU:
 * a numpy model of the whole backward in the kernel's order (per key block, per query block, per
   consumer, bf16 roundings where the kernel rounds, float32 accumulators, dQ split across the two
   consumers and summed over key blocks) against float64 gradients, and two planted bugs it catches;
-* the source compiles for sm_90a without spills (D = 64 and 128, with and without the watchdog).
-On an H100 / H200: the kernel against float64 gradients on edge cases, into NaN-poisoned memory;
+* the persistent main kernel: every tile taken once from the counter, and its barrier protocol
+  (tile number behind kv_full, kv_empty, the ring's counters across tiles) under random
+  interleavings on chapter 14's mbarrier model, with three planted bugs it catches;
+* the source compiles for sm_90a without spills (D = 64 and 128; the watchdog build, which only
+  the tests use, spills one 4-byte value in the persistent D = 64 kernel).
+On an H100 / H200: the kernel against float64 gradients on edge cases (more tiles than SMs,
+causal key blocks no query sees), into NaN-poisoned memory, also as one block per tile;
 the dQ probe (one transposed-A wgmma); its errors.
 """
 
