@@ -841,12 +841,16 @@ def parse_ptxas_log(log: str, *, source: str | None = None) -> list[KernelResour
     return kernels
 
 
+def _template_name_key(name: str) -> str:
+    """A kernel name with bool template arguments as 1 / 0 and no spaces: ptxas writes a bool
+    template argument as ``true`` in some CUDA releases and as ``1`` in others (13.0 on the
+    H100), so ``"k<64, true>"`` and ``"k<64,1>"`` get one key."""
+    return re.sub(r"\s+", "", re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", name)))
+
+
 def _same_template_name(a: str, b: str) -> bool:
-    """``"k<64, true>"`` and ``"k<64,1>"`` name one kernel: ptxas writes a bool template
-    argument as ``true`` in some CUDA releases and as ``1`` in others (13.0 on the H100)."""
-    def normal(n):
-        return re.sub(r"\s+", "", re.sub(r"\btrue\b", "1", re.sub(r"\bfalse\b", "0", n)))
-    return normal(a) == normal(b)
+    """``"k<64, true>"`` and ``"k<64,1>"`` name one kernel (see _template_name_key)."""
+    return _template_name_key(a) == _template_name_key(b)
 
 
 def _pick_kernel(kernels: list[KernelResources], name: str) -> KernelResources:
