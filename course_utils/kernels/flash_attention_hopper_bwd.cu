@@ -297,6 +297,25 @@ bwd_preprocess_kernel(const __nv_bfloat16* __restrict__ O, const __nv_bfloat16* 
 
 // ---------------------------------------------------------------- 2. the main kernel
 
+// n / d for 0 <= n < 2^31 without a division instruction (the GPU has none: n / d by a runtime d
+// compiles to about 25 instructions, a float reciprocal and correction steps). The host picks
+// l = ceil(log2 d), s = 31 + l and m = ceil(2^s / d) < 2^32; then n / d = (n m) >> s exactly: the
+// error m d - 2^s is below d <= 2^l, so n (m d - 2^s) < 2^(31 + l) never lifts the quotient into
+// the next integer. One 64-bit multiply and a shift; the kernel divides tile numbers by n_kb.
+struct DivBy {
+    uint32_t m;
+    int s;
+    __device__ __forceinline__ int operator()(int n) const {
+        return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(n)) * m) >> s);
+    }
+};
+
+inline DivBy div_by(int d) {  // (host) for 1 <= d < 2^31
+    int l = 0;
+    while ((int64_t(1) << l) < d) ++l;
+    return {static_cast<uint32_t>(((uint64_t(1) << (31 + l)) + d - 1) / d), 31 + l};
+}
+
 template <int D>
 struct Tiles {  // every tile starts on a 1024-byte boundary (8 rows x 128 B: the swizzle's unit)
     __nv_bfloat16 K[BLOCK_N * D];
@@ -318,7 +337,8 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                                   const float* __restrict__ lse2, const float* __restrict__ Delta,
                                   float* __restrict__ dQacc, __nv_bfloat16* __restrict__ dK,
                                   __nv_bfloat16* __restrict__ dV, int* __restrict__ tile_counter,
-                                  int B, int H, int Nq, int Nk, float scale, int causal) {
+                                  const DivBy by_n_kb, int B, int H, int Nq, int Nk, float scale,
+                                  int causal) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int PANELS = D / 64;       // 64-column panels of a tile
     constexpr int STAGES = fa_hopper_bwd::STAGES<D>;
@@ -369,7 +389,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                     mbar_arrive(&sm.kv_full);
                     break;
                 }
-                const int kb = tile % n_kb, bh = tile / n_kb, i_first = first_q_block(kb);
+                const int bh = by_n_kb(tile), kb = tile - bh * n_kb, i_first = first_q_block(kb);
                 if (i_first < q_blocks) {
                     mbar_expect_bytes(&sm.kv_full, 2 * BLOCK_N * D * 2);
                     for (int p = 0; p < PANELS; ++p) {
@@ -412,7 +432,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         mbar_wait(&sm.kv_full, n & 1);  // this tile's K_j and V_j have landed
         const int tile = sm.tile;
         if (tile >= n_tiles) break;
-        const int kb = tile % n_kb, bh = tile / n_kb, i_first = first_q_block(kb);
+        const int bh = by_n_kb(tile), kb = tile - bh * n_kb, i_first = first_q_block(kb);
         const int kw0 = kb * BLOCK_N + 64 * w;      // this consumer's first key
         const int key0 = kw0 + 16 * warp + g;       // this thread's keys (rows of S^T): key0, key0 + 8
         const float* lse2_bh = lse2 + (size_t)bh * Nq_pad;
@@ -443,22 +463,23 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             // no test: lse2 is +inf there (preprocessing), so P is 2^-inf = 0 without one.
             wgmma_wait<1>();
             fence_regs(st);
-            const bool edge = kw0 + 64 > Nk || (causal && kw0 + 63 > q0);
             #pragma unroll
             for (int c = 0; c < R / 8; ++c) {
                 const float2 l = *reinterpret_cast<const float2*>(lse2_bh + q0 + 8 * c + 2 * t);
                 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int idx = 4 * c + 2 * h + e;
-                        float prob = fast_exp2(fmaf(st[idx], scale_log2, -(e ? l.y : l.x)));
-                        if (edge) {
-                            const int key = key0 + 8 * h, q = q0 + 8 * c + 2 * t + e;
-                            if (key >= Nk || (causal && key > q)) prob = 0.f;
-                        }
-                        st[idx] = prob;
-                    }
+                for (int j = 0; j < 4; ++j) {
+                    const int idx = 4 * c + j;
+                    st[idx] = fast_exp2(fmaf(st[idx], scale_log2, -(j % 2 ? l.y : l.x)));
+                }
+            }
+            // The mask, only on the steps that cross the diagonal or the last key, as the forward
+            // does: a branch the whole warpgroup takes alike. Written inside the loop above, it
+            // was if-converted, and every step paid its ~100 compares and selects (d = 128).
+            if (kw0 + 64 > Nk || (causal && kw0 + 63 > q0)) {
+                #pragma unroll
+                for (int idx = 0; idx < R / 2; ++idx) {
+                    const int key = key0 + 8 * ((idx % 4) / 2), q = q0 + 8 * (idx / 4) + 2 * t + idx % 2;
+                    if (key >= Nk || (causal && key > q)) st[idx] = 0.f;
                 }
             }
             // dS^T = P^T * (dP^T - Delta), Delta per query (column)
@@ -537,7 +558,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             named_sync_wg(2 + w);
             if (tid == 0) {  // (the head read again from sm.tile: kept in a register across the
                              // step, it spilled at D = 64, where the consumers have none to spare)
-                const int head = sm.tile / n_kb;
+                const int head = by_n_kb(sm.tile);
                 bulk_reduce_add(dQacc + ((size_t)head * q_blocks + i) * R * D + w * (R * D / 2),
                                 dq_smem, R * D / 2 * 4);
                 bulk_commit();
@@ -654,8 +675,8 @@ __global__ void probe_dq_kernel(const __nv_bfloat16* __restrict__ dST_in,
     template __global__ void flash_attention_hopper_bwd_kernel<DD, PERSIST>(                     \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap, const float*,  \
-        const float*, float*, __nv_bfloat16*, __nv_bfloat16*, int*, int, int, int, int, float,   \
-        int);
+        const float*, float*, __nv_bfloat16*, __nv_bfloat16*, int*, const DivBy, int, int, int, \
+        int, float, int);
 #define FA_BWD_INSTANTIATE(DD)                                                                   \
     FA_BWD_MAIN(DD, false) FA_BWD_MAIN(DD, true)                                                 \
     template __global__ void probe_dq_kernel<DD>(const __nv_bfloat16*,                           \
@@ -710,8 +731,8 @@ static void launch_main(const torch::Tensor& Q, const torch::Tensor& K, const to
     kernel<<<grid, THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>(
         q_map, k_map, v_map, do_map, lse2.data_ptr<float>(), Delta.data_ptr<float>(),
         dQacc.data_ptr<float>(), reinterpret_cast<__nv_bfloat16*>(dK.data_ptr()),
-        reinterpret_cast<__nv_bfloat16*>(dV.data_ptr()), tile_counter, B, H, Nq, Nk, scale,
-        causal ? 1 : 0);
+        reinterpret_cast<__nv_bfloat16*>(dV.data_ptr()), tile_counter, div_by(n_kb), B, H, Nq, Nk,
+        scale, causal ? 1 : 0);
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: launch");
 }
 
