@@ -239,7 +239,8 @@ def test_the_kernels_index_formulas_follow_the_accumulator_layout(R):
     """The .cu names the key and query of each register by hand (masks, LSE and Delta loads, the
     dK / dV epilogue); mirrored here, they must agree with accumulator_rows_cols."""
     text = SOURCE.read_text()
-    for line in ("const int key = key0 + 8 * ((idx % 4) / 2), q = q0 + 8 * (idx / 4) + 2 * t + idx % 2;",
+    for line in ("const int key = key0 + 8 * ((idx % 4) / 2), q = q0 + 8 * (idx / 4) + 2 * t"
+                 " + idx % 2;",
                  "for (int idx = 0; idx < R / 2; ++idx) {",
                  "lse2_bh + q0 + 8 * c + 2 * t", "delta_bh + q0 + 8 * c + 2 * t",
                  "const int idx = 4 * c + j;", "dpt[idx] - (j % 2 ? dl.y : dl.x)",
@@ -257,7 +258,7 @@ def test_the_kernels_index_formulas_follow_the_accumulator_layout(R):
         np.testing.assert_array_equal(16 * warp + g + 8 * ((idx % 4) // 2), rows[:, idx])
         np.testing.assert_array_equal(8 * (idx // 4) + 2 * t + idx % 2, cols[:, idx])
     for c in range(R // 8):
-        for j in range(4):  # the P^T and dS^T loops: LSE / Delta of query q0 + 8c + 2t (.x), + 1 (.y)
+        for j in range(4):  # P^T, dS^T loops: LSE, Delta of query q0 + 8c + 2t (.x), + 1 (.y)
             np.testing.assert_array_equal(8 * c + 2 * t + j % 2, cols[:, 4 * c + j])
     for D in (64, 128):
         rows, cols = hopper.accumulator_rows_cols(D)  # dK_w, dV_w
@@ -612,7 +613,8 @@ def test_the_persistent_blocks_take_every_tile_once():
                  "tile = gridDim.x + atomicAdd(tile_counter, 1);",
                  "if (tile_counter && bh == 0 && r == 0 && j == 0) *tile_counter = 0;",
                  "if (tile >= n_tiles) break;",
-                 "const int bh = by_n_kb(tile), kb = tile - bh * n_kb, i_first = first_q_block(kb);"):
+                 "const int bh = by_n_kb(tile), kb = tile - bh * n_kb, i_first ="
+                 " first_q_block(kb);"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
     rng = np.random.default_rng(0)
     for n_tiles in (1, 5, 132, 133, 1000):
@@ -645,7 +647,8 @@ def _dividends(d, rng):
     """Every n below 2^16, the top 2^16 below 2^31, the multiples of d around both ends and
     around random points (n = k d - 1, k d, k d + 1), and random n."""
     top = (1 << 31) - 1
-    ks = np.concatenate([np.arange(1, 64), top // d - np.arange(64), rng.integers(1, top // d + 1, 4096)])
+    ks = np.concatenate([np.arange(1, 64), top // d - np.arange(64),
+                         rng.integers(1, top // d + 1, 4096)])
     ks = ks[(ks >= 1) & (ks <= top // d)].astype(np.int64)
     near = (ks[:, None] * d + np.array([-1, 0, 1])).ravel()
     n = np.concatenate([np.arange(1 << 16), top - np.arange(1 << 16), near,
@@ -660,7 +663,8 @@ def test_the_tile_division_by_a_multiplier_is_exact():
     text = SOURCE.read_text()
     for line in ("while ((int64_t(1) << l) < d) ++l;",
                  "return {static_cast<uint32_t>(((uint64_t(1) << (31 + l)) + d - 1) / d), 31 + l};",
-                 "return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(n)) * m) >> s);",
+                 "return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(n)) * m)"
+                 " >> s);",
                  "const int head = by_n_kb(sm.tile);", "tile_counter, div_by(n_kb),"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
     rng = np.random.default_rng(0)
