@@ -3,13 +3,16 @@ model of its shared-memory layout (course_utils/hopper.py).
 
 On a CPU: the 128-byte swizzle model against its defining properties; the kernel's wgmma
 descriptors (mirrored here from the .cu) read exactly the tile elements each product needs, as
-TMA laid them out; the source compiles for sm_90a without spills. On an H100: every variant
+TMA laid them out; the source compiles for sm_90a without spills, and so does the clock build
+(-DFA_TIMELINE), whose clock reads the timed build does not have. On an H100: every variant
 (warp specialized, + ping-pong, + intra-warpgroup overlap, both) against the float64 reference on
-edge cases, with the allocator's memory filled with NaN first, and its errors.
+edge cases, with the allocator's memory filled with NaN first, and its errors; the clock build's
+table (a row per block, four points in order, O unchanged).
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +162,27 @@ def test_the_whole_source_compiles_host_functions_included():
                          "hopper_probe_rs"], name="flash_attention_hopper", arch="sm_90a")
 
 
+@pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
+def test_the_timeline_build_compiles_and_the_timed_build_reads_no_clock(tmp_path):
+    """-DFA_TIMELINE (lecture 14's clock inside the kernel) adds %clock64 and %smid reads to
+    the one-tile-a-block kernels, without spills; without the flag not one is left."""
+    report = C.resource_usage(SOURCE, arch="sm_90a",
+                              extra_flags=["-DFA_KERNEL_ONLY", "-DFA_TIMELINE"])
+    for r in report:
+        assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
+    ptx = {}
+    for name, flags in (("plain", []), ("timeline", ["-DFA_TIMELINE"])):
+        out = tmp_path / f"{name}.ptx"
+        subprocess.run([C.nvcc_path(), "-arch=sm_90a", "-std=c++17", "-DFA_KERNEL_ONLY", *flags,
+                        "--ptx", "-o", str(out), str(SOURCE)], check=True, capture_output=True)
+        ptx[name] = out.read_text()
+    assert "%clock64" not in ptx["plain"] and "%smid" not in ptx["plain"]
+    # variants 0-5 each read the clock (persistent 6 is not instrumented)
+    kernels = [k for k in ptx["timeline"].split(".entry")[1:] if "probe" not in k.split("(")[0]]
+    with_clock = [k.split("(")[0] for k in kernels if "%clock64" in k]
+    assert len(with_clock) == 10, with_clock  # 4 + 4 (D x PINGPONG x OVERLAP), variants 4 and 5
+
+
 # ------------------------------------------------------------------ on an H100
 
 _module = None
@@ -215,6 +239,35 @@ def test_persistent_blocks_take_many_tiles(D, causal):
     assert torch.isfinite(O).all(), "an element of O was never written (NaN from the poison)"
     torch.testing.assert_close(O.double(), O_ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), lse_ref, atol=1e-2, rtol=1e-3)
+
+
+_timeline = None
+
+
+@needs_sm90
+@pytest.mark.parametrize("variant, D", [(4, 128), (3, 64), (5, 64)])
+def test_the_timeline_build_stamps_every_block_in_order(variant, D):
+    """The clock build's table: one row per block, each on a real SM, its four points in order,
+    and O as the plain build computes it (the stamps change no result)."""
+    global _timeline
+    if _timeline is None:
+        _timeline = C.load_cuda(SOURCE, ["flash_attention_hopper_timeline"],
+                                name="flash_attention_hopper_timeline", arch="sm_90a",
+                                extra_cuda_cflags=["-DFA_TIMELINE", "-DFA_HOPPER_WATCHDOG"])
+    B, H, N = 2, 5, 700
+    Q, K, V = (torch.randn(B, H, N, D, device="cuda").bfloat16() for _ in range(3))
+    O, lse, table = _timeline.flash_attention_hopper_timeline(Q, K, V, False, variant)
+    rows = -(-N // (192 if variant == 5 else 128))
+    assert table.shape == (B * H * rows, 5) and table.dtype == torch.int64
+    t = table.cpu()
+    assert (t >= 0).all(), "a block wrote no row (-1 left)"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert int(t[:, 0].max()) < sms
+    assert (t[:, 1:].diff(dim=1) >= 0).all(), "the four points of a tile out of order"
+    O_plain, _ = _load().flash_attention_hopper(Q, K, V, False, variant)
+    assert torch.equal(O, O_plain)
+    with pytest.raises(RuntimeError, match="variants 0-5 only"):
+        _timeline.flash_attention_hopper_timeline(Q, K, V, False, 6)
 
 
 _probes = None

@@ -28,6 +28,12 @@
 //   PERSIST   one block per SM takes query tile after query tile, and the loop runs across
 //             them: the next tile's first S is issued with this tile's last P V, and this
 //             tile's O is stored under it (no block launch, Q wait or epilogue between tiles).
+//
+// -DFA_TIMELINE builds the clock of chapter 14's "a clock inside the kernel": for every block of
+// the one-tile-a-block variants (0-5), consumer 0's first thread writes the SM it ran on and the
+// SM's cycle counter (%clock64) at four points of its tile: before it waits for its Q rows, when
+// they have landed, when its last O += P V has completed, when its O stores are issued.
+// flash_attention_hopper_timeline returns them as a table. The timed build has no trace of it.
 // (Computing only the keys left in a short last block, with m64n64 / m64n128 products there, was
 // tried: the extra copies of the step made ptxas serialize every wgmma for want of registers,
 // its advisory C7511, and the kernel ran 22% slower. Check ptxas -v for C7511 after any change.)
@@ -45,6 +51,11 @@
 #include <stdint.h>
 
 namespace fa_hopper {
+
+#if defined(FA_TIMELINE)
+// Row b (the block's linear index) of the host's table: {smid, t0, t1, t2, t3}. Null: no table.
+__device__ long long* timeline = nullptr;
+#endif
 
 constexpr int CONSUMERS = 2;                  // consumer warpgroups, 64 query rows each
 constexpr int BLOCK_M = 64 * CONSUMERS;       // query rows per block
@@ -232,6 +243,22 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     float o[O_REGS], s_acc[S_REGS];
     uint32_t p[P_REGS];
     float m[2], l[2];
+#if defined(FA_TIMELINE)
+    auto stamp = [&](int k) {  // point k (0-3) of this block's tile, by consumer 0's first thread
+        if (w != 0 || tid != 0 || timeline == nullptr) return;
+        long long* row = timeline + 5 * ((size_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
+        if (k == 0) {
+            unsigned smid;
+            asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
+            row[0] = smid;
+        }
+        long long now;
+        asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(now)::"memory");
+        row[1 + k] = now;
+    };
+#else
+    auto stamp = [](int) {};
+#endif
 
     auto issue_s = [&](int j) {  // S = Q K(j)^T, asynchronous
         const int s = stage(j);
@@ -373,7 +400,9 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     take_tile(0);
     start_tile();
     if (PINGPONG && w == CONS - 1) named_arrive(1);  // consumer 0 takes the first turn
+    stamp(0);
     mbar_wait(&sm.q_full[w], 0);
+    stamp(1);
     if (!OVERLAP) {
         for (int j = 0; j < n_blocks; ++j) {
             turn_begin();
@@ -396,7 +425,9 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         overlapped_blocks();
         last_pv();
     }
+    stamp(2);
     store_o(row0, bh, m, l);
+    stamp(3);
     } else {  // ---------------------------------------------------- persistent: tile after tile
     // The loop above, run across the block's tiles as one stream of turns: the next tile's
     // S(0) = Q K(0)^T is issued in the same turn as this tile's last O += P V, its softmax runs
@@ -684,6 +715,39 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
 #undef FA_LAUNCH
     return {O, LSE};
 }
+
+#if defined(FA_TIMELINE)
+// flash_attention_hopper, with the clock read at four points of each block's tile: O, LSE and a
+// (blocks x 5) int64 table, row b = {SM, t0 (Q wait begins), t1 (Q landed), t2 (last P V done),
+// t3 (O stores issued)} in that SM's cycles, b = blockIdx.x + q_blocks (blockIdx.y + H blockIdx.z).
+std::vector<torch::Tensor> flash_attention_hopper_timeline(torch::Tensor Q, torch::Tensor K,
+                                                           torch::Tensor V, bool causal,
+                                                           int64_t variant) {
+    const char* fn = "flash_attention_hopper_timeline";
+    TORCH_CHECK(variant >= 0 && variant <= 5, fn, ": variants 0-5 only (one tile a block); the "
+                "persistent variant 6 runs many tiles a block, got ", std::to_string(variant));
+    TORCH_CHECK(Q.dim() == 4, fn, ": Q must be 4D (B, H, N, D)");
+    const int64_t rows_per_block = variant == 5 ? 192 : 128;
+    const int64_t blocks = (Q.size(2) + rows_per_block - 1) / rows_per_block * Q.size(1) * Q.size(0);
+    auto table = torch::full({blocks, 5}, -1, Q.options().dtype(torch::kInt64));
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    auto point_to = [&](long long* at) {
+        check_cuda(cudaMemcpyToSymbolAsync(fa_hopper::timeline, &at, sizeof(at), 0,
+                                           cudaMemcpyHostToDevice, stream), fn);
+    };
+    point_to(reinterpret_cast<long long*>(table.data_ptr<int64_t>()));
+    std::vector<torch::Tensor> out;
+    try {
+        out = flash_attention_hopper(Q, K, V, causal, variant);
+    } catch (...) {
+        point_to(nullptr);
+        throw;
+    }
+    point_to(nullptr);  // the next call of the plain entry point writes no table
+    out.push_back(table);
+    return out;
+}
+#endif
 // ---------------------------------------------------------------- the probes' host side
 
 static void check_probe_input(const char* fn, const torch::Tensor& X, int64_t rows) {
