@@ -82,6 +82,9 @@ DEFAULT_MAX_DYNAMIC_SMEM = 48 * 1024  # dynamic shared memory a kernel gets with
 MAX_THREADS_PER_BLOCK = 1024
 BUNDLED_HEADERS_MIN_NVRTC = (13, 3)  # first NVRTC that ships cuda_fp16.h etc. itself
 CACHE_VERSION = "1"  # bump to invalidate every cached compile after a change to this module
+# torch's extension builds hold a lock file in their folder for the ~30-90 s of a build; one
+# older than this was left by a build that was killed (a restarted kernel, a timeout)
+STALE_LOCK_S = 600
 
 INSTALL_NVCC_HINT = (
     "install the CUDA toolkit's compiler: `conda install -c nvidia cuda-nvcc`, or the CUDA "
@@ -1055,6 +1058,33 @@ class CompileOnlyModule(types.SimpleNamespace):
 _built_modules: dict[str, object] = {}  # module name -> built torch extension (this process)
 
 
+def _clear_stale_build_lock(build_dir, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the lock of an extension build that was killed, and say so; True if removed.
+
+    torch's load_inline locks the module's build folder with an empty file ``lock`` and removes
+    it when the build ends, also on an exception. A build killed outright (the kernel restarted,
+    the process timed out) leaves it behind, and every later build of that module then waits for
+    it forever, without a word. A lock younger than ``max_age_s`` may belong to a build that is
+    running now (another process): it is left, with a note of where it is.
+    """
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:  # no lock: nothing waits
+        return False
+    if age < max_age_s:
+        print(f"note: {lock} exists ({age:.0f} s old): waiting for another build of this module "
+              "to finish; if none is running (a build was killed), delete that file")
+        return False
+    try:
+        lock.unlink()
+    except OSError:
+        return False
+    print(f"removed {lock}, {age / 60:.0f} min old: the lock of a build that was killed "
+          "(torch would have waited for it forever)")
+    return True
+
+
 def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), verbose=False,
               arch=None):
     """Build CUDA C++ into a Python module whose functions take and return torch tensors.
@@ -1124,6 +1154,12 @@ def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), ver
     if module_name in _built_modules:
         return _built_modules[module_name]
     started = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # where torch will build
+    except ImportError:  # a torch without it: torch's own waiting, unchanged
+        pass
+    else:
+        _clear_stale_build_lock(_get_build_directory(module_name, verbose=False))
     saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
     try:
         if arch_list:  # torch turns "9.0a" into -gencode=arch=compute_90a,code=sm_90a

@@ -795,3 +795,20 @@ def test_an_error_after_an_inlined_header_points_at_the_right_line(tmp_path):
     message = str(info.value)
     assert "main.cu, line 4" in message
     assert "> 4 |     y[0] = twice(oops);" in message
+
+
+def test_a_killed_builds_lock_is_removed_and_a_fresh_one_is_left(tmp_path, capsys):
+    """torch waits forever on the lock of a build that was killed; load_cuda removes a lock older
+    than any build takes (and says so), and leaves a fresh one (another build may hold it)."""
+    import os
+    import time
+
+    assert not C._clear_stale_build_lock(tmp_path)  # no lock
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not C._clear_stale_build_lock(tmp_path) and lock.exists()
+    assert "waiting for another build" in capsys.readouterr().out
+    old = time.time() - C.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert C._clear_stale_build_lock(tmp_path) and not lock.exists()
+    assert "a build that was killed" in capsys.readouterr().out
