@@ -726,7 +726,8 @@ std::vector<torch::Tensor> flash_attention_hopper_timeline(torch::Tensor Q, torc
     const char* fn = "flash_attention_hopper_timeline";
     TORCH_CHECK(variant >= 0 && variant <= 5, fn, ": variants 0-5 only (one tile a block); the "
                 "persistent variant 6 runs many tiles a block, got ", std::to_string(variant));
-    TORCH_CHECK(Q.dim() == 4, fn, ": Q must be 4D (B, H, N, D)");
+    TORCH_CHECK(Q.is_cuda() && Q.dim() == 4, fn, ": Q must be a 4D (B, H, N, D) CUDA tensor");
+    c10::cuda::CUDAGuard guard(Q.device());  // the table pointer is set on Q's GPU
     const int64_t rows_per_block = variant == 5 ? 192 : 128;
     const int64_t blocks = (Q.size(2) + rows_per_block - 1) / rows_per_block * Q.size(1) * Q.size(0);
     auto table = torch::full({blocks, 5}, -1, Q.options().dtype(torch::kInt64));
