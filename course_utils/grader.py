@@ -24,6 +24,7 @@ and dicts of them. The candidate's side never sees an expected value.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -419,8 +420,53 @@ def _not_run(ex: Exercise, status: str, why: str) -> Result:
     return Result(ex.id, ex.title, ex.points, 0.0, 0, len(ex.cases), status, why, True)
 
 
-def _grade_in_worker(text, chapter, exercises, limits, scratch, keep, protected, isolation):
-    """Run one notebook's cells in sandboxed workers; return (results, cell errors, failure)."""
+class _GraderTimeout(BaseException):  # noqa: N818 (not an Exception: no case may catch it)
+    """The grader's own checks of one exercise ran past the exercise's time limit."""
+
+
+@contextlib.contextmanager
+def _grader_deadline(seconds: float):
+    """Raise :class:`_GraderTimeout` if the block runs longer than ``seconds`` (main thread).
+
+    The checks of an exercise run here, in the grading process, on what the notebook sent: the
+    exercise's time limit covers them as well as the worker's time, so that no answer, however
+    built, can make the grader itself compute for hours. (A timer signal interrupts Python code
+    between bytecodes; the checks validate sizes first, so no single C call runs long.)
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _GraderTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+GRADED_TEXT = ("{id}: handed in. While a notebook is graded only the first check of an "
+               "exercise counts, and its result goes to the grade report, not to the notebook.")
+
+
+def _grade_in_worker(text, chapter, exercises, limits, run_root, keep, protected, isolation):
+    """Run one notebook's cells in sandboxed workers; return (results, cell errors, failure).
+
+    **Deadlines.** A cell's clock starts when the worker announces the cell (each index once, in
+    increasing order) and no message resets it; while an exercise is being checked the cell's
+    clock stops and the exercise's runs instead (the worker's time and the grader's checks).
+
+    **No oracle.** The first check of each exercise is graded; the worker is told only that it
+    was handed in, never a case, a hint or a score, and later checks of the same exercise are
+    not graded again. A notebook cannot learn the expected values by asking repeatedly.
+    """
     import time
 
     from . import sandbox
@@ -435,15 +481,28 @@ def _grade_in_worker(text, chapter, exercises, limits, scratch, keep, protected,
     for _ in range(limits.restarts + 1):
         job = {"cells": cells, "skip_cells": sorted(skip_cells), "skip_ids": sorted(results)}
         worker = None
-        where = ("cell", -1)
+        cell = -1  # the cell running now
+        where = ("cell", cell)
         try:
-            worker = sandbox.start_worker(scratch, job, limits, keep, protected)
-            isolation[0] = worker.landlock or "process only (no Landlock on this kernel)"
+            worker = sandbox.start_worker(run_root, job, limits, keep, protected)
+            isolation[0] = worker.isolation
+            if protected is not None and sandbox.landlock_abi() >= 1 and not worker.verified:
+                return results, cell_errors, f"the sandbox did not hold: {worker.isolation}"
+            worker.send({"op": "go"})
+            cell_deadline = min(notebook_deadline, time.monotonic() + limits.cell_seconds)
             while True:
-                worker.deadline = min(notebook_deadline, time.monotonic() + limits.cell_seconds)
+                worker.deadline = cell_deadline
                 header, _ = worker.recv()
-                if "cell" in header and isinstance(header["cell"], int):
-                    where = ("cell", header["cell"])
+                if "cell" in header:
+                    index = header["cell"]
+                    if not isinstance(index, int) or isinstance(index, bool) or \
+                            index <= cell or index >= len(cells):
+                        raise sandbox.WorkerLost("error", "the notebook sent a cell number out "
+                                                          f"of order ({str(index)[:20]})")
+                    cell = index
+                    where = ("cell", cell)
+                    cell_deadline = min(notebook_deadline,
+                                        time.monotonic() + limits.cell_seconds)
                 elif "cell_error" in header:
                     index = header.get("cell_error")
                     cell_errors[index if isinstance(index, int) else -1] = str(
@@ -455,15 +514,25 @@ def _grade_in_worker(text, chapter, exercises, limits, scratch, keep, protected,
                         worker.send({"op": "verdict", "text": f"❌ no exercise "
                                      f"{str(header['check'])[:60]!r} in this chapter ({known})"})
                         continue
+                    if ex.id in results:
+                        worker.send({"op": "verdict", "text": GRADED_TEXT.format(id=ex.id)
+                                     + " (this was a later check: not graded again)"})
+                        continue
                     where = ("check", ex.id)
-                    worker.deadline = min(notebook_deadline,
-                                          time.monotonic() + limits.exercise_seconds)
+                    started = time.monotonic()
+                    worker.deadline = min(notebook_deadline, started + limits.exercise_seconds)
                     candidate = sandbox.remote_candidate(worker, header.get("shape"), ex)
-                    result = evaluate(ex, candidate, hidden_run=True)
+                    try:
+                        with _grader_deadline(worker.deadline - time.monotonic()):
+                            result = evaluate(ex, candidate, hidden_run=True)
+                    except _GraderTimeout:
+                        raise sandbox.WorkerLost("timed out", "the checks of this exercise "
+                                                              "ran longer than its limit") from None
                     results[ex.id] = result
-                    worker.send({"op": "verdict", "result": asdict(result),
-                                 "text": verdict(result)})  # fmt: skip
-                    where = ("cell", where[1])
+                    worker.send({"op": "verdict", "text": GRADED_TEXT.format(id=ex.id)})
+                    cell_deadline = min(notebook_deadline,
+                                        cell_deadline + time.monotonic() - started)
+                    where = ("cell", cell)
                 elif header.get("done"):
                     return results, cell_errors, ""
                 elif "fatal" in header:
@@ -502,7 +571,6 @@ def grade_notebook(path, timeout: int = DEFAULT_CELL_TIMEOUT, *, text=None, limi
     scores 0 with the reason. ``text`` is the notebook's JSON if already read; ``protected``
     lists paths the worker may not read (default: the course's folder and the notebook's).
     """
-    import shutil
     from pathlib import Path
 
     from . import runtime, sandbox
@@ -536,14 +604,13 @@ def grade_notebook(path, timeout: int = DEFAULT_CELL_TIMEOUT, *, text=None, limi
     if keep is None:
         sandbox.set_subreaper()
         keep = frozenset(sandbox.descendants(os.getpid()))
-    scratch = sandbox.scratch_root()
+    run_root = sandbox.scratch_root()  # each start of a worker gets fresh folders inside
     try:
-        sandbox.copy_package(scratch)
         isolation = [""]
         results, cell_errors, failure = _grade_in_worker(
-            text, chapter, exercises, limits, scratch, keep, protected, isolation)
+            text, chapter, exercises, limits, run_root, keep, protected, isolation)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        sandbox.remove_tree(run_root)
     graded = []
     for ex in exercises:
         if ex.id in results:

@@ -215,10 +215,47 @@ class _Encoder:
         return header, sent
 
 
+MAX_DIMS = 16
+
+
+def _check_layout(shape, strides, offset, extent, itemsize, what, strict) -> None:
+    """Refuse a view that reads outside its memory, and (``strict``) one that repeats memory.
+
+    ``extent`` and ``offset`` are in the units of ``strides``: elements for a tensor, bytes for
+    a numpy array (``itemsize`` is 1 for a tensor). With ``strict`` (the grader reading what a
+    notebook sent) a stride of 0 on a dimension longer than 1, or dimensions that overlap, are
+    refused before anything is built: a 4-byte tensor expanded to 2**30 elements would
+    otherwise become gigabytes at the first conversion. Nothing is allocated here.
+    """
+    if len(shape) != len(strides) or len(shape) > MAX_DIMS:
+        raise ProtocolError(f"a {what} with {len(shape)} sizes and {len(strides)} strides")
+    if any(n == 0 for n in shape):
+        return
+    low = high = offset
+    for n, s in zip(shape, strides, strict=True):
+        if s >= 0:
+            high += (n - 1) * s
+        else:
+            low += (n - 1) * s
+    if low < 0 or high + itemsize > extent:
+        raise ProtocolError(f"a {what}'s view reaches outside its memory")
+    if not strict:
+        return
+    span = itemsize
+    for n, s in sorted(((n, abs(s)) for n, s in zip(shape, strides, strict=True) if n > 1),
+                       key=lambda d: d[1]):  # fmt: skip
+        if s < span:
+            raise ProtocolError(
+                f"a {what} with a stride of {s} over {n} elements repeats memory (a zero-stride "
+                "or overlapping view, e.g. from expand): return .contiguous() data")
+        span = s * n
+
+
 class _Decoder:
     """Rebuilds values from a header and its buffers; ``regions`` are (owner, writable view)."""
 
-    def __init__(self, regions_desc, buffers, known=None, device_ok=True):
+    def __init__(self, regions_desc, buffers, known=None, device_ok=True, strict=False):
+        self.strict = strict  # the grader decoding the worker's data: refuse odd layouts
         torch = _torch()
         np = _np()
         self.views = []  # per region: a torch uint8 tensor holding its bytes
@@ -274,10 +311,13 @@ class _Decoder:
             dtype = getattr(torch, name)
             size = dtype.itemsize
             shape, stride, offset = x["shape"], x["stride"], x["offset"]
-            if not all(isinstance(v, int) and v >= 0 for v in [*shape, *stride, offset]):
+            if not isinstance(shape, list) or not isinstance(stride, list) or \
+                    not all(isinstance(v, int) and v >= 0 for v in [*shape, *stride, offset]):
                 raise ProtocolError("a tensor's shape, strides and offset must be >= 0 ints")
             if raw.numel() % size:
                 raise ProtocolError("a tensor's storage is not a whole number of elements")
+            _check_layout(shape, stride, offset, raw.numel() // size, 1, "tensor",
+                          self.strict)  # fmt: skip
             t_ = torch.empty(0, dtype=dtype, device=raw.device)
             t_.set_(raw.untyped_storage(), offset, shape, stride)
             if x.get("grad") and dtype.is_floating_point:
@@ -291,6 +331,12 @@ class _Decoder:
             if raw.device.type != "cpu":
                 raise ProtocolError("a numpy array must live on the CPU")
             buf = raw.numpy()
+            shape, strides, offset = x["shape"], x["strides"], x["offset"]
+            if not isinstance(shape, list) or not isinstance(strides, list) or \
+                    not all(isinstance(v, int) for v in [*shape, *strides, offset]) or \
+                    min([*shape, offset], default=0) < 0:
+                raise ProtocolError("an array's shape, strides and offset must be ints")
+            _check_layout(shape, strides, offset, buf.nbytes, dt.itemsize, "array", self.strict)
             try:
                 return np.ndarray(tuple(x["shape"]), dtype=dt, buffer=buf, offset=x["offset"],
                                   strides=tuple(x["strides"]))  # fmt: skip
@@ -314,7 +360,7 @@ class _Decoder:
         raise ProtocolError(f"unknown value type {t!r}")
 
     def _region(self, r):
-        if not isinstance(r, int) or not 0 <= r < len(self.views):
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(self.views):
             raise ProtocolError("a value refers to a region that does not exist")
         return self.views[r]
 
@@ -479,9 +525,9 @@ def hand_over(exercise_id: str, candidate):
         return Result(exercise_id, "", 0, 0.0, 0, 0, "graded earlier", "", True)
     channel.send({"check": exercise_id, "shape": _describe_candidate(candidate)})
     verdict = _serve(channel, candidate)
-    print(verdict.get("text", ""))
-    fields = verdict.get("result", {})
-    return Result(**fields) if fields else Result(exercise_id, "", 0, 0.0, 0, 0, "error", "", True)
+    print(str(verdict.get("text", ""))[:500])
+    # The score stays with the grader: the notebook learns that it handed in, nothing more.
+    return Result(exercise_id, "", 0, 0.0, 0, 0, "handed in", "", True)
 
 
 def _run_cells(channel: _Channel, cells: list[str], skip_cells: set[int]) -> None:
@@ -526,29 +572,109 @@ class _NoSpecs:
 
 
 def worker_main(fd_in: int, fd_out: int) -> None:
-    """Entry point of a worker: read the job, lock itself in, run the notebook's cells."""
+    """Entry point of a worker: read the job, lock itself in, prove it, run the notebook's cells.
+
+    Runs from the fresh read-only package copy the grader made for this start, in an
+    interpreter started with ``-I`` (no user site, no ``PYTHONPATH``, no current folder on the
+    path): until the lock below, only code the grader wrote has run, and nothing has been
+    imported from a folder any worker could write. The probe then tries what a locked worker
+    must not be able to do; the grader checks the outcome from outside before it says "go".
+    """
     global _WORKER
     channel = _Channel(fd_in, fd_out)
     job, _ = channel.recv()
-    limits = job.get("limits", {})
-    _apply_rlimits(limits)
+    # The grader's own import path (what the instructor set up: PYTHONPATH, user site), never a
+    # folder a worker can write; nothing is imported from it before the lock below.
+    sys.path[1:1] = [p for p in job.get("sys_path", []) if isinstance(p, str)]
+    _apply_rlimits(job.get("limits", {}))
+    _volunteer_for_oom_killer()
+    locked = {}
     if job.get("landlock"):
         try:
-            status = landlock_restrict(**job["landlock"])
-        except Exception as exc:  # an odd kernel or /proc: grade anyway, and say so
-            status = f"unavailable ({type(exc).__name__}: {exc})"
-        channel.send({"landlock": status})
+            locked["landlock"] = landlock_restrict(**job["landlock"])
+        except Exception as exc:  # an odd kernel or /proc: say so; the probe tells the rest
+            locked["landlock"] = f"unavailable ({type(exc).__name__}: {exc})"
+    if job.get("seccomp"):
+        try:
+            from .seccomp import deny_sockets
+
+            locked["seccomp"] = deny_sockets()
+        except Exception as exc:
+            locked["seccomp"] = f"unavailable ({type(exc).__name__}: {exc})"
+    if job.get("probe"):
+        locked["probe"] = _probe(job["probe"])
+    channel.send({"locked": locked})
+    go, _ = channel.recv()
+    if go.get("op") != "go":
+        os._exit(4)
     sys.meta_path.insert(0, _NoSpecs())
     channel.skip_ids = set(job.get("skip_ids", ()))
     _WORKER = channel
     here = Path(__file__).resolve().parent
-    if str(here.parent) != job["scratch"]:
-        channel.send({"fatal": f"course_utils was imported from {here}, not the scratch copy"})
+    if str(here.parent) != job["package"]:
+        channel.send({"fatal": f"course_utils was imported from {here}, not the worker's copy"})
         os._exit(3)
     _run_cells(channel, job["cells"], set(job.get("skip_cells", ())))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _probe(spec: dict) -> dict:
+    """Try, once locked in, what the sandbox must refuse; report each outcome as data.
+
+    Reads return the first 64 bytes they got (the grader compares them with the file), writes
+    leave a file behind (the grader looks for it), datagrams carry the grader's token (the
+    grader listens for them): what is judged is observed outside this process.
+    """
+    import socket
+
+    token = str(spec.get("token", "")).encode()
+    found = {"read": {}, "write": {}, "send": {}, "signal": ""}
+    for path in spec.get("read", []):
+        try:
+            with open(path, "rb") as f:
+                found["read"][path] = f.read(64).hex()
+        except OSError as exc:
+            found["read"][path] = f"refused ({exc.strerror})"
+    for path in spec.get("write", []):
+        try:
+            with open(path, "xb") as f:
+                f.write(token)
+            found["write"][path] = "written"
+        except OSError as exc:
+            found["write"][path] = f"refused ({exc.strerror})"
+    for name, family, address in (("udp", "AF_INET", spec.get("udp")),
+                                  ("unix", "AF_UNIX", spec.get("unix"))):  # fmt: skip
+        if not address:
+            continue
+        try:
+            with socket.socket(getattr(socket, family), socket.SOCK_DGRAM) as s:
+                s.sendto(token, tuple(address) if name == "udp" else address)
+            found["send"][name] = "sent"
+        except OSError as exc:
+            found["send"][name] = f"refused ({exc.strerror})"
+    pid = spec.get("signal")
+    if isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, 0)
+            found["signal"] = "delivered"
+        except OSError as exc:
+            found["signal"] = f"refused ({exc.strerror})"
+    return found
+
+
+def _volunteer_for_oom_killer() -> None:
+    """Ask the kernel to kill this worker, not the grader, when the machine runs out of memory.
+
+    A container's memory limit is enforced by the OOM killer, which picks the process with the
+    highest score; at 1000 that is always a worker (its children inherit the score).
+    """
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
 
 
 def _apply_rlimits(limits: dict) -> None:
@@ -580,8 +706,20 @@ def landlock_abi() -> int:
 
 
 def _read_allow_list(protected: list[str], extra: list[str]) -> list[str]:
-    """Paths to grant read access so that everything but ``protected`` stays readable."""
-    protected_paths = {os.path.realpath(p) for p in protected}
+    """Paths to grant read access so that everything but ``protected`` stays readable.
+
+    A Landlock rule follows a symbolic link to the folder it names, so a link to a protected
+    folder, into one, or to a folder above one (``/tmp/pytest-of-root/pytest-current``) is never
+    granted: the folder it names is reached by its real path instead. The grader's probe after
+    each start checks the result from outside, which is how that hole was found.
+    """
+    protected_paths = {os.path.realpath(p).rstrip("/") or "/" for p in protected}
+
+    def touches(real: str) -> bool:
+        real = real.rstrip("/") or "/"
+        return any(real == p or real.startswith(p + "/") or p.startswith(real + "/")
+                   or real == "/" for p in protected_paths)  # fmt: skip
+
     allowed = set()
 
     def walk(directory: str):
@@ -592,10 +730,14 @@ def _read_allow_list(protected: list[str], extra: list[str]) -> list[str]:
         for name in names:
             path = os.path.join(directory, name)
             real = os.path.realpath(path)
+            if os.path.islink(path):
+                if not touches(real):
+                    allowed.add(path)
+                continue
             if real in protected_paths:
                 continue
             if any(p.startswith(real.rstrip("/") + "/") for p in protected_paths) and \
-                    os.path.isdir(real) and not os.path.islink(path):
+                    os.path.isdir(real):
                 walk(path)
             else:
                 allowed.add(path)
@@ -737,17 +879,41 @@ class Limits:
     """How long and how much one notebook may take."""
 
     cell_seconds: float = 600.0
-    exercise_seconds: float = 600.0
+    exercise_seconds: float = 600.0  # the exercise's checks: the worker's time and the grader's
     notebook_seconds: float = 3600.0
     memory_mb: int = 8192
     file_mb: int = 1024
-    message_mb: int = 1024  # data one answer of the notebook may send back
+    scratch_mb: int = 4096  # what the worker's files may take on disk, all together
+    message_mb: int = 256  # data one answer of the notebook may send back
     restarts: int = 4
+
+
+SCRATCH_ENTRIES = 50_000  # files and folders a worker may make: more is refused as abuse
+
+
+def _tree_usage(root: str, cap: int) -> tuple[int, int]:
+    """(bytes on disk, entries) below ``root``, counting at most ``cap`` entries."""
+    total, entries, todo = 0, 0, [root]
+    while todo and entries <= cap:
+        try:
+            with os.scandir(todo.pop()) as it:
+                for entry in it:
+                    entries += 1
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        todo.append(entry.path)
+        except OSError:
+            continue
+    return total, entries
 
 
 @dataclass
 class Worker:
-    """A running worker: its process and the two pipe ends the grader holds."""
+    """A running worker: its process, the two pipe ends the grader holds, and its folders."""
 
     proc: object
     fd_to: int
@@ -756,10 +922,13 @@ class Worker:
     keep: frozenset = field(default_factory=frozenset)
     reader: _Reader | None = None
     deadline: float = 0.0
-    landlock: str = ""
+    isolation: str = ""  # what was verified from outside after the start
+    verified: bool = False
+    scratch: Path | None = None  # the only folder it may write
+    package: Path | None = None  # its read-only copy of course_utils (the folder above it)
 
     def wait_ready(self, fd):
-        """Block until ``fd`` is readable; WorkerLost past the deadline or the memory limit."""
+        """Block until ``fd`` is readable; WorkerLost past the deadline or a resource limit."""
         last_poll = 0.0
         while True:
             now = time.monotonic()
@@ -770,15 +939,26 @@ class Worker:
                 return
             if now - last_poll > 0.25:
                 last_poll = now
-                if self.proc.poll() is not None:
-                    raise WorkerLost("crashed", f"the notebook's process exited "
-                                                f"({_exit_reason(self.proc.returncode)})")
-                pids = [self.proc.pid, *descendants(self.proc.pid)]
-                rss = _rss_bytes(pids)
-                limit = self.limits.memory_mb
-                if rss > limit << 20:
-                    raise WorkerLost("out of memory", f"used {rss >> 20} MiB of memory, more "
-                                                      f"than the limit of {limit} MiB")
+                self.check_resources()
+
+    def check_resources(self):
+        """WorkerLost if the worker died, or its memory or files passed their limits."""
+        if self.proc.poll() is not None:
+            raise WorkerLost("crashed", f"the notebook's process exited "
+                                        f"({_exit_reason(self.proc.returncode)})")
+        pids = [self.proc.pid, *descendants(self.proc.pid)]
+        rss = _rss_bytes(pids)
+        limit = self.limits.memory_mb
+        if rss > limit << 20:
+            raise WorkerLost("out of memory", f"used {rss >> 20} MiB of memory, more "
+                                              f"than the limit of {limit} MiB")
+        if self.scratch is not None:
+            used, entries = _tree_usage(str(self.scratch), SCRATCH_ENTRIES)
+            if used > self.limits.scratch_mb << 20:
+                raise WorkerLost("out of disk", f"wrote {used >> 20} MiB of files, more than "
+                                                f"the limit of {self.limits.scratch_mb} MiB")
+            if entries > SCRATCH_ENTRIES:
+                raise WorkerLost("out of disk", f"made more than {SCRATCH_ENTRIES} files")
 
     def recv(self):
         try:
@@ -797,12 +977,16 @@ class Worker:
             raise WorkerLost("crashed", "the notebook's process stopped listening") from None
 
     def stop(self):
+        """Kill the worker and all it started, then delete its folders: none is used again."""
         kill_tree(self.proc.pid, self.keep)
         for fd in (self.fd_to, self.fd_from):
             try:
                 os.close(fd)
             except OSError:
                 pass
+        for folder in (self.scratch, self.package):
+            if folder is not None:
+                remove_tree(folder)
 
 
 def _exit_reason(code) -> str:
@@ -816,60 +1000,255 @@ def _exit_reason(code) -> str:
     return f"exit code {code}"
 
 
-def copy_package(scratch: Path) -> Path:
-    """A private copy of course_utils for one worker, without the grader's ``specs``."""
-    dest = scratch / "course_utils"
-    shutil.copytree(PACKAGE, dest, ignore=shutil.ignore_patterns("__pycache__", "specs", "*.pyc"))
-    return dest
+def remove_tree(path: Path) -> None:
+    """Delete a folder even where its files and folders were made read-only."""
+    def writable_again(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+        except OSError:
+            pass
+        try:
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=writable_again)
 
 
-def start_worker(scratch: Path, job: dict, limits: Limits, keep, protected) -> Worker:
-    """Start a worker in ``scratch`` and send it ``job`` (cells, skipped cells and exercises)."""
+def copy_package(dest: Path) -> Path:
+    """A fresh read-only copy of what a worker may import, in ``dest/course_utils``.
+
+    Without the grader's side (``specs``) and without the functions that answer an exercise
+    (:mod:`course_utils.worker_package` chooses); files 0444, folders 0555.
+    """
+    try:
+        from . import worker_package
+    except ImportError:
+        worker_package = None
+    if worker_package is not None:
+        return worker_package.build(dest)
+    target = dest / "course_utils"
+    shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "specs", "*.pyc"))
+    for root, dirs, files in os.walk(target, topdown=False):
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o444)
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o555)
+    os.chmod(target, 0o555)
+    return target
+
+
+# Devices a worker may write: the null and random devices, and the GPU's (the CUDA driver talks
+# to them with ioctl). Never /dev/shm or /dev/mqueue: memory there is counted by nobody.
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_UNREADABLE_DEVICES = ("/dev/shm", "/dev/mqueue")
+
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from course_utils.sandbox import worker_main; "
+         "worker_main(int(sys.argv[2]), int(sys.argv[3]))")  # fmt: skip
+
+
+def _import_path(run_root: Path) -> list[str]:
+    """The grader's import path for a worker: absolute folders only, never the course's tree
+    (its package comes from the copy) nor anything under the grading run's folders."""
+    course, run = str(PACKAGE.parent), str(Path(run_root).resolve())
+    keep = []
+    for entry in sys.path:
+        if not entry or not os.path.isabs(entry) or not os.path.isdir(entry):
+            continue
+        real = os.path.realpath(entry)
+        if any(real == p or real.startswith(p + os.sep) for p in (course, run)):
+            continue
+        if real not in keep:
+            keep.append(real)
+    return keep
+
+
+def _writable_devices() -> list[str]:
+    import glob
+
+    return [d for d in _DEVICES if os.path.exists(d)] + sorted(
+        glob.glob("/dev/nvidia*") + glob.glob("/dev/nvidia-caps/*"))
+
+
+def start_worker(run_root: Path, job: dict, limits: Limits, keep, protected) -> Worker:
+    """Start a worker in fresh folders under ``run_root``, lock it in and verify the lock.
+
+    Every start (the first and each restart) gets a new scratch folder, the only place it may
+    write, and a new read-only copy of ``course_utils`` made here: a worker never imports
+    anything a worker could have written. The interpreter runs isolated (``-I``: no user site,
+    no ``PYTHONPATH``, no ``sitecustomize`` from the scratch folder; ``-B``: no bytecode
+    written). ``protected`` lists paths it may not read. The isolation is then checked from
+    outside (:func:`verify_isolation`) before any of the notebook's cells runs.
+    """
     import subprocess
 
+    run_root = Path(run_root)
+    base = Path(tempfile.mkdtemp(prefix="worker-", dir=run_root))
+    scratch, package = base / "scratch", base / "package"
+    scratch.mkdir()
+    package.mkdir()
+    copy_package(package)
+    os.chmod(package, 0o555)
+    for sub in ("home", "tmp", "cache"):
+        (scratch / sub).mkdir()
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()
-    for sub in ("home", "tmp", "cache"):
-        (scratch / sub).mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("COURSE_CHECKS_RAISE", "COURSE_GRADING", "PYTEST_"))}
+           if not k.startswith(("COURSE_CHECKS_RAISE", "COURSE_GRADING", "PYTEST_", "PYTHON"))}
     env.update(HOME=str(scratch / "home"), TMPDIR=str(scratch / "tmp"),
                XDG_CACHE_HOME=str(scratch / "cache"), MPLCONFIGDIR=str(scratch / "cache"),
                TRITON_CACHE_DIR=str(scratch / "cache" / "triton"),
                TRITON_HOME=str(scratch / "cache"), NUMBA_CACHE_DIR=str(scratch / "cache"),
                TORCH_EXTENSIONS_DIR=str(scratch / "cache" / "torch_extensions"),
-               PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(scratch), *filter(None, [
-                   os.environ.get("PYTHONPATH")])]))  # fmt: skip
+               MPLBACKEND="Agg")  # fmt: skip
     from . import runtime
 
     env["COURSE_DEVICE"] = "gpu" if runtime.on_gpu() else "cpu"
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from course_utils.sandbox import worker_main; "
-            "worker_main(int(sys.argv[2]), int(sys.argv[3]))")  # fmt: skip
     log = open(scratch / "worker.log", "ab")  # noqa: SIM115 (handed to the process)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(scratch), str(to_r), str(from_w)],
-        pass_fds=(to_r, from_w), cwd=scratch, env=env, stdin=subprocess.DEVNULL,
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    log.close()
-    os.close(to_r)
-    os.close(from_w)
-    worker = Worker(proc, to_w, from_r, limits, keep)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", "-u", "-c", _BOOT, str(package), str(to_r), str(from_w)],
+            pass_fds=(to_r, from_w), cwd=scratch, env=env, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    finally:
+        log.close()
+        os.close(to_r)
+        os.close(from_w)
+    worker = Worker(proc, to_w, from_r, limits, keep, scratch=scratch, package=package)
     worker.reader = _Reader(from_r, limits.message_mb << 20)
-    job = dict(job, scratch=str(scratch),
+    job = dict(job, scratch=str(scratch), package=str(package), sys_path=_import_path(run_root),
                limits={"file_bytes": limits.file_mb << 20})  # fmt: skip
-    if protected is not None and landlock_abi() >= 1:
-        writable = [str(scratch), "/dev"]
-        job["landlock"] = {"read_protected": protected, "writable": writable,
-                           "read_extra": [str(scratch), sys.prefix, sys.base_prefix]}
-    worker.send(job)
-    worker.deadline = time.monotonic() + 120
-    if "landlock" in job:
-        header, _ = worker.recv()
-        worker.landlock = str(header.get("landlock", ""))
+    abi = landlock_abi() if protected is not None else 0
+    if abi >= 1:
+        writable = [str(scratch), *_writable_devices()]
+        unreadable = [*protected, str(run_root), *_UNREADABLE_DEVICES]
+        job["landlock"] = {"read_protected": unreadable, "writable": writable,
+                           "read_extra": [str(scratch), str(package), sys.prefix,
+                                          sys.base_prefix]}  # fmt: skip
+        job["seccomp"] = True
+    with _Listeners(run_root) as listeners:
+        probe = _probe_spec(run_root, base, package, protected or [], listeners)
+        job["probe"] = probe
+        worker.deadline = time.monotonic() + 120
+        try:
+            worker.send(job)
+            header, _ = worker.recv()
+            locked = header.get("locked")
+            if not isinstance(locked, dict):
+                raise WorkerLost("error", "the worker did not report its lock")
+            worker.verified, worker.isolation = verify_isolation(locked, probe, listeners,
+                                                                 requested=abi >= 1)
+        except BaseException:
+            worker.stop()
+            raise
     return worker
+
+
+class _Listeners:
+    """A UDP and a Unix datagram socket of the grader's, that no worker should reach."""
+
+    def __init__(self, run_root: Path):
+        import socket
+
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.udp.setblocking(False)
+        self.unix_path = str(Path(tempfile.mkdtemp(prefix="listen-", dir=run_root)) / "s")
+        self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.unix.bind(self.unix_path)
+        self.unix.setblocking(False)
+
+    def received(self) -> list[str]:
+        """The names of the sockets that got a datagram."""
+        got = []
+        for name, sock in (("udp", self.udp), ("unix", self.unix)):
+            try:
+                if sock.recv(4096):
+                    got.append(name)
+            except OSError:
+                pass
+        return got
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.udp.close()
+        self.unix.close()
+        remove_tree(Path(self.unix_path).parent)
+
+
+def _first_file(path: str) -> str | None:
+    """A readable regular file at or just below ``path`` (for the read probe)."""
+    p = Path(path)
+    if p.is_file():
+        return str(p)
+    try:
+        for child in sorted(p.iterdir())[:200]:
+            if child.is_file() and not child.is_symlink():
+                return str(child)
+    except OSError:
+        pass
+    return None
+
+
+def _probe_spec(run_root: Path, base: Path, package: Path, protected, listeners) -> dict:
+    import secrets
+
+    reads = [f for f in (_first_file(p) for p in protected) if f]
+    token = secrets.token_hex(16)
+    writes = [str(run_root / f"probe-{token}"), str(package / f"probe-{token}"),
+              str(base / f"probe-{token}")]  # fmt: skip
+    if os.path.isdir("/dev/shm"):
+        writes.append(f"/dev/shm/course-probe-{token}")
+    return {"token": token, "read": reads, "write": writes,
+            "udp": list(listeners.udp.getsockname()), "unix": listeners.unix_path,
+            "signal": os.getpid()}  # fmt: skip
+
+
+def verify_isolation(locked: dict, probe: dict, listeners, requested: bool) -> tuple[bool, str]:
+    """Judge the worker's probe from outside; return (the lock holds, what was verified).
+
+    A read counts as refused unless the worker sent back the file's real first bytes; a write
+    as refused unless its file exists now (checked here, then deleted); a datagram unless one
+    of the grader's sockets got it. Only the signal's outcome is the worker's own word (its
+    code is the grader's own at that point: no cell has run).
+    """
+    import time as _time
+
+    found = locked.get("probe") or {}
+    broken = []
+    for path in probe["read"]:
+        got = (found.get("read") or {}).get(path, "")
+        try:
+            with open(path, "rb") as f:
+                real = f.read(64).hex()
+        except OSError:
+            real = None
+        if real is not None and got == real:
+            broken.append(f"read {path}")
+    for path in probe["write"]:
+        if os.path.lexists(path):
+            broken.append(f"wrote {path}")
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    _time.sleep(0.01)
+    broken += [f"reached the grader's {name} socket" for name in listeners.received()]
+    if found.get("signal") == "delivered":
+        broken.append("signalled the grader")
+    how = "; ".join(str(locked[k]) for k in ("landlock", "seccomp") if locked.get(k))
+    if not requested:
+        how = "process only (no Landlock on this kernel)"
+    if broken:
+        return False, f"{how}: NOT isolated: " + ", ".join(broken)
+    return True, (f"{how}; verified: reads of the course and notebooks refused "
+                  f"({len(probe['read'])} tried), writes outside its scratch folder refused "
+                  f"({len(probe['write'])} tried), no datagram reached the grader, no signal")
 
 
 class RemoteCandidate(Candidate):
@@ -912,7 +1291,7 @@ class RemoteCandidate(Candidate):
         regions = reply.get("regions", [])
         if not isinstance(regions, list):
             raise ProtocolError("malformed regions")
-        decoder = _Decoder(regions, data[nback:], known=known)
+        decoder = _Decoder(regions, data[nback:], known=known, strict=True)
         return decoder.dec(reply["ok"])
 
     def __call__(self, *args, **kwargs):

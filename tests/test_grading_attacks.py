@@ -248,9 +248,118 @@ attack("fork_bomb_lite", [
     "        time.sleep(600)\n        os._exit(0)",
     MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
 
+# --- escaping through a restart: a crash must not hand the next worker anything ------------------
+# The first run of the cell plants code everywhere a restarted Python might pick it up, then
+# crashes; the restarted worker skips that cell. If any planted code ran in the new worker, it
+# read the solutions and set ESCAPED, and the check below hands in the right answer.
+PLANT = textwrap.dedent(f"""
+    import builtins
+    try:
+        builtins.ESCAPED = 'attention_matrix_bytes' in open({str(SOLUTION_01)!r}).read()
+    except OSError:
+        pass
+""")
+attack("restart_plants_code", [textwrap.dedent(f"""
+    import os, sys, site, glob
+    import course_utils
+    payload = {PLANT!r}
+    package = os.path.dirname(course_utils.__file__)
+    targets = ['sitecustomize.py', 'usercustomize.py', os.path.join(package, '__init__.py'),
+               os.path.join(package, 'sandbox.py'), os.path.join(package, 'runtime.py'),
+               os.path.join(os.path.dirname(package), 'sitecustomize.py'),
+               os.path.join(site.getusersitepackages(), 'usercustomize.py'),
+               *[os.path.join(p, 'zz_course_escape.pth') for p in site.getsitepackages()]]
+    for t in targets:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(t)), exist_ok=True)
+            text = ('import builtins; exec(' + repr(payload) + ')') if t.endswith('.pth') \
+                else payload
+            with open(t, 'a') as f:
+                f.write('\\n' + text + '\\n')
+        except OSError:
+            pass
+    os.environ['PYTHONPATH'] = os.getcwd()
+    os.environ['PYTHONSTARTUP'] = os.path.abspath('sitecustomize.py')
+    sys.stdout.flush()
+    os._exit(1)
+    """),
+    "import builtins\nok = getattr(builtins, 'ESCAPED', False)",
+    f"{MEMORY}\nif not ok:\n{textwrap.indent(MEMORY_WRONG, '    ')}",
+    CHECK_MEMORY], {"01.memory_formula": 0})
+attack("restart_rewrites_pycache", [textwrap.dedent("""
+    import os, py_compile, course_utils
+    package = os.path.dirname(course_utils.__file__)
+    src = os.path.join(os.getcwd(), 'evil.py')
+    open(src, 'w').write('import builtins\\nbuiltins.ESCAPED = True\\n')
+    cache = os.path.join(package, '__pycache__')
+    try:
+        os.makedirs(cache, exist_ok=True)
+        for name in ('__init__', 'sandbox', 'runtime', 'grader', 'watch'):
+            py_compile.compile(src, os.path.join(cache, f'{name}.cpython-311.pyc'))
+    except OSError:
+        pass
+    os._exit(1)
+    """),
+    "import builtins\nok = getattr(builtins, 'ESCAPED', False)",
+    f"{MEMORY}\nif not ok:\n{textwrap.indent(MEMORY_WRONG, '    ')}",
+    CHECK_MEMORY], {"01.memory_formula": 0})
+
+# --- an oracle in the verdicts: only the first check of an exercise counts, and tells nothing ---
+attack("oracle_wrong_then_right", [MEMORY_WRONG, CHECK_MEMORY, MEMORY, CHECK_MEMORY],
+       {"01.memory_formula": 0})
+attack("oracle_learns_from_messages", [textwrap.dedent("""
+    import io, re, contextlib
+    seen = {}
+    def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):
+        key = (B, H, Nq, Nk, bytes_per_element)
+        return seen.get(key, 0)
+    for _ in range(5):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            r = grader.check("01.memory_formula", attention_matrix_bytes)
+        text = buf.getvalue() + str(getattr(r, 'message', ''))
+        for m in re.finditer(r'expected ([0-9]+)', text):
+            seen[len(seen)] = int(m.group(1))
+        if getattr(r, 'ok', False):
+            break
+    """)], {"01.memory_formula": 0})
+
+# --- resources: deadlines that messages cannot stretch, memory and files nobody counted -------
+attack("chatty_cell_keeps_the_deadline", [textwrap.dedent("""
+    import time
+    from course_utils import sandbox
+    while True:
+        sandbox._WORKER.send({'cell_error': 0, 'error': 'still working'})
+        time.sleep(0.2)
+    """), MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
+attack("zero_stride_output", [
+    "import torch\ndef naive_attention(Q, K, V, causal=False, scale=None):\n"
+    "    return torch.zeros(1).expand(1 << 30)",
+    CHECK_NAIVE, MEMORY, CHECK_MEMORY], {"01.memory_formula": 2, "01.naive_attention": 0})
+attack("overlapping_output", [
+    "import torch\ndef naive_attention(Q, K, V, causal=False, scale=None):\n"
+    "    return torch.zeros(64).as_strided((1 << 20, 1 << 10), (1, 1))",
+    CHECK_NAIVE, MEMORY, CHECK_MEMORY], {"01.memory_formula": 2, "01.naive_attention": 0})
+attack("dev_shm_memory", oracle(
+    "f = open('/dev/shm/course-attack-hog', 'wb')\nf.write(bytes(1 << 20))\nf.close()\nok = True"),
+    {"01.memory_formula": 0})
+attack("udp_socket", oracle(
+    "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "s.sendto(b'x', ('127.0.0.1', NET_PORT))\nok = True"), {"01.memory_formula": 0})
+attack("unix_socket", oracle(
+    "import socket\ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\nok = True"),
+    {"01.memory_formula": 0})
+attack("too_many_files", [
+    "import os\nos.makedirs('many', exist_ok=True)\n"
+    "for i in range(60_000):\n    open(f'many/{i}', 'w').close()\n"
+    "import time\ntime.sleep(30)",
+    MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
+
 # Attacks that only the kernel's Landlock (of at least this ABI) can stop.
 NEEDS_ABI = {"execute_the_solutions": 1, "read_grader_memory": 1, "rewrite_the_grader_package": 1,
-             "overwrite_other_notebooks": 1, "network": 4, "signal_the_grader": 6}
+             "overwrite_other_notebooks": 1, "network": 4, "signal_the_grader": 6,
+             "restart_plants_code": 1, "restart_rewrites_pycache": 1, "dev_shm_memory": 1,
+             "udp_socket": 1, "unix_socket": 1}
 
 ORPHAN_MARK = "course-grade-orphan-test"
 # (the path is filled in by the fixture: a file the orphan would write after the run ends)
@@ -354,6 +463,7 @@ def test_attack_scores_what_an_honest_grader_gives(graded, name):
         assert got["score"] <= got["points"], where
     if LANDLOCK >= 1:
         assert report["isolation"].startswith("landlock"), report["isolation"]
+        assert "verified:" in report["isolation"] and "NOT" not in report["isolation"]
 
 
 def test_every_exercise_of_the_chapter_is_always_reported(graded):

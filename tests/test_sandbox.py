@@ -121,3 +121,115 @@ def test_cuda_tensors_and_kernel_arrays_cross_on_the_gpu():
     assert torch.equal(got_view, view)
     assert len(enc.regions) == 1  # the kernel array is the same storage as the view
     assert hasattr(got_arr, "__cuda_array_interface__") and not isinstance(got_arr, torch.Tensor)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def _grader_decode(header, nbytes=1024):
+    """Decode ``header`` as the grader decodes what a notebook sent (strict layouts)."""
+    regions = [{"kind": "torch", "device": "cpu", "nbytes": nbytes, "sent": True}]
+    return sandbox._Decoder(regions, [bytes(nbytes)], strict=True).dec(header)
+
+
+@pytest.mark.parametrize("shape, stride, why", [
+    ([1 << 30], [0], "repeats memory"),  # a 4-byte tensor expanded to 2**30 elements
+    ([4, 4], [1, 1], "repeats memory"),  # overlapping rows
+    ([1 << 20, 1 << 10], [1, 1], "repeats memory|outside"),
+    ([4, 5], [4, 1], "repeats memory"),  # rows of 5 at a pitch of 4
+    ([257], [1], "outside"),  # past the storage's 256 floats
+    ([2, 2], [1000, 1], "outside"),
+])
+def test_the_grader_refuses_views_that_repeat_or_leave_their_memory(shape, stride, why):
+    import time
+
+    start = time.monotonic()
+    header = {"t": "tensor", "r": 0, "dtype": "float32", "shape": shape, "stride": stride,
+              "offset": 0}
+    with pytest.raises(sandbox.ProtocolError, match=why):
+        _grader_decode(header)
+    assert time.monotonic() - start < 0.5  # refused before anything is built
+
+
+@pytest.mark.parametrize("shape, stride, offset", [
+    ([4, 4], [4, 1], 0), ([4, 4], [1, 4], 0), ([2, 3], [8, 2], 1), ([1, 16], [0, 1], 0),
+    ([0, 5], [0, 0], 0), ([16, 1], [1, 1], 0),
+])
+def test_the_grader_accepts_plain_views(shape, stride, offset):
+    header = {"t": "tensor", "r": 0, "dtype": "float32", "shape": shape, "stride": stride,
+              "offset": offset}
+    got = _grader_decode(header)
+    assert list(got.shape) == shape
+
+
+def test_the_worker_may_receive_expanded_inputs():
+    """Only the grader is strict: what it sends (e.g. a broadcast mask) keeps its strides."""
+    got, _ = round_trip(torch.zeros(1).expand(8))
+    assert got.stride() == (0,) and got.shape == (8,)
+
+
+def test_negative_numpy_strides_are_views_not_repeats():
+    header = {"t": "ndarray", "r": 0, "dtype": "<f4", "shape": [16], "strides": [-4],
+              "offset": 60}  # the first 16 floats, backwards
+    got = _grader_decode(header)
+    assert got.shape == (16,)
+    header["strides"] = [0]
+    with pytest.raises(sandbox.ProtocolError, match="repeats memory"):
+        _grader_decode(header)
+
+
+# ----------------------------------------------------------------------------- workers
+
+needs_landlock = pytest.mark.skipif(sandbox.landlock_abi() < 1, reason="no Landlock here")
+
+
+def _started(tmp_path, protected):
+    keep = frozenset(sandbox.descendants(__import__("os").getpid()))
+    return sandbox.start_worker(tmp_path, {"cells": []}, sandbox.Limits(), keep, protected)
+
+
+@needs_landlock
+def test_each_start_gets_fresh_folders_and_a_verified_lock(tmp_path):
+    course = str(sandbox.PACKAGE.parent)
+    first = _started(tmp_path, [course])
+    second = _started(tmp_path, [course])
+    try:
+        assert first.verified and second.verified, (first.isolation, second.isolation)
+        assert "verified:" in first.isolation and "landlock abi" in first.isolation
+        assert "seccomp: sockets denied" in first.isolation
+        assert first.package != second.package and first.scratch != second.scratch
+        assert not (first.package / "course_utils" / "specs").exists()
+        assert all(not (p.stat().st_mode & 0o222)
+                   for p in (first.package / "course_utils").rglob("*"))
+    finally:
+        first.stop()
+        second.stop()
+    assert not first.package.exists() and not first.scratch.exists()
+
+
+def test_an_unlocked_worker_is_reported_as_not_isolated(tmp_path):
+    """Without the lock the probe's writes land, and the report says so (observed outside)."""
+    worker = _started(tmp_path, None)
+    try:
+        assert not worker.verified
+        assert "NOT isolated" in worker.isolation and "wrote" in worker.isolation
+        assert not list(tmp_path.glob("probe-*")), "the grader removes what the probe wrote"
+    finally:
+        worker.stop()
+
+
+def test_verification_judges_reads_by_their_content(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"the answer")
+    probe = {"read": [str(secret)], "write": [str(tmp_path / "w")]}
+
+    class Quiet:
+        def received(self):
+            return []
+
+    read_it = {"probe": {"read": {str(secret): b"the answer".hex()}}}
+    ok, why = sandbox.verify_isolation(read_it, probe, Quiet(), requested=True)
+    assert not ok and f"read {secret}" in why
+    lied = {"probe": {"read": {str(secret): "refused (Permission denied)"}}}
+    (tmp_path / "w").write_text("x")  # the write landed, whatever the worker says
+    ok, why = sandbox.verify_isolation(lied, probe, Quiet(), requested=True)
+    assert not ok and "wrote" in why and not (tmp_path / "w").exists()
