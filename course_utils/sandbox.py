@@ -472,11 +472,72 @@ def _raised(exc) -> dict:
                        "where": where}}  # fmt: skip
 
 
+class _Pristine:
+    """The course's own code in the worker as it was before the notebook's first cell.
+
+    Taken after the chapter's harness module is imported and before any cell runs: every
+    function, class and module that a ``course_utils`` module holds at module level, and each
+    function's code. Before each request of the grader the worker checks that nothing was
+    replaced, and it calls the watch and the harness helpers it saved here, never what the
+    notebook's namespace now says: a notebook that swaps ``watch.forbid`` for a no-op, or
+    ``harness.ch07.largest_tensor`` for one that reports a small tensor, gets the exercise
+    refused as forbidden instead. (Code that tampers during the call itself, e.g. by reaching
+    a running helper's objects through ``gc``, is beyond what one process can watch: see the
+    README's limits.)
+    """
+
+    def __init__(self, chapter: str):
+        import importlib
+        import types
+
+        for name in ("course_utils.harness", f"course_utils.harness.ch{chapter}"):
+            try:
+                importlib.import_module(name)
+            except ImportError:  # no harness module for this chapter
+                pass
+        kinds = (types.FunctionType, type, types.ModuleType, types.BuiltinFunctionType)
+        self.entries = {}
+        for name, module in list(sys.modules.items()):
+            if name != "course_utils" and not name.startswith("course_utils."):
+                continue
+            if module is None:
+                continue
+            saved = {k: v for k, v in vars(module).items() if isinstance(v, kinds)}
+            codes = {k: v.__code__ for k, v in saved.items()
+                     if isinstance(v, types.FunctionType)}  # fmt: skip
+            self.entries[name] = (module, saved, codes)
+        from .watch import forbid
+
+        self.forbid = forbid
+
+    def changed(self) -> list[str]:
+        """``module.name`` of every saved entry the notebook replaced or whose code it swapped."""
+        found = []
+        for name, (module, saved, codes) in self.entries.items():
+            now = vars(module)
+            for key, value in saved.items():
+                if now.get(key) is not value or (key in codes and value.__code__ is not codes[key]):
+                    found.append(f"{name}.{key}")
+        return found
+
+    def resolve(self, target: str):
+        """The saved student-side helper ``"course_utils.harness...:function"``."""
+        module, _, name = str(target).partition(":")
+        entry = self.entries.get(module)
+        if not module.startswith("course_utils.harness") or entry is None or \
+                name not in entry[1]:
+            raise ProtocolError(f"no student-side helper {str(target)[:80]!r}")
+        return entry[1][name]
+
+
+_PRISTINE: _Pristine | None = None
+
+
 def _serve(channel: _Channel, candidate) -> dict:
     """Answer the grader's requests about ``candidate`` until it sends the verdict."""
-    from .grader import resolve
-    from .watch import forbid
+    from .watch import ForbiddenCall
 
+    pristine = _PRISTINE
     while True:
         header, buffers = channel.recv()
         op = header.get("op")
@@ -487,6 +548,13 @@ def _serve(channel: _Channel, candidate) -> dict:
             args = dec.dec(header.get("args", {"t": "tuple", "v": []}))
             kwargs = dec.dec(header.get("kwargs", {"t": "dict", "k": [], "v": []}))
             obj = _at(candidate, header.get("path", []))
+            changed = pristine.changed() if pristine is not None else []
+            if changed:
+                raise ForbiddenCall(
+                    f"the notebook replaced the course's own code ({', '.join(changed[:4])}): "
+                    "the checks cannot trust what they measure, so this exercise is refused. "
+                    "Leave course_utils as it is.")
+            forbid = pristine.forbid if pristine is not None else _forbid_now()
             watch = forbid(header.get("forbidden", ()), torch_only=header.get("torch_only", False))
             with watch:
                 if op == "call":
@@ -495,7 +563,9 @@ def _serve(channel: _Channel, candidate) -> dict:
                     config = dec.dec(header["config"])
                     out = obj[config](*args)
                 elif op == "invoke":
-                    out = resolve(header["target"])(obj, *args, **kwargs)
+                    helper = pristine.resolve(header["target"]) if pristine is not None \
+                        else _resolve_now(header["target"])
+                    out = helper(obj, *args, **kwargs)
                 else:
                     raise ProtocolError(f"unknown request {op!r}")
             from .runtime import synchronize
@@ -513,6 +583,18 @@ def _serve(channel: _Channel, candidate) -> dict:
             channel.send(dict(reply, nback=len(back)), [*back, *out_buffers])
         except Exception as exc:  # the student's code raised: send what and where
             channel.send(_raised(exc))
+
+
+def _forbid_now():
+    from .watch import forbid
+
+    return forbid
+
+
+def _resolve_now(target):
+    from .grader import resolve
+
+    return resolve(target)
 
 
 def hand_over(exercise_id: str, candidate):
@@ -610,6 +692,16 @@ def worker_main(fd_in: int, fd_out: int) -> None:
     sys.meta_path.insert(0, _NoSpecs())
     channel.skip_ids = set(job.get("skip_ids", ()))
     _WORKER = channel
+    global _PRISTINE
+    try:
+        from .runtime import setup
+
+        setup(verbose=False)  # what the notebook's first cell does; the harness needs the mode
+        _PRISTINE = _Pristine(str(job.get("chapter", "")))
+    except Exception as exc:
+        channel.send({"fatal": f"the worker could not load the course's helpers: "
+                               f"{type(exc).__name__}: {exc}"})
+        os._exit(3)
     here = Path(__file__).resolve().parent
     if str(here.parent) != job["package"]:
         channel.send({"fatal": f"course_utils was imported from {here}, not the worker's copy"})

@@ -137,3 +137,22 @@ def test_grade_survives_a_hanging_and_a_dying_notebook(tmp_path):
     data = json.loads(open(json_path).read())
     assert len(data) == 4 and data[-1]["exercises"][2]["status"] == "passed"
     assert "00.elements_touched" in open(csv_path).read()
+
+
+def test_the_grader_deadline_stops_its_own_checks():
+    """An exercise's time limit covers the grader's checks too: a check stuck in a loop on a
+    notebook's answer is interrupted (a BaseException, so no case can swallow it)."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(grader._GraderTimeout):
+        with grader._grader_deadline(0.3):
+            try:
+                while True:
+                    pass
+            except Exception:  # a case's own handler must not catch it
+                pass
+    assert time.monotonic() - start < 2
+    with grader._grader_deadline(5):  # and it leaves nothing armed behind
+        pass
+    time.sleep(0.01)

@@ -248,6 +248,19 @@ attack("fork_bomb_lite", [
     "        time.sleep(600)\n        os._exit(0)",
     MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
 
+# --- switching the watch off, or forging what the student's side measures, by patching the course
+attack("watch_patched_to_nothing", [
+    "import contextlib\nfrom course_utils import watch\n"
+    "watch.forbid = lambda *a, **k: contextlib.nullcontext()",
+    _sdpa_attention(f"F.scaled_dot_product_attention({_SDPA_ARGS})"), CHECK_NAIVE],
+    {"01.naive_attention": 0})
+attack("harness_patched_to_lie", [
+    "import course_utils.harness as h\n"
+    "h.largest_created = lambda fn, *a, **k: (fn(*a, **k), 1)\n"
+    "h.stub_reason.__code__ = (lambda obj: '').__code__",
+    _sdpa_attention(f"F.scaled_dot_product_attention({_SDPA_ARGS})"), CHECK_NAIVE],
+    {"01.naive_attention": 0})
+
 # --- escaping through a restart: a crash must not hand the next worker anything ------------------
 # The first run of the cell plants code everywhere a restarted Python might pick it up, then
 # crashes; the restarted worker skips that cell. If any planted code ran in the new worker, it
@@ -392,6 +405,64 @@ BROKEN_FILES = {
 }
 
 
+CONTAINER_BYTES = 4 << 30  # the grading run must survive a container of this much memory
+
+
+class MemoryContainer:
+    """A memory cgroup (v1, or v2 where its controller is delegated) that the grade command
+    runs in, like a container's limit: processes past it meet the kernel's OOM killer. Where
+    this machine does not let the test make one, ``path`` is None and the run is unconfined."""
+
+    LAYOUTS = (("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.max_usage_in_bytes"),
+               ("/sys/fs/cgroup", "memory.max", "memory.peak"))
+
+    def __init__(self, limit: int):
+        self.path = self.peak_file = None
+        for root, limit_file, peak_file in self.LAYOUTS:
+            path = Path(root) / f"course-grade-test-{os.getpid()}"
+            try:
+                path.mkdir()
+            except OSError:
+                continue
+            try:
+                (path / limit_file).write_text(str(limit))
+            except OSError:
+                path.rmdir()
+                continue
+            self.path, self.peak_file = path, path / peak_file
+            break
+
+    def enter(self):
+        """For ``preexec_fn``: move the new process into the container."""
+        if self.path is not None:
+            (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int | None:
+        try:
+            return int(self.peak_file.read_text())
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def oom_kills(self) -> int | None:
+        for name, key in (("memory.oom_control", "oom_kill"), ("memory.events", "oom_kill")):
+            try:
+                for line in (self.path / name).read_text().splitlines():
+                    if line.startswith(key + " "):
+                        return int(line.split()[1])
+            except (OSError, TypeError):
+                continue
+        return None
+
+    def remove(self):
+        if self.path is not None:
+            for _ in range(50):
+                try:
+                    self.path.rmdir()
+                    return
+                except OSError:
+                    time.sleep(0.1)
+
+
 def notebook(cells: list[str]) -> str:
     return json.dumps({
         "cells": [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
@@ -427,13 +498,20 @@ def graded(tmp_path_factory):
     os.mkfifo(out / "grades.csv")  # a FIFO planted at the output name must not hang the run
     env = dict(os.environ)
     env.pop("COURSE_CHECKS_RAISE", None)
+    container = MemoryContainer(CONTAINER_BYTES)
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "course_utils", "grade", *map(str, paths), "--out", str(out),
-         "--timeout", "25", "--notebook-timeout", "300", "--memory-mb", "3072"],
-        capture_output=True, text=True, timeout=1800, env=env, cwd=folder,
-    )
-    elapsed = time.monotonic() - start
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "course_utils", "grade", *map(str, paths), "--out", str(out),
+             "--timeout", "25", "--notebook-timeout", "300", "--memory-mb", "3072"],
+            capture_output=True, text=True, timeout=1800, env=env, cwd=folder,
+            preexec_fn=container.enter,
+        )
+        elapsed = time.monotonic() - start
+        memory = {"confined": container.path is not None, "peak": container.peak(),
+                  "oom_kills": container.oom_kills()}
+    finally:
+        container.remove()
     listener.close()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     time.sleep(7)  # longer than the orphans sleep: an escaped one would have written by now
@@ -441,6 +519,7 @@ def graded(tmp_path_factory):
     by_name = {Path(rep["notebook"]).name: rep for rep in data}
     return {"reports": by_name, "paths": paths, "before": before, "orphan": orphan_target,
             "package_before": package_before, "stdout": proc.stdout, "elapsed": elapsed,
+            "memory": memory,
             "out": out}
 
 
@@ -532,6 +611,19 @@ def test_no_process_outlives_the_run(graded):
 def test_outputs_replace_planted_files(graded):
     csv_path = graded["out"] / "grades.csv"
     assert csv_path.is_file() and "01.memory_formula" in csv_path.read_text()
+
+
+def test_the_run_survives_a_4_gib_container(graded):
+    """The whole run (grader and workers) ran in a 4 GiB memory cgroup and finished with every
+    report written: the OOM killer, when a notebook reached it, took a worker, never the grader
+    (workers volunteer for it). Skipped where this machine lets no test make a cgroup."""
+    memory = graded["memory"]
+    if not memory["confined"]:
+        pytest.skip("no memory cgroup could be made here (needs root and cgroup v1 or v2)")
+    print(f"peak {memory['peak'] / 2**30:.2f} GiB of {CONTAINER_BYTES / 2**30:g}, "
+          f"OOM kills {memory['oom_kills']}")
+    assert len(graded["reports"]) == len(ATTACKS) + len(BROKEN_FILES)
+    assert memory["peak"] is None or memory["peak"] <= CONTAINER_BYTES
 
 
 def test_the_attack_suite_is_big_enough():
