@@ -676,6 +676,8 @@ def worker_main(fd_in: int, fd_out: int) -> None:
             locked["landlock"] = landlock_restrict(**job["landlock"])
         except Exception as exc:  # an odd kernel or /proc: say so; the probe tells the rest
             locked["landlock"] = f"unavailable ({type(exc).__name__}: {exc})"
+    if job.get("start_cuda"):
+        _start_cuda_driver()
     if job.get("seccomp"):
         try:
             from .seccomp import deny_sockets
@@ -754,6 +756,21 @@ def _probe(spec: dict) -> dict:
         except OSError as exc:
             found["signal"] = f"refused ({exc.strerror})"
     return found
+
+
+def _start_cuda_driver() -> None:
+    """Start the CUDA driver (``cuInit``) before the socket filter is set.
+
+    The driver opens a socket of its own when it starts: under the filter ``cuInit`` fails with
+    error 304 (seen on an H200), and torch, Numba and Triton then find no GPU. Started first, it
+    keeps that socket and everything after works under the filter.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1").cuInit(0)
+    except OSError:
+        pass
 
 
 def _volunteer_for_oom_killer() -> None:
@@ -1221,6 +1238,7 @@ def start_worker(run_root: Path, job: dict, limits: Limits, keep, protected) -> 
                            "read_extra": [str(scratch), str(package), sys.prefix,
                                           sys.base_prefix]}  # fmt: skip
         job["seccomp"] = True
+        job["start_cuda"] = env["COURSE_DEVICE"] == "gpu"
     with _Listeners(run_root) as listeners:
         probe = _probe_spec(run_root, base, package, protected or [], listeners)
         job["probe"] = probe
