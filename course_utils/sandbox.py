@@ -19,23 +19,42 @@ What this protects, and how:
 - **The score** is computed here from data the worker sends back (tensors, arrays, numbers):
   the expected values, the comparisons and the points never enter the worker, so patching the
   checks, reading the checker's stack, lying tensor subclasses or a forged results file change
-  nothing. Messages are decoded by a strict codec (no pickle): only plain data crosses.
-- **Time and memory**: every cell and every exercise has a time limit, the worker's processes
-  together a memory limit; past them the whole process tree is killed, that exercise (or cell)
-  scores 0 with the reason, and the notebook is re-run from the top in a fresh worker with the
-  exercises already graded skipped, so one endless loop costs one exercise, not the notebook.
-- **Other notebooks and the instructor's files**: each worker gets a private scratch folder with
-  its own copy of ``course_utils`` (without ``specs``, the grader's side) and of the notebook. On
-  Linux with Landlock (kernel 5.13+), it can write only there, cannot read the course's tree or
-  the other notebooks, cannot open network connections, and cannot signal the grader. The grader
-  reads every notebook before running any, keeps results in memory, and writes ``grades.json``
-  and ``.csv`` atomically at the end. It is a child subreaper: processes a notebook starts
-  (daemons included) are killed when its worker ends.
+  nothing. Messages are decoded by a strict codec (no pickle): only plain data crosses, and a
+  view that repeats memory (a zero or overlapping stride) or leaves it is refused before
+  anything is built from it.
+- **No oracle**: the first check of an exercise is the graded one, and the worker is told
+  only that it was handed in; the cases, hints and score go to the report, never back.
+- **Time and memory**: every cell and every exercise has a time limit (the exercise's covers
+  the grader's own checks too; messages from the worker never extend a deadline), the worker's
+  processes together a memory limit, its scratch folder a disk limit; past them the whole
+  process tree is killed, that exercise (or cell) scores 0 with the reason, and the notebook
+  is re-run from the top in a fresh worker with the exercises already graded skipped, so one
+  endless loop costs one exercise, not the notebook. Workers ask the kernel's OOM killer to
+  choose them first, so a container's memory limit never takes the grader.
+- **Every start from clean files**: each start (and each restart) gets a new scratch folder,
+  the only place it may write, and a new read-only copy of what it may import from
+  ``course_utils`` (:mod:`course_utils.worker_package`: no ``specs``, no function that answers
+  an exercise). The interpreter runs isolated (``-I``: no user site, ``PYTHONPATH`` or
+  ``sitecustomize`` of the worker's making) and locks itself in before it imports anything a
+  worker could have written. The course's own code in the worker is saved before the first
+  cell; a request finds it replaced and refuses the exercise.
+- **Other notebooks and the instructor's files**: on Linux with Landlock (kernel 5.13+) the
+  worker can write only its scratch folder (and the null, random and GPU devices), cannot read
+  the course's tree, the notebooks' folders or ``/dev/shm``, cannot open TCP connections (ABI
+  4+) or signal the grader (ABI 6+); a seccomp filter (:mod:`course_utils.seccomp`) denies every
+  other socket. **The grader then checks the lock from outside** before any cell runs: the
+  worker tries to read protected files (the grader compares what came back with the files),
+  to write outside its folder (the grader looks for the files) and to send datagrams to the
+  grader's own sockets (the grader listens). A lock that did not hold stops that notebook;
+  ``isolation`` in the report says what was verified. The grader reads every notebook before
+  running any, keeps results in memory, writes ``grades.json`` and ``.csv`` atomically at the
+  end, and is a child subreaper: processes a notebook starts are killed when its worker ends.
 
 Limits: without Landlock (older kernels, some containers) a notebook can still read and write
-the user's files, though never the grades of the others in the same run; the forbidden-operation
-watch runs inside the worker, so a notebook that deliberately tampers with it (rather than
-calling a library shortcut) is not caught by it, only by the checks of what its code produces.
+the user's files, though never the grades of the others in the same run, and the report says
+"NOT isolated". The forbidden-operation watch runs inside the worker: code that tampers with
+the interpreter during the call itself (``gc`` on a running helper's objects, ``ctypes``) is
+not caught by it, only by the checks of what its code produces (see the README's limits).
 """
 
 from __future__ import annotations
