@@ -45,6 +45,31 @@ def for_chapter(chapter: str) -> list[Exercise]:
     return [ex for ex in all_exercises().values() if ex.id.split(".")[0] == chapter]
 
 
+MAX_SOURCE = 1_000_000  # characters of a CUDA source handed to the compiler
+
+
+def returned_text(x, limit: int = 2000) -> str:
+    """A string the candidate's side sent back (an error, a tracer's summary), for a message:
+    cut to ``limit`` characters; anything else is described by ``checks.brief``."""
+    from ..checks import brief
+
+    if not isinstance(x, str):
+        return brief(x)
+    return x if len(x) <= limit else f"{x[:limit]}... ({len(x) - limit} more characters)"
+
+
+def returned_dict(x, what: str, case: str, keys=()) -> dict:
+    """A dict the candidate's side sent back, checked to be one and to hold ``keys``."""
+    from ..checks import CheckFailure, brief
+
+    if not isinstance(x, dict):
+        raise CheckFailure(case, f"{what} is {brief(x)}, not a dict", None)
+    missing = [k for k in keys if k not in x]
+    if missing:
+        raise CheckFailure(case, f"{what} has no {', '.join(map(repr, missing))}", None)
+    return x
+
+
 def source_of(candidate) -> str:
     """The CUDA source a candidate gives: a str, or a function that returns one."""
     from ..checks import CheckFailure
@@ -55,6 +80,9 @@ def source_of(candidate) -> str:
         raise CheckFailure(
             "source", f"expected the CUDA source as a str, got {type(source).__name__}", None
         )
+    if len(source) > MAX_SOURCE:  # a kernel is a few hundred lines; the compiler gets no more
+        raise CheckFailure("source", f"the CUDA source has {len(source)} characters, more than "
+                           f"the {MAX_SOURCE} a kernel of this course needs", None)
     return source
 
 
@@ -69,8 +97,12 @@ def require_implemented(candidate) -> None:
     from ..grader import invoke
 
     reason = invoke(candidate, "course_utils.harness:stub_reason")
+    if not isinstance(reason, str):
+        from ..checks import CheckFailure, brief
+
+        raise CheckFailure("setup", f"the placeholder check returned {brief(reason)}", None)
     if reason:
-        raise NotImplementedError(reason)
+        raise NotImplementedError(returned_text(reason, 300))
 
 
 def compiled_resources(source, kernel=None, *, case, hint="keep the given name", extra_flags=()):

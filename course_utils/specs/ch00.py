@@ -17,7 +17,7 @@ import math
 import torch
 from numba import cuda  # specs are imported after course_utils.setup() has chosen the mode
 
-from ..checks import CheckFailure, check_guard, compare, guarded, tolerance
+from ..checks import CheckFailure, brief, check_guard, compare, guarded, tolerance, validated
 from ..grader import Exercise
 from ..runtime import device, kernel_array, pick, synchronize
 from . import require_implemented
@@ -158,12 +158,24 @@ def _elements_case(block: int, thread: int, block_dim: int, grid_dim: int, n: in
     def run(answer_fn):
         case = f"block {block}, thread {thread}, {grid_dim} blocks of {block_dim} threads, n = {n}"
         got = answer_fn(block, thread, block_dim, grid_dim, n)
+        if isinstance(got, (list, tuple, range, set, frozenset)):  # n indices at most
+            if len(got) > n:
+                raise CheckFailure(case, f"got {len(got)} indices, but the array has only {n} "
+                                   "elements: a thread touches each of its elements once",
+                                   STRIDE_HINT)  # fmt: skip
+        else:  # an array of indices: its layout and size checked before it is read
+            got = validated(got, (None,), what="the list of element indices", case=case,
+                            hint="return a list of ints", max_elements=n).tolist()
         try:
             got = sorted(int(i) for i in got)
-        except TypeError:
+        except (TypeError, ValueError, OverflowError, RuntimeError):
             raise CheckFailure(
-                case, f"expected a list of element indices, got {type(got).__name__}", None
+                case, f"expected a list of element indices, got {brief(got)}", None
             ) from None
+        outside = [i for i in got if not 0 <= i < n]
+        if outside:
+            raise CheckFailure(case, f"got index {brief(outside[0])}, but the array's elements "
+                               f"are 0 .. {n - 1} (while the index is below n)", STRIDE_HINT)
         # Ground truth from running the kernel itself, not from a formula.
         owner = torch.full((n,), -1, dtype=torch.int32, device=device())
         stamp_owner[grid_dim, block_dim](kernel_array(owner))

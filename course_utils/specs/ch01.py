@@ -39,10 +39,12 @@ from ..checks import (
     CheckFailure,
     assert_unchanged,
     attention_cases,
+    brief,
     compare,
     random_qkv,
     snapshot,
     tolerance,
+    validated,
 )
 from ..grader import Exercise
 from ..runtime import device
@@ -239,6 +241,7 @@ def check_case(fn, case: AttentionCase, scale: str = "default"):
     if isinstance(O, (tuple, list)):
         raise CheckFailure(case.name, f"the function returned {len(O)} values, not O alone",
                            "return only O, of shape (B, H, Nq, d)")  # fmt: skip
+    O = validated(O, O_ref.shape, what="O", case=case.name)  # before the hints read it
     try:
         compare("O", O, O_ref, case=case.name, atol=atol, rtol=rtol, hint=case.hint,
                 dtype=torch.float32)  # fmt: skip
@@ -425,6 +428,7 @@ def _check_split(split_heads, B, N, H, d, case):
         detail = (f"split_heads(X, H={H}) of X {tuple(X.shape)} has shape {tuple(Xh.shape)}, "
                   f"expected {(B, H, N, d)}")
         raise CheckFailure(case, detail, HINT_SPLIT_SHAPE)
+    validated(Xh, (B, H, N, d), what="split_heads(X)", case=case)  # no broadcast or overlap
     hint = HINT_SPLIT
     if torch.equal(Xh, X.reshape(B, H, N, d)):
         hint = HINT_SPLIT_VIEW
@@ -446,6 +450,7 @@ def _check_merge(merge_heads, Oh, case):
         detail = (f"merge_heads of a {tuple(Oh.shape)} tensor has shape {tuple(O.shape)}, "
                   f"expected {(B, N, H * d)}")
         raise CheckFailure(case, detail, HINT_MERGE_SHAPE)
+    validated(O, (B, N, H * d), what="merge_heads(Oh)", case=case)  # no broadcast or overlap
     hint = HINT_MERGE_VIEW if torch.equal(O, Oh.reshape(B, N, H * d)) else HINT_MERGE
     compare("merge_heads(Oh)", O, _expected_merge(Oh), case=case, atol=0, rtol=0, hint=hint)
     if not O.is_contiguous():
@@ -537,6 +542,11 @@ def _as_number(x, case):
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise CheckFailure(case, f"the function returned a {type(x).__name__}, not a number",
                            HINT_FORMULA)  # fmt: skip
+    try:
+        float(x)
+    except OverflowError:
+        raise CheckFailure(case, f"the function returned {brief(x)}, too large for any "
+                           "number of bytes", HINT_FORMULA) from None
     return x
 
 

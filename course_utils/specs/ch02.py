@@ -30,7 +30,17 @@ import random
 import torch
 
 from .. import reference
-from ..checks import CheckFailure, assert_unchanged, compare, poisoned, snapshot, tolerance
+from ..checks import (
+    CheckFailure,
+    assert_unchanged,
+    brief,
+    compare,
+    poisoned,
+    sequence,
+    snapshot,
+    tolerance,
+    validated,
+)
 from ..grader import Exercise, invoke
 from ..harness.ch02 import THREADS  # threads per block of 02.softmax_kernel
 from ..runtime import device, kernel_array, pick, synchronize
@@ -234,6 +244,7 @@ def _as_state(result, case, shapes):
         if tuple(value.shape) != shape:
             raise CheckFailure(case, f"merged {name} has shape {tuple(value.shape)}, expected "
                                      f"{shape}", HINT_MERGE)  # fmt: skip
+        validated(value, shape, what=f"merged {name}", case=case)  # no broadcast or overlap
     return tuple(result)
 
 
@@ -391,6 +402,7 @@ def _check_row(result, q, K, V, scale, i, window, case, hint):
         raise CheckFailure(case, "online_attention_row must return the pair (o, lse)",
                            "return o, lse")  # fmt: skip
     o, lse = result
+    o = validated(o, q.shape, what="o", case=case, hint=hint)  # before NaN is looked for
     lo, hi = window_bounds(i, window)
     Kw, Vw = K[lo:hi + 1], V[lo:hi + 1]
     O_ref, LSE_ref = reference.attention(q[None], Kw, Vw, scale=scale)  # (1, d), (1,)
@@ -422,14 +434,15 @@ def _stream_case(case, N, d, Bc, i, window):
         q, K, V = _row_inputs(N, d, Bc, i, window, std=1.0, scale=s, peak=None, trap=None)
         where = f"{case} [query i = {i}, window = {window}, N = {N}, Bc = {Bc}, d = {d}]"
         snap = snapshot(q, K, V, names=["q", "K", "V"])
-        result, largest = invoke(candidate, "course_utils.harness.ch02:largest_fresh_tensor",
-                                 q, K, V, Bc, s, i, window)  # fmt: skip
+        result, largest = sequence(
+            invoke(candidate, "course_utils.harness.ch02:largest_fresh_tensor", q, K, V, Bc, s,
+                   i, window), 2, what="the measured call", case=where)
         assert_unchanged(snap, case=where)
         _check_row(result, q, K, V, s, i, window, where, HINT_ROW)
         limit = Bc * d  # one block of K
         if not isinstance(largest, int) or largest > limit:
-            raise CheckFailure(where, f"a tensor of {largest} elements was created during the "
-                               f"call; one block of K has {limit} (the window has "
+            raise CheckFailure(where, f"a tensor of {brief(largest)} elements was created during "
+                               f"the call; one block of K has {limit} (the window has "
                                f"{min(window, i + 1)} keys)", HINT_ROW_STREAM)  # fmt: skip
 
     return run
@@ -548,6 +561,29 @@ def _kernel_case(case, R, N, *, std=3.0, hint=HINT_KERNEL):
     return run
 
 
+def access_counts(counts, shapes, case):
+    """What ``harness.ch02.count_accesses`` sent back, checked before it is read: a dict with,
+    for each array named in ``shapes``, integer ``reads`` and ``writes`` tensors and the array
+    after the launch, ``value``, each of the array's shape (``checks.validated``)."""
+    if not isinstance(counts, dict):
+        raise CheckFailure(case, f"the access counts are {brief(counts)}, not a dict")
+    checked = {}
+    for name, shape in shapes.items():
+        entry = counts.get(name)
+        if not isinstance(entry, dict):
+            raise CheckFailure(case, f"the access counts of {name} are {brief(entry)}, not a "
+                               "dict of reads, writes and value")  # fmt: skip
+        got = {}
+        for key in ("reads", "writes"):
+            t = validated(entry.get(key), shape, what=f"the {key} of {name}", case=case)
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise CheckFailure(case, f"the {key} of {name} are {t.dtype} values, not counts")
+            got[key] = t
+        got["value"] = validated(entry.get("value"), shape, what=name, case=case)
+        checked[name] = got
+    return checked
+
+
 def _reads_case(case, R, N):
     def run(kernel):
         where = f"{case} [{R} blocks of {THREADS} threads, traced in the simulator]"
@@ -560,6 +596,7 @@ def _reads_case(case, R, N):
         except IndexError as exc:
             raise CheckFailure(where, f"a thread indexed out of bounds: {exc}",
                                HINT_KERNEL_SHORT) from None  # fmt: skip
+        counts = access_counts(counts, {"x": (R, N), "out": (R, N), "lse": (R,)}, where)
         reads, writes = counts["x"]["reads"], counts["x"]["writes"]
         if int(writes.sum()) > 0:
             raise CheckFailure(where, f"the kernel wrote into x {int(writes.sum())} times",
@@ -596,6 +633,7 @@ _add(softmax_kernel, "read at most twice, rows shorter than the block (counted)"
 
 __all__ = [
     "THREADS",
+    "access_counts",
     "log_softmax_reference",
     "merge_randomly",
     "merge_states",

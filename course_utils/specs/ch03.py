@@ -30,12 +30,14 @@ import math
 import random
 from fractions import Fraction
 
+import numpy as np
 import torch
 
-from ..checks import CheckFailure, check_guard, compare, guarded, poisoned, unchanged
+from ..checks import CheckFailure, brief, check_guard, compare, guarded, poisoned, unchanged
 from ..grader import Exercise, invoke
 from ..runtime import device, kernel_array, synchronize
 from . import require_implemented
+from .ch02 import access_counts
 
 # ----------------------------------------------------------------------------- intensity
 
@@ -75,10 +77,10 @@ def _close(got: float, want: float) -> bool:
 
 
 def _as_float(got, case: str) -> float:
-    try:
+    try:  # a tensor or array of more than one element is refused here without being read
         return float(got)
-    except (TypeError, ValueError):
-        raise CheckFailure(case, f"expected a number, got {type(got).__name__}", None) from None
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise CheckFailure(case, f"expected a number, got {brief(got)}", None) from None
 
 
 def _intensity_hint(kind: str, shape, itemsize: int, got: float) -> str:
@@ -164,16 +166,16 @@ def _check_roofline(fn, intensity: float, peak: float, bw: float, case: str) -> 
     got = fn(intensity, peak, bw)
     try:
         attainable, verdict = got
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):
         raise CheckFailure(
-            case, f"expected a pair (attainable, 'memory' or 'compute'), got {got!r}", None
+            case, f"expected a pair (attainable, 'memory' or 'compute'), got {brief(got)}", None
         ) from None
     attainable = _as_float(attainable, case)
     want = min(peak, intensity * bw)
     want_verdict = "memory" if intensity < peak / bw else "compute"
-    if verdict != want_verdict:
+    if not isinstance(verdict, str) or verdict != want_verdict:
         raise CheckFailure(
-            case, f"got {verdict!r}, expected {want_verdict!r} (ridge point "
+            case, f"got {brief(verdict)}, expected {want_verdict!r} (ridge point "
             f"{peak / bw:.4g} FLOPs/byte, intensity {intensity:.4g})", BOUND_HINT)
     if not _close(attainable, want):
         raise CheckFailure(case, f"attainable {attainable:.6g} FLOP/s, expected {want:.6g}",
@@ -274,13 +276,20 @@ MORE_TILES = ("one more row of tiles is not always one more wave: the waves grow
 
 
 def _as_ints(got, n: int, case: str, what: str) -> tuple[int, ...]:
+    """``n`` whole numbers; the length is checked before any item is read."""
+    wrong = CheckFailure(case, f"expected {what} (whole numbers), got {brief(got)}", None)
+    if isinstance(got, (torch.Tensor, np.ndarray)):
+        if tuple(got.shape) != (n,):
+            raise wrong
+        got = got.tolist()
+    if not isinstance(got, (list, tuple, range)) or len(got) != n:
+        raise wrong
     try:
-        values = tuple(got)
-        if len(values) != n or any(int(v) != v for v in values):
+        if any(int(v) != v for v in got):
             raise ValueError
-        return tuple(int(v) for v in values)
-    except (TypeError, ValueError):
-        raise CheckFailure(case, f"expected {what} (whole numbers), got {got!r}", None) from None
+        return tuple(int(v) for v in got)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise wrong from None
 
 
 def _next_wave_hint(n, tm, tn, sms, bps, got) -> str:
@@ -405,9 +414,14 @@ def _check_efficient_size(fn, n_min, target, tile, sms, bps, case):
     got = _as_ints((fn(n_min, target, tile[0], tile[1], sms, bps),), 1, case, "a size N")[0]
     want = exact_efficient_size(n_min, target, tile[0], tile[1], sms, bps)
     if got != want:
-        eff = float(exact_efficiency(got, *tile, sms, bps)) if got >= 1 else float("nan")
+        # The model hands out the tiles a wave at a time: its work grows like N**2, so the
+        # efficiency of a size far beyond the answer (10**9, say) is not simulated.
+        if 1 <= got <= 4 * max(want, n_min):
+            eff = f"efficiency {float(exact_efficiency(got, *tile, sms, bps)):.4f}"
+        else:
+            eff = "far from any efficient size" if got >= 1 else "not a size"
         raise CheckFailure(
-            case, f"got N = {got} (efficiency {eff:.4f}), expected N = {want} (efficiency "
+            case, f"got N = {brief(got)} ({eff}), expected N = {want} (efficiency "
             f"{float(exact_efficiency(want, *tile, sms, bps)):.4f}) for target {target}",
             _efficient_size_hint(n_min, target, tile[0], tile[1], sms, bps, got))
 
@@ -511,8 +525,8 @@ def _check_layernorm(fn, rows, cols, itemsize, case):
     try:
         g_eager, g_fused = got
         got = (_as_float(g_eager, case), _as_float(g_fused, case))
-    except (TypeError, ValueError):
-        raise CheckFailure(case, f"expected (eager bytes, fused bytes), got {got!r}",
+    except (TypeError, ValueError, RuntimeError):
+        raise CheckFailure(case, f"expected (eager bytes, fused bytes), got {brief(got)}",
                            None) from None  # fmt: skip
     want = (exact_layernorm_bytes(rows, cols, itemsize),
             exact_layernorm_bytes(rows, cols, itemsize, FUSED_LAYERNORM))  # fmt: skip
@@ -591,9 +605,9 @@ def _check_in_flight(fn, args, case):
         if int(g_loads) != g_loads:
             raise ValueError
         got = (*got[:2], int(g_loads))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         raise CheckFailure(case, "expected (bytes in flight, bytes per SM, whole loads per "
-                           f"thread), got {got!r}", None) from None  # fmt: skip
+                           f"thread), got {brief(got)}", None) from None  # fmt: skip
     total, per_sm, loads = exact_in_flight(*args)
     if not (_close(got[0], float(total)) and _close(got[1], float(per_sm)) and got[2] == loads):
         raise CheckFailure(
@@ -693,6 +707,7 @@ def _fused_traffic_case(n: int, threads: int):
         except IndexError as exc:
             raise CheckFailure(case, f"a thread indexed out of bounds: {exc}",
                                GUARD_HINT) from None
+        counts = access_counts(counts, {"x": (n,), "y": (n,)}, case)
         x_reads, x_writes = counts["x"]["reads"], counts["x"]["writes"]
         y_reads, y_writes = counts["y"]["reads"], counts["y"]["writes"]
         if int(x_writes.sum()):

@@ -44,11 +44,15 @@ import torch
 from ..checks import (
     CheckFailure,
     assert_unchanged,
+    brief,
     check_guard,
     check_nan_cause,
     compare,
     guarded,
+    sequence,
     snapshot,
+    validated,
+    whole_number,
 )
 from ..grader import Exercise, NeedsGPU, invoke
 from ..harness.ch04 import (
@@ -64,7 +68,7 @@ from ..harness.ch04 import (
     matmul_tolerance,
 )
 from ..runtime import device, kernel_array, on_gpu, pick, synchronize
-from . import compiled_resources, require_implemented, source_of
+from . import compiled_resources, require_implemented, returned_dict, returned_text, source_of
 
 
 def _reference(Q: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
@@ -140,18 +144,20 @@ def _qk_traffic_case(kernel):
     case = f"memory traffic of a traced {Nq} x {Nk} x {d} launch"
     require_implemented(kernel)
     Q, K = torch.randn(Nq, d), torch.randn(Nk, d)
-    got = invoke(kernel, "course_utils.harness.ch04:traced_qk", Q, K)
+    got = returned_dict(invoke(kernel, "course_utils.harness.ch04:traced_qk", Q, K),
+                        "the traced launch's measurements", case, ("S", "q_sectors", "k_sectors"))
     atol, rtol = matmul_tolerance(d)
     compare("S", got["S"], _reference(Q, K), case=case, atol=atol, rtol=rtol, poisoned=True,
             hint=HINT_VALUES)  # fmt: skip
     coalesced = 4  # 32 lanes x 4 bytes, in 4 aligned runs of 32 bytes
     for name in ("Q", "K"):
-        worst = int(got[f"{name.lower()}_sectors"])
+        worst = whole_number(got[f"{name.lower()}_sectors"], what=f"the sectors of {name}",
+                             case=case, low=0)
         if worst > coalesced:
             raise CheckFailure(
                 case,
                 f"a warp load of {name} needs {worst} sectors (coalesced: {coalesced})\n"
-                f"{got['summary']}",
+                f"{returned_text(got.get('summary'))}",
                 f"load {name}'s tile the way {name} is stored: threadIdx.x along d, "
                 f"{name}[row, k0 + tx], so neighbouring threads read neighbouring addresses; "
                 "the transpose happens when the products read the tile (Ks[tx, kk]), in shared "
@@ -216,10 +222,10 @@ def _reads_case(Nq: int, Nk: int, d: int, Br: int, Bc: int):
         got = fn(Nq, Nk, d, Br, Bc)
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             try:
-                got = got.item()  # a 0-dim tensor or numpy number
-            except AttributeError:
+                got = got.item()  # a 0-dim tensor or numpy number (never a larger one)
+            except (AttributeError, RuntimeError, ValueError):
                 raise CheckFailure(
-                    case, f"expected a number, got {type(got).__name__}", None
+                    case, f"expected a number, got {brief(got)}", None
                 ) from None
         expected = enumerated_global_reads(Nq, Nk, d, Br, Bc)
         if got != expected:
@@ -290,6 +296,7 @@ def _rt_tolerance(d: int, scale: float) -> tuple[float, float]:
 
 def _rt_compare(S, Q, K, scale, case, hint=None) -> None:
     """S against scale * Q Kᵀ in float64, with a hint that names what the numbers suggest."""
+    S = validated(S, (Q.shape[0], K.shape[0]), what="S", case=case)  # before the hint reads it
     expected = _reference(Q, K) * scale
     atol, rtol = _rt_tolerance(Q.shape[1], scale)
     if hint is None:
@@ -341,6 +348,7 @@ def _traced(kernel, Nq: int, Nk: int, d: int, what: str, check_s: bool = True):
         got = invoke(kernel, "course_utils.harness.ch04:traced_register_qk", Q, K, scale)
     except IndexError as exc:
         raise CheckFailure(case, f"a thread indexed out of bounds: {exc}", HINT_RT_BOUNDS) from None
+    got = _checked_trace(got, Nq, Nk, d, case)
 
     def check():
         _rt_compare(got["S"], Q, K, scale, case)
@@ -348,6 +356,64 @@ def _traced(kernel, Nq: int, Nk: int, d: int, what: str, check_s: bool = True):
     if check_s:
         check()
     return case, got, check
+
+
+_TRACE_KEYS = ("S", "q_loads", "k_loads", "s_stores", "shared_loads", "shared_lines", "barriers",
+               "races", "race_examples")
+
+
+def _trace_rows(rows, name, case, grid, extent, expected):
+    """An (n, 5) table of (block y, block x, thread, row, column) from the traced launch, checked
+    before it is read: integers inside the grid, the block and ``extent`` (rows, columns), and
+    at most 256 times the ``expected`` count plus 1024 rows (a kernel that loads or stores each
+    element once per thread of a block, or once per kk, stays far below)."""
+    cap = 256 * expected + 1024
+    t = validated(rows, (None, 5), what=f"the traced {name}", case=case, max_elements=5 * cap)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise CheckFailure(case, f"the traced {name} hold {t.dtype} values, not indices")
+    t = t.to(torch.int64).cpu()
+    tops = (grid[0], grid[1], RT_THREADS, extent[0], extent[1])
+    for column, (top, what) in enumerate(zip(tops, ("block y", "block x", "thread", "row",
+                                                     "column"), strict=True)):
+        bad = (t[:, column] < 0) | (t[:, column] >= top)
+        if bool(bad.any()):
+            raise CheckFailure(case, f"the traced {name} name {what} {int(t[bad][0, column])}, "
+                               f"outside 0 .. {top - 1}")
+    return t
+
+
+def _trace_counts(counts, name, case, shape):
+    """A per-thread count table of the traced launch, (grid y, grid x, RT_THREADS) integers."""
+    t = validated(counts, shape, what=f"the traced {name}", case=case)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise CheckFailure(case, f"the traced {name} are {t.dtype} values, not counts")
+    return t.to(torch.int64).cpu()
+
+
+def _checked_trace(got, Nq, Nk, d, case):
+    """What ``harness.ch04.traced_register_qk`` sent back, each part checked before it is
+    read; the S of the launch is checked later, against its reference."""
+    got = returned_dict(got, "the traced launch's measurements", case, _TRACE_KEYS)
+    grid = (math.ceil(Nq / BR), math.ceil(Nk / BC))
+    loads = enumerated_global_reads(Nq, Nk, d, BR, BC)
+    checked = dict(got)
+    checked["q_loads"] = _trace_rows(got["q_loads"], "loads of Q", case, grid, (Nq, d), loads)
+    checked["k_loads"] = _trace_rows(got["k_loads"], "loads of K", case, grid, (Nk, d), loads)
+    checked["s_stores"] = _trace_rows(got["s_stores"], "stores of S", case, grid, (Nq, Nk),
+                                      Nq * Nk)
+    for key in ("shared_loads", "barriers"):
+        checked[key] = _trace_counts(got[key], key.replace("_", " "), case, (*grid, RT_THREADS))
+    checked["races"] = whole_number(got["races"], what="the number of races", case=case, low=0)
+    checked["race_examples"] = sequence(got["race_examples"], what="the races found",
+                                        case=case, at_most=16)
+    checked["shared_lines"] = sequence(got["shared_lines"], what="the shared-load lines",
+                                       case=case, at_most=256)
+    return checked
+
+
+def _shown(x, key):
+    """Field ``key`` of a dict the trace sent back, for a message."""
+    return returned_text(x.get(key), 200) if isinstance(x, dict) else brief(x)
 
 
 def _block(by: int, bx: int) -> str:
@@ -406,8 +472,9 @@ def _register_tiling_case(Nq: int, Nk: int, d: int):
         worst = int(loads.max())
         if worst > budget:
             by, bx, t = (int(x) for x in (loads == worst).nonzero()[0])
-            lines = "; ".join(f"{x['array']} at line {x['line']} `{x['source']}`: {x['most']}"
-                              for x in got["shared_lines"])  # fmt: skip
+            lines = "; ".join(f"{_shown(x, 'array')} at line {_shown(x, 'line')} "
+                              f"`{_shown(x, 'source')}`: {_shown(x, 'most')}"
+                              for x in got["shared_lines"][:16])  # fmt: skip
             raise CheckFailure(
                 case,
                 f"thread {t} of {_block(by, bx)} made {worst} shared-memory loads in {steps} "
@@ -504,16 +571,24 @@ def _barriers_case(Nq: int, Nk: int, d: int):
                 "matrices a thread loads 0 and skips only its store)",
             )
         if got["races"]:
-            x = got["race_examples"][0]
-            raw = x["epoch"] == 0  # before the first barrier: the loads and the reads meet
-            what = "read" if x["other_kind"] == "load" else "stored"
+            if not got["race_examples"]:
+                raise CheckFailure(case, f"{got['races']} shared element(s) race, and no example "
+                                   "came back", HINT_RT_WAR)  # fmt: skip
+            x = returned_dict(got["race_examples"][0], "a race found", case,
+                              ("epoch", "element", "block", "other_kind"))
+            epoch = whole_number(x["epoch"], what="a race's epoch", case=case, low=0)
+            raw = epoch == 0  # before the first barrier: the loads and the reads meet
+            what = "read" if isinstance(x["other_kind"], str) and x["other_kind"] == "load" \
+                else "stored"
+            element = sequence(x["element"], what="a racing element", case=case, at_most=4)
+            by, bx = sequence(x["block"], 2, what="a racing block", case=case)
             raise CheckFailure(
                 case,
-                f"{x['array']}[{', '.join(map(str, x['element']))}] of {_block(*x['block'])} is "
-                f"stored by "
-                f"thread {x['store_thread']} (line {x['store_line']}: `{x['store_source']}`) and "
-                f"{what} by thread {x['other_thread']} (line {x['other_line']}: "
-                f"`{x['other_source']}`) with no barrier between them, after {x['epoch']} "
+                f"{_shown(x, 'array')}[{', '.join(brief(e) for e in element)}] of "
+                f"{_block(brief(by), brief(bx))} is stored by thread {_shown(x, 'store_thread')} "
+                f"(line {_shown(x, 'store_line')}: `{_shown(x, 'store_source')}`) and {what} by "
+                f"thread {_shown(x, 'other_thread')} (line {_shown(x, 'other_line')}: "
+                f"`{_shown(x, 'other_source')}`) with no barrier between them, after {epoch} "
                 f"barrier(s); {got['races']} shared element(s) race like this. The simulator "
                 "may still give the right S; a GPU does not promise it",
                 HINT_RT_RAW if raw else HINT_RT_WAR,

@@ -37,16 +37,18 @@ from .. import trace
 from ..checks import (
     CheckFailure,
     assert_unchanged,
+    brief,
     check_guard,
     check_nan_cause,
     compare,
     guarded,
     snapshot,
+    whole_number,
 )
 from ..grader import Exercise, invoke
 from ..harness.ch05 import BLOCK_ROWS, TILE
 from ..runtime import device, kernel_array, on_gpu, synchronize
-from . import require_implemented
+from . import require_implemented, returned_dict, returned_text
 
 WARP = trace.WARP_SIZE
 
@@ -113,7 +115,7 @@ def _sectors_case(name, pattern, itemsize, offset=0):
         got = fn(list(elements), itemsize, offset)
         if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
             if not (isinstance(got, float) and got.is_integer()):
-                raise CheckFailure(case, f"expected a whole number, got {got!r}", None)
+                raise CheckFailure(case, f"expected a whole number, got {brief(got)}", None)
         expected = measured_sectors(elements, itemsize, offset)
         if got != expected:
             raise CheckFailure(
@@ -225,43 +227,60 @@ def _traffic_case(kernel):
     case = f"memory traffic of a traced {M} x {N} transpose"
     require_implemented(kernel)
     src = torch.randn(M, N)
-    got = invoke(kernel, "course_utils.harness.ch05:traced_transpose", src)
+    got = returned_dict(invoke(kernel, "course_utils.harness.ch05:traced_transpose", src),
+                        "the traced launch's measurements", case,
+                        ("dst", "src_load_sectors", "dst_store_sectors", "shared_requests",
+                         "worst_conflict", "shared_bytes"))  # fmt: skip
     compare("dst", got["dst"], src.T.contiguous(), case=case, atol=0, rtol=0, poisoned=True,
             hint=HINT_VALUES)  # fmt: skip
     coalesced = TILE * 4 // trace.SECTOR_BYTES  # 32 float32 in a row: 4 sectors
     for name, kind, side in (("src", "load", "read"), ("dst", "store", "written")):
-        worst = int(got[f"{name}_{kind}_sectors"])
+        worst = whole_number(got[f"{name}_{kind}_sectors"], what=f"the sectors of a {kind} of "
+                             f"{name}", case=case, low=0)  # fmt: skip
         if worst > coalesced:
             raise CheckFailure(
                 case,
                 f"a warp {kind} of {name} needs {worst} sectors (coalesced: {coalesced}); "
-                f"{name} is {side} down a column\n{got['summary']}",
+                f"{name} is {side} down a column\n{returned_text(got.get('summary'))}",
                 "consecutive threadIdx.x must touch consecutive elements of a row on both sides: "
                 f"{name}[..., base + tx]. The transpose happens in the tile: read it by columns "
                 "(tile row tx) instead of writing dst column-wise.",
             )
-    if not got["shared_requests"]:
+    requests = whole_number(got["shared_requests"], what="the shared-memory requests", case=case,
+                            low=0)
+    if not requests:
         raise CheckFailure(
             case,
             "the kernel uses no shared memory",
             "stage each TILE x TILE block in cuda.shared.array((TILE, TILE), float32): without "
             "it one side of the transpose is always strided",
         )
-    padded = {k: v for k, v in got["shared_bytes"].items() if v > TILE * TILE * 4}
+    arrays = returned_dict(got["shared_bytes"], "the bytes of the shared arrays", case)
+    if len(arrays) > 64:
+        raise CheckFailure(case, f"the launch reports {len(arrays)} shared arrays; the "
+                           "transpose needs one tile")  # fmt: skip
+    sizes = {k: whole_number(v, what=f"the bytes of {brief(k)}", case=case, low=0)
+             for k, v in arrays.items()}  # fmt: skip
+    padded = {k: v for k, v in sizes.items() if v > TILE * TILE * 4}
     if padded:
         name, size = next(iter(padded.items()))
         raise CheckFailure(
             case,
-            f"the shared array {name} takes {size} bytes, more than a TILE x TILE float32 tile "
+            f"the shared array {returned_text(name, 100)} takes {size} bytes, more than a TILE x "
+            f"TILE float32 tile "
             f"({TILE * TILE * 4} B): padded?",
             "this exercise removes the padding: keep the tile (TILE, TILE) and swizzle instead, "
             "element (r, c) at tile[r, c ^ r]",
         )
-    if int(got["worst_conflict"]) > 1:
+    conflict = whole_number(got["worst_conflict"], what="the worst bank conflict", case=case,
+                            low=0)
+    if conflict > 1:
         raise CheckFailure(
             case,
-            f"{got['worst_conflict']}-way shared-memory bank conflict at line {got['worst_line']} "
-            f"(`{got['worst_source']}`)\n{got['summary']}",
+            f"{conflict}-way shared-memory bank conflict at line "
+            f"{returned_text(got.get('worst_line'), 20)} "
+            f"(`{returned_text(got.get('worst_source'), 200)}`)\n"
+            f"{returned_text(got.get('summary'))}",
             "an unswizzled (TILE, TILE) float32 tile puts a whole column in one bank (rows are "
             "128 bytes apart). Store element (r, c) at column c ^ r: along a row the columns are "
             "a permutation of 0..31, and down a column (r = tx) too, so 32 lanes hit 32 banks. "

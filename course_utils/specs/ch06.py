@@ -27,7 +27,7 @@ import random
 
 import torch
 
-from ..checks import CheckFailure, compare
+from ..checks import CheckFailure, brief, compare
 from ..cuda import nvcc_path, nvrtc_available
 from ..grader import Exercise, NeedsGPU, invoke
 from ..harness.ch06 import KERNEL, NB, W
@@ -40,7 +40,7 @@ def _as_int(got, case):
     if isinstance(got, bool) or not isinstance(got, int):
         try:
             got = int(got.item()) if hasattr(got, "item") else got
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError, OverflowError):  # more than one element
             pass
     if isinstance(got, bool) or not isinstance(got, int):
         raise CheckFailure(case, f"expected an int, got {type(got).__name__}", None)
@@ -197,7 +197,8 @@ def _budget_case(Br, Bc, d, threads, dtype_bytes, stages):
                 f"stages={stages}")  # fmt: skip
         got = fn(Br, Bc, d, threads, dtype_bytes, stages)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise CheckFailure(case, f"expected (registers, shared_bytes), got {got!r}", None)
+            raise CheckFailure(case, f"expected (registers, shared_bytes), got {brief(got)}",
+                               None)  # fmt: skip
         regs, smem = (_as_int(g, case) for g in got)
         floor = fa_registers_per_thread(Br, d, threads)  # O, m and l (the lecture's floor)
         s_share = -(-(Br * Bc) // threads)

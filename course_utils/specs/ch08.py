@@ -41,7 +41,17 @@ import numpy as np
 import torch
 
 from .. import reference
-from ..checks import AttentionCase, CheckFailure, compare, poisoned, random_qkv, unchanged
+from ..checks import (
+    AttentionCase,
+    CheckFailure,
+    brief,
+    compare,
+    poisoned,
+    random_qkv,
+    sequence,
+    unchanged,
+    validated,
+)
 from ..grader import Exercise, invoke
 from ..harness.ch08 import DKDV_BC, DKDV_BR, DKDV_D, DKDV_G, GRAD_TOL, SCORE_ATOL
 from ..runtime import device, kernel_array, synchronize
@@ -183,6 +193,7 @@ def _check_D(got, want, extra, name, Nq, Bc):
         raise CheckFailure(name, f"D has shape {tuple(got.shape)}, expected {(B, H, Nq)}",
                            "one number per query row: sum over the keys (dim=-1, "
                            "keepdim=False)")  # fmt: skip
+    got = validated(got, (B, H, Nq), what="D", case=name)  # no broadcast or overlap
     hint = _HD
     if not bool(torch.isfinite(got).all()):
         hint = ("D has inf or NaN: exp(scale * Q K_j^T) overflows for scores of +-150; subtract "
@@ -220,11 +231,12 @@ def _delta_streamed(candidate):
     name = f"B=1, H=1, Nq=Nk={n}, d=16, Bc={Bc}: no tensor of Nq x Nk / 2 elements"
     inputs, want, extra = delta_problem(1, 1, n, n, 16)
     extra["scale"] = inputs[-1]
-    got, largest = invoke(candidate, "course_utils.harness.ch08:call_and_largest", *inputs, Bc)
+    got, largest = sequence(invoke(candidate, "course_utils.harness.ch08:call_and_largest",
+                                   *inputs, Bc), 2, what="the measured call", case=name)
     _check_D(got, want, extra, name, n, Bc)
     if not isinstance(largest, int) or largest >= n * n // 2:
-        raise CheckFailure(name, f"a tensor of {largest} elements appeared during the call; the "
-                           f"whole S has {n * n}, one key tile {n * Bc}",
+        raise CheckFailure(name, f"a tensor of {brief(largest)} elements appeared during the "
+                           f"call; the whole S has {n * n}, one key tile {n * Bc}",
                            "stream: only one Nq x Bc tile of S, P and dP at a time (slice K and "
                            "V by key tiles of Bc rows), never Q K^T of all the keys")  # fmt: skip
 
@@ -460,7 +472,7 @@ def _range_case(params):
             if (not isinstance(got, (tuple, list)) or len(got) != 2
                     or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
                                for x in got)):  # fmt: skip
-                raise CheckFailure(case, f"expected a pair of ints (first, end), got {got!r}")
+                raise CheckFailure(case, f"expected a pair of ints (first, end), got {brief(got)}")
             got = (int(got[0]), int(got[1]))
             want = visited_q_tiles(j, Br, Bc, Nq, Nk, window)
             if not same_range(got, want):

@@ -30,11 +30,20 @@ import math
 
 import torch
 
-from ..checks import AttentionCase, CheckFailure, compare, poisoned, tolerance
+from ..checks import (
+    AttentionCase,
+    CheckFailure,
+    compare,
+    poisoned,
+    sequence,
+    tolerance,
+    validated,
+    whole_number,
+)
 from ..grader import Exercise, invoke
 from ..harness.ch09 import DKDV_CONFIG, FWD_CONFIG, grad_tolerance
 from ..runtime import device, pick
-from . import require_implemented
+from . import require_implemented, returned_text
 
 H = "course_utils.harness.ch09:"
 
@@ -54,9 +63,9 @@ def _jit(candidate, name):
     """Refuse a placeholder, or what cannot be plugged into a kernel, with the reason."""
     require_implemented(candidate)
     reason = invoke(candidate, H + "jit_problem", name)
-    if reason:
-        raise CheckFailure("setup", reason, "decorate it with @triton.jit: the kernel calls it "
-                           "(or launches it) as Triton code")
+    if not isinstance(reason, str) or reason:
+        raise CheckFailure("setup", returned_text(reason, 500), "decorate it with @triton.jit: the "
+                           "kernel calls it (or launches it) as Triton code")
 
 
 def _label(case, dtype, extra=""):
@@ -157,23 +166,46 @@ def _window_split_hint(got_masked, got_unmasked, want_masked, want_unmasked, sta
                 "max(start_m - WINDOW + 1, 0) up to min(start_m + BLOCK_M, Nk)")
     wrongly_unmasked = sorted(set(got_unmasked) - set(want_unmasked))
     if wrongly_unmasked:
-        return (f"key tile(s) {wrongly_unmasked} are in the unmasked stage, but some row of the "
-                "query tile does not see some of their keys: only a tile that lies entirely "
-                "inside the last row's window (keys >= start_m + BLOCK_M - WINDOW) and before "
-                "the diagonal (keys < start_m) may skip the mask")
+        return (f"key tile(s) {_listed(wrongly_unmasked)} are in the unmasked stage, but some "
+                "row of the query tile does not see some of their keys: only a tile that lies "
+                "entirely inside the last row's window (keys >= start_m + BLOCK_M - WINDOW) and "
+                "before the diagonal (keys < start_m) may skip the mask")
     return (f"key tile(s) {sorted(set(want_unmasked) - set(got_unmasked))} are seen entirely by "
             "every row but go through a masked stage: they belong in the unmasked middle stage, "
             "[start_m + BLOCK_M - WINDOW rounded up to a tile, min(start_m, Nk)); the masks are "
             "what the two-stage loop saves")
 
 
+def _listed(tiles, most=12):
+    """Key tiles for a message: all of them, or the first and last few of a long list."""
+    if len(tiles) <= most:
+        return str(tiles)
+    head, tail = ", ".join(map(str, tiles[:5])), ", ".join(map(str, tiles[-3:]))
+    return f"[{head}, ..., {tail}] ({len(tiles)} tiles)"
+
+
+def _bounds_of(got, start_m, Nk, window, block_m, block_n, case):
+    """The four bounds of one query tile, whole numbers near the key range, checked before the
+    key tiles between them are listed (a bound of 10**18 would list 10**16 tiles)."""
+    got = sequence(got, 4, what="the result of window_split", case=case,
+                   hint="return lo, mid_lo, mid_hi, hi")
+    reach = 2 * (max(Nk, start_m + block_m, window) + block_n)  # even unclipped bounds stay in
+    return tuple(whole_number(v, what=name, case=case, low=-reach, high=reach,
+                              hint="the bounds are key offsets: clip them to 0 .. Nk")
+                 for v, name in zip(got, ("lo", "mid_lo", "mid_hi", "hi"), strict=True))
+
+
 def _window_split_case(block_m, block_n, triples):
     def run(candidate):
         _jit(candidate, "window_split")
         starts, lengths, windows = zip(*triples, strict=True)
-        results = invoke(candidate, H + "window_split_bounds", list(starts), list(lengths),
-                         list(windows), block_m, block_n)
+        results = sequence(invoke(candidate, H + "window_split_bounds", list(starts),
+                                  list(lengths), list(windows), block_m, block_n),
+                           len(triples), what="the probe's results", case="window_split")
         for (start_m, Nk, window), got in zip(triples, results, strict=True):
+            case = (f"window_split(start_m={start_m}, Nk={Nk}, WINDOW={window}, "
+                    f"BLOCK_M={block_m}, BLOCK_N={block_n})")
+            got = _bounds_of(got, start_m, Nk, window, block_m, block_n, case)
             lo, mid_lo, mid_hi, hi = got
             got_masked = _tiles(lo, mid_lo, block_n) + _tiles(mid_hi, hi, block_n)
             got_unmasked = _tiles(mid_lo, mid_hi, block_n)
@@ -181,10 +213,9 @@ def _window_split_case(block_m, block_n, triples):
             if sorted(got_masked) == want_masked and len(set(got_masked)) == len(got_masked) \
                     and got_unmasked == want_unmasked:
                 continue
-            case = (f"window_split(start_m={start_m}, Nk={Nk}, WINDOW={window}, "
-                    f"BLOCK_M={block_m}, BLOCK_N={block_n})")
-            detail = (f"got {tuple(got)}: key tiles {sorted(got_masked)} masked, {got_unmasked} "
-                      f"unmasked; expected {want_masked} masked, {want_unmasked} unmasked")
+            detail = (f"got {tuple(got)}: key tiles {_listed(sorted(got_masked))} masked, "
+                      f"{_listed(got_unmasked)} unmasked; expected {want_masked} masked, "
+                      f"{want_unmasked} unmasked")
             raise CheckFailure(case, detail, _window_split_hint(
                 got_masked, got_unmasked, want_masked, want_unmasked, start_m, Nk, window,
                 block_m, block_n))
@@ -321,9 +352,10 @@ def _window_case(*cases):
             atol, rtol = tolerance(dtype, _max_score(q, k, scale))
             O = poisoned(q.shape, dtype, q.device)
             LSE = poisoned(q.shape[:-1], torch.float32, q.device)
-            O, LSE = invoke(candidate, H + "run_window_forward", q, k, v, window, scale,
-                            bounds, O, LSE)
             label = _label(case, dtype)
+            O, LSE = sequence(invoke(candidate, H + "run_window_forward", q, k, v, window, scale,
+                                     bounds, O, LSE), 2, what="the launch's (O, LSE)", case=label)
+            O = validated(O, O_ref.shape, what="O", case=label)  # before the diagnosis reads it
             try:
                 compare("O", O, O_ref, case=label, atol=atol, rtol=rtol, hint=case.hint,
                         dtype=dtype, poisoned=True)
@@ -455,9 +487,12 @@ def _gqa_case(*cases):
             q, k, v, O, LSE, dO = inputs
             dK = poisoned(k.shape, dtype, k.device)
             dV = poisoned(v.shape, dtype, v.device)
-            dK, dV = invoke(candidate, H + "run_gqa_dkdv", q, k, v, O, LSE, dO, case.causal,
-                            scale, dK, dV)
             label = _label(case, dtype)
+            dK, dV = sequence(invoke(candidate, H + "run_gqa_dkdv", q, k, v, O, LSE, dO,
+                                     case.causal, scale, dK, dV), 2, what="the launch's (dK, dV)",
+                              case=label)
+            dK = validated(dK, k.shape, what="dK", case=label)  # before the diagnosis reads it
+            dV = validated(dV, v.shape, what="dV", case=label)
             max_score = _max_score(q, k.repeat_interleave(case.H // h_kv, dim=1), scale)
             for name, got, want in (("dV", dV, answers[1]), ("dK", dK, answers[0])):
                 atol, rtol = grad_tolerance(dtype, want, max_score)

@@ -27,7 +27,8 @@ against definitions written another way:
   each tile computed once and in order, only after a wait forced its group and a barrier followed
   (other threads' copies), no copy into a buffer whose last compute no barrier has closed (WAR),
   and the prefetch depth: while tile j is computed, tiles j+1 .. j+stages-1 are in flight, not
-  forced early by a wait that stalls.
+  forced early by a wait that stalls. The replay is linear in the ops, and a schedule longer
+  than ``max_ops`` (8 per tile and per stage, plus 32) is refused before any op is read.
 
 The student-side helpers (``harness.ch10``) only tabulate the student's functions: one call per
 table instead of hundreds of calls across the sandbox.
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from .. import mma
-from ..checks import CheckFailure, compare
+from ..checks import CheckFailure, brief, compare, validated
 from ..grader import Exercise, invoke
 from ..harness.ch10 import (
     CHUNK_ELEMENTS,
@@ -94,11 +95,20 @@ HINT_K32 = (
 )
 
 
+def _float_table(table, shape, what, case, hint) -> np.ndarray:
+    """A returned table as a float64 numpy array, once :func:`checks.validated` has checked its
+    shape and layout (nothing larger than ``shape`` is ever converted)."""
+    t = validated(table, shape, what=what, case=case, hint=hint)
+    if t.is_complex() or t.dtype == torch.bool:
+        raise CheckFailure(case, f"{what} holds {str(t.dtype).removeprefix('torch.')} values, "
+                           "not numbers", hint)
+    return t.detach().cpu().to(torch.float64).numpy()
+
+
 def _student_map(candidate, case: str) -> np.ndarray:
     """The student's table (32, 16, 2) as ints, after checking it names elements of A."""
-    got = np.asarray(invoke(candidate, H + "map_table", LANES, K32_A_VALUES), dtype=np.float64)
-    if got.shape != (LANES, K32_A_VALUES, 2):
-        raise CheckFailure(case, f"the table of your map has shape {got.shape}", HINT_K32)
+    got = _float_table(invoke(candidate, H + "map_table", LANES, K32_A_VALUES),
+                       (LANES, K32_A_VALUES, 2), "the table of your map", case, HINT_K32)
     for lane in range(LANES):
         for i in range(K32_A_VALUES):
             row, col = got[lane, i]
@@ -323,9 +333,7 @@ def _softmax_reference(S, V, visible):
 
 def _rows(x, name, case):
     """(2, 32) per-lane values -> (16,) per row, checking the 4 lanes of a row agree."""
-    x = np.asarray(x, dtype=np.float64)
-    if x.shape != (2, LANES):
-        raise CheckFailure(case, f"{name} has shape {x.shape}, expected (2, 32)", HINT_MERGE)
+    x = _float_table(x, (2, LANES), name, case, HINT_MERGE)
     out = np.zeros(16)
     for h in range(2):
         for g in range(8):
@@ -350,10 +358,8 @@ def _merge_check(candidate, case, S, V, visible, split):
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise CheckFailure(case, f"merge returned {type(out).__name__}, expected (o, m, l)",
                            HINT_MERGE)  # fmt: skip
-    o = np.asarray(out[0], dtype=np.float64)
     D = V.shape[1]
-    if o.shape != (D // 8, LANES, 4):
-        raise CheckFailure(case, f"o has shape {o.shape}, expected ({D // 8}, 32, 4)", HINT_MERGE)
+    o = _float_table(out[0], (D // 8, LANES, 4), "o", case, HINT_MERGE)
     m, l = _rows(out[1], "m", case), _rows(out[2], "l", case)
     O_want, m_want, l_want = _softmax_reference(S, V, visible)
     for name, x in (("o", o), ("m", m), ("l", l)):
@@ -472,9 +478,8 @@ HINT_CHUNKS = (
 
 def _offsets(candidate, rows, case):
     """The student's offsets (rows x 32) as ints, after checking the layout of the tile."""
-    got = np.asarray(invoke(candidate, H + "offset_table", rows, D_SMALL), dtype=np.float64)
-    if got.shape != (rows, D_SMALL):
-        raise CheckFailure(case, f"the table of your offsets has shape {got.shape}", HINT_SWIZZLE)
+    got = _float_table(invoke(candidate, H + "offset_table", rows, D_SMALL), (rows, D_SMALL),
+                       "the table of your offsets", case, HINT_SWIZZLE)
     size = rows * D_SMALL
     bad = np.argwhere((got != np.floor(got)) | (got < 0) | (got >= size))
     if len(bad):
@@ -615,22 +620,38 @@ def _show(ops, k, width=4):
     return "\n" + "\n".join(lines)
 
 
-def _normalise(ops, case):
+def max_ops(n_tiles: int, stages: int) -> int:
+    """The longest schedule accepted: a pipeline needs about 5 ops per tile (copy, commit, wait,
+    sync, compute) and a prologue of ``stages`` copies and commits; 8 per tile and per stage,
+    plus 32, leave room for extra barriers and waits, and bound the grader's work."""
+    return 8 * (n_tiles + stages) + 32
+
+
+def _normalise(ops, case, limit=None):
+    """The ops as tuples ``(name, *ints)``; the length is checked before any op is looked at,
+    and each op's before it is copied."""
     if not isinstance(ops, (list, tuple)):
         raise CheckFailure(case, f"schedule returned {type(ops).__name__}, expected a list of ops",
                            "return a list of tuples such as ('copy', 0), ('commit',), "
                            "('wait', 1), ('sync',), ('compute', 0)")  # fmt: skip
+    if limit is not None and len(ops) > limit:
+        raise CheckFailure(case, f"schedule returned {len(ops)} ops; this pipeline needs about 5 "
+                           f"per tile (copy, commit, wait, sync, compute): more than {limit} is "
+                           "not a schedule of it", HINT_WAIT)  # fmt: skip
+    arity = {"copy": 1, "commit": 0, "wait": 1, "sync": 0, "compute": 1}
     out = []
     for k, op in enumerate(ops):
-        op = tuple(op) if isinstance(op, (list, tuple)) else (op,)
+        if isinstance(op, (list, tuple)) and len(op) <= 2:
+            op = tuple(op)
+        elif not isinstance(op, (list, tuple)):
+            op = (op,)
         name = op[0] if op else None
-        arity = {"copy": 1, "commit": 0, "wait": 1, "sync": 0, "compute": 1}
-        if name not in OPS or len(op) != 1 + arity[name] or not all(
+        if not isinstance(name, str) or name not in OPS or len(op) != 1 + arity[name] or not all(
             isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in op[1:]
         ):
             raise CheckFailure(
                 case,
-                f"op {k} is {op!r}: ops are ('copy', j), ('commit',), ('wait', N), ('sync',) "
+                f"op {k} is {brief(op)}: ops are ('copy', j), ('commit',), ('wait', N), ('sync',) "
                 "and ('compute', j), with integers j and N",
                 None,
             )
@@ -638,17 +659,37 @@ def _normalise(ops, case):
     return out
 
 
+class _Where:
+    """``op k (name, j)`` for a message, built only when the message is."""
+
+    __slots__ = ("k", "op")
+
+    def __init__(self, k, op):
+        self.k, self.op = k, op
+
+    def __format__(self, spec):
+        return f"op {self.k} {self.op}"
+
+
 def simulate(ops, n_tiles: int, stages: int):
     """Replay a schedule; return "" if it is right, else (why, hint, index of the op at fault).
 
     A committed group lands only when a wait forces it (the slowest memory allowed); a tile is
     visible to the whole block once a barrier follows the wait that forced it.
+
+    Linear in the number of ops: each group lands once, each tile becomes visible once, and a
+    wait looks only at the copies issued since the previous one (a replay that re-landed every
+    forced group at every wait took hours on a schedule of 10**6 commits and waits).
     """
     pending: list[int] = []  # copies issued since the last commit
+    noted = 0  # pending[:noted] are already in waited_uncommitted
     groups: list[list[int]] = []  # committed groups, oldest first
+    group_of: dict[int, int] = {}  # tile -> the group its copy was committed in
     forced = 0  # groups[:forced] are complete
     issued: dict[int, int] = {}
     landed: set[int] = set()
+    landed_order: list[int] = []  # landed, in the order the tiles landed
+    shown = 0  # landed_order[:shown] are visible
     visible: set[int] = set()
     holder: dict[int, int] = {}  # buffer -> tile copied into it and not computed yet
     unsynced: dict[int, int] = {}  # buffer -> tile computed from it, no barrier since
@@ -657,7 +698,7 @@ def simulate(ops, n_tiles: int, stages: int):
     waited_uncommitted: dict[int, int] = {}  # tile -> a wait that ran before its commit
     for k, op in enumerate(ops):
         name = op[0]
-        at = f"op {k} {op}"
+        at = _Where(k, op)  # formatted only if a message needs it
         if name == "copy":
             j = op[1]
             if not 0 <= j < n_tiles:
@@ -676,20 +717,26 @@ def simulate(ops, n_tiles: int, stages: int):
             holder[b] = j
             pending.append(j)
         elif name == "commit":
+            for j in pending:
+                group_of[j] = len(groups)
             groups.append(pending)
-            pending = []
+            pending, noted = [], 0
         elif name == "wait":
             N = op[1]
             if N < 0:
                 return f"{at}: wait_group takes N >= 0", HINT_WAIT, k
             last_wait = (k, N, len(groups))
-            for j in pending:
+            for j in pending[noted:]:
                 waited_uncommitted.setdefault(j, k)
-            forced = max(forced, len(groups) - N)
-            for group in groups[:forced]:
+            noted = len(pending)
+            now = max(forced, len(groups) - N)
+            for group in groups[forced:now]:  # the groups this wait forces, each landing once
                 landed.update(group)
+                landed_order.extend(group)
+            forced = now
         elif name == "sync":
-            visible |= landed
+            visible.update(landed_order[shown:])
+            shown = len(landed_order)
             unsynced.clear()
         else:  # compute
             j = op[1]
@@ -703,7 +750,7 @@ def simulate(ops, n_tiles: int, stages: int):
                 return (f"{at}: tile {j}'s copy was never committed: a wait only covers "
                         "committed groups", HINT_WAIT, k)  # fmt: skip
             if j not in landed:
-                mine = next(g for g, grp in enumerate(groups) if j in grp)
+                mine = group_of[j]
                 why = f"{at}: no wait has forced tile {j}'s group (group {mine}) yet: "
                 if last_wait is None or last_wait[2] <= mine:
                     why += "no wait ran after it was committed"
@@ -747,7 +794,7 @@ def _schedule_case(*configs):
         fresh = len(configs) == 1 and callable(configs[0])
         for n_tiles, stages in configs[0]() if fresh else configs:
             case = f"n_tiles = {n_tiles}, stages = {stages}"
-            ops = _normalise(candidate(n_tiles, stages), case)
+            ops = _normalise(candidate(n_tiles, stages), case, max_ops(n_tiles, stages))
             found = simulate(ops, n_tiles, stages)
             if found:
                 why, hint, k = found
@@ -775,5 +822,5 @@ wait_placement.case("fresh random n_tiles and stages (up to 5)", hidden=True)(
     _schedule_case(_fresh_configs)
 )
 
-__all__ = ["fragment_map_k32", "merge_partials", "ptx_k32_table", "simulate", "swizzle_64b",
-           "wait_placement"]  # fmt: skip
+__all__ = ["fragment_map_k32", "max_ops", "merge_partials", "ptx_k32_table", "simulate",
+           "swizzle_64b", "wait_placement"]  # fmt: skip

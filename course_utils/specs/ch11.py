@@ -35,11 +35,21 @@ import math
 
 import torch
 
-from ..checks import CheckFailure, assert_unchanged, compare, poisoned, snapshot, tolerance
+from ..checks import (
+    CheckFailure,
+    assert_unchanged,
+    brief,
+    compare,
+    poisoned,
+    sequence,
+    snapshot,
+    tolerance,
+    validated,
+)
 from ..grader import Exercise, invoke
 from ..harness.ch11 import PREFILL_BLOCK_N, PREFILL_D
 from ..runtime import device, pick
-from . import require_implemented
+from . import require_implemented, returned_text
 
 H = "course_utils.harness.ch11:"
 FORBIDDEN = ("scaled_dot_product_attention",)
@@ -193,12 +203,14 @@ def _cascade_case(name, P, suffix_lengths, query_counts, Hq, Hkv, d, hint, *, st
         snap = snapshot(*problem[:7], names=["q", "K_prefix", "V_prefix", "K_suffix",
                                              "V_suffix", "cu_seqlens_q", "cu_seqlens_k"])
         if count_reads:
-            result, reads_K, reads_V = invoke(candidate, H + "prefix_reads", *problem)
+            result, reads_K, reads_V = sequence(invoke(candidate, H + "prefix_reads", *problem),
+                                                3, what="the measured call", case=label)
         else:
             result = candidate(*problem)
         assert_unchanged(snap, case=label)
         O, LSE = _pair(result, label)
         O_ref, LSE_ref = cascade_reference(*problem)
+        O = validated(O, O_ref.shape, what="O", case=label)  # before the hints read it
         max_score = _max_score(q, problem[1], problem[3]) * problem[7]
         atol, rtol = tolerance(torch.float32, max_score)
         try:
@@ -214,7 +226,10 @@ def _cascade_case(name, P, suffix_lengths, query_counts, Hq, Hkv, d, hint, *, st
             limit = once * (Hq // Hkv)
             B = len(suffix_lengths)
             for which, reads in (("K_prefix", reads_K), ("V_prefix", reads_V)):
-                if not isinstance(reads, int) or reads > limit:
+                if not isinstance(reads, int) or isinstance(reads, bool):
+                    raise CheckFailure(label, f"the count of {which}'s reads is {brief(reads)}, "
+                                       "not an int")  # fmt: skip
+                if reads > limit:
                     raise CheckFailure(
                         label, f"the operators read {reads} elements of {which} ({reads / once:.3g}"
                         f" times the prefix); allowed: {limit} (the prefix once per query head "
@@ -319,6 +334,7 @@ def _chunk_case(name, sequences, chunks):
                 if tuple(t.shape) != (Tq,):
                     raise CheckFailure(label, f"{which} has shape {tuple(t.shape)}, expected "
                                        f"({Tq},): one entry per packed query token")
+                validated(t, (Tq,), what=which, case=label)  # no broadcast or overlap
             got_lo, got_hi = lo.tolist(), hi.tolist()
             want = chunk_ranges_brute(cu_q, cu_k, chunk)
             if _same_ranges(got_lo, got_hi, want):
@@ -438,8 +454,8 @@ def _splits_case(name, rows):
             got = candidate(*args)
             want = best_num_splits(*args)
             if isinstance(got, bool) or not isinstance(got, int):
-                raise CheckFailure(f"num_splits{args}", f"expected an int, got "
-                                   f"{type(got).__name__} {got!r}", "return int(...)")
+                raise CheckFailure(f"num_splits{args}", f"expected an int, got {brief(got)}",
+                                   "return int(...)")
             if got == want:
                 continue
             B, Hkv, seqlen_k, BLOCK_N, num_sms, per_sm, target = args
@@ -613,8 +629,9 @@ def _paged_hint(O, q, K, V, query_counts, scale, atol, rtol, default):
 def _jit(candidate):
     require_implemented(candidate)
     reason = invoke(candidate, "course_utils.harness.ch09:jit_problem", "the kernel")
-    if reason:
-        raise CheckFailure("setup", reason, "decorate the kernel with @triton.jit")
+    if not isinstance(reason, str) or reason:
+        raise CheckFailure("setup", returned_text(reason, 500),
+                           "decorate the kernel with @triton.jit")
 
 
 def _paged_case(name, query_counts, key_counts, Hq, Hkv, page_size, dtype, hint, *, std=1.0,
@@ -630,10 +647,12 @@ def _paged_case(name, query_counts, key_counts, Hq, Hkv, page_size, dtype, hint,
         LSE = poisoned(q.shape[:2], torch.float32, q.device)
         snap = snapshot(q, K_cache, V_cache, table, names=["q", "K_cache", "V_cache",
                                                            "block_table"])
-        O, LSE = invoke(candidate, H + "run_paged_prefill", q, K_cache, V_cache, table, cu_q,
-                        seqlens_k, s, O, LSE)
+        O, LSE = sequence(invoke(candidate, H + "run_paged_prefill", q, K_cache, V_cache, table,
+                                 cu_q, seqlens_k, s, O, LSE), 2, what="the launch's (O, LSE)",
+                          case=label)
         assert_unchanged(snap, case=label)
         O_ref, LSE_ref = paged_reference(q, K, V, query_counts, s)
+        O = validated(O, O_ref.shape, what="O", case=label)  # before the hints read it
         max_score = _max_score(q, *K) * s
         atol, rtol = tolerance(dtype, max_score)
         try:

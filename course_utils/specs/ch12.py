@@ -24,15 +24,16 @@ worker's own verdicts (``opcheck``'s) only ever add a hint.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
-from ..checks import CheckFailure, compare
+from ..checks import CheckFailure, brief, compare, sequence, validated, whole_number
 from ..grader import Exercise, invoke
 from ..harness.ch12 import CAP
 from ..runtime import device
-from . import require_implemented
+from . import require_implemented, returned_dict, returned_text
 
 H = "course_utils.harness.ch12:"
 
@@ -52,7 +53,9 @@ def _opcheck_hint(verdicts) -> str:
     """The tests ``opcheck`` failed, in one line ("" if none or none reported)."""
     if not isinstance(verdicts, dict):
         return ""
-    failed = [f"{name}: {str(v)[:200]}" for name, v in verdicts.items() if v != "SUCCESS"]
+    failed = [f"{returned_text(name, 60)}: {returned_text(v, 200)}"
+              for name, v in itertools.islice(verdicts.items(), 16)
+              if not (isinstance(v, str) and v == "SUCCESS")]  # fmt: skip
     return ("; opcheck says " + " | ".join(failed)) if failed else ""
 
 
@@ -123,6 +126,29 @@ def _same_device(a, b):
     return norm(a) == norm(b)
 
 
+def _checked_meta(got, label, name):
+    """One output's metadata as the worker described it, checked before it is compared: a
+    dict of a shape and strides (at most 8 whole numbers each), a dtype and a device (short
+    strings), or of the ``type`` of something that is not a tensor."""
+    got = returned_dict(got, f"the metadata of {name}", label)
+    if "shape" not in got:
+        return {"type": returned_text(got.get("type"), 80)}
+    checked = {}
+    for key in ("shape", "stride"):
+        values = sequence(got.get(key), what=f"the {key} of {name}", case=label, at_most=8)
+        checked[key] = [whole_number(v, what=f"the {key} of {name}", case=label, low=0)
+                        for v in values]  # fmt: skip
+    if len(checked["stride"]) != len(checked["shape"]):
+        raise CheckFailure(label, f"{name} has {len(checked['shape'])} dims but "
+                           f"{len(checked['stride'])} strides")  # fmt: skip
+    for key in ("dtype", "device"):
+        value = got.get(key)
+        if not isinstance(value, str) or len(value) > 64:
+            raise CheckFailure(label, f"the {key} of {name} is {brief(value)}, not a name")
+        checked[key] = value
+    return checked
+
+
 def _meta_problem(got, want):
     """What differs between a fake output's metadata and the real one ("" if nothing), and the
     hint for it."""
@@ -145,10 +171,12 @@ def _meta_problem(got, want):
 
 
 def _judge_outputs(label, outputs, want, q_desc):
-    if len(outputs) != 2:
-        raise CheckFailure(label, f"the fake returned {len(outputs)} value(s), the op returns 2 "
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != 2:
+        count = len(outputs) if isinstance(outputs, (list, tuple)) else brief(outputs)
+        raise CheckFailure(label, f"the fake returned {count} value(s), the op returns 2 "
                            "(O, LSE)", "return O, LSE")
     for name, got, w in zip(("O", "LSE"), outputs, want, strict=True):
+        got = _checked_meta(got, label, name)
         problem, hint = _meta_problem(got, w)
         if not problem:
             continue
@@ -181,7 +209,7 @@ def _varlen_case(name, problems, hint):
             if not isinstance(f, dict):
                 raise CheckFailure(label, "the harness returned something unexpected", None)
             if "error" in f:
-                error = str(f["error"])
+                error = returned_text(f["error"], 1000)
                 why = _HV["data"] if ("data-dependent" in error.lower() or "item" in error
                                       or "DataDependent" in error) else hint
                 raise CheckFailure(label, f"the fake raised {error}", why)
@@ -250,16 +278,24 @@ def _varlen_compiled_case(name, packings, check_op=False):
         if not isinstance(found, dict):
             raise CheckFailure(name, "the harness returned something unexpected", None)
         if "error" in found:
-            error = str(found["error"])
+            error = returned_text(found["error"], 1000)
             why = _HV["data"] if "data-dependent" in error.lower() or "item" in error else (
                 "under torch.compile the fake runs on fake tensors with symbolic sizes: build "
                 "every output from the inputs' sizes (q.shape, v.shape) and dtypes, with no "
                 "data and no Python int() of a size")
             raise CheckFailure(name, f"torch.compile(fullgraph=True, dynamic=True) failed: "
                                f"{error}", why + hints)
-        for packing, (O, LSE) in zip(inputs, found["outputs"], strict=True):
+        outputs = sequence(found.get("outputs"), len(inputs), what="the compiled outputs",
+                           case=name)
+        for packing, pair in zip(inputs, outputs, strict=True):
             q, v = packing[0], packing[2]
             label = f"{name} [Tq = {q.shape[0]}, Hq = {q.shape[1]}, dv = {v.shape[2]}]"
+            O, LSE = sequence(pair, 2, what="the compiled op's result", case=label,
+                              hint="return O, LSE")
+            for what, t in (("O", O), ("LSE", LSE)):
+                if not isinstance(t, torch.Tensor):
+                    raise CheckFailure(label, f"{what} is {brief(t)}, not a tensor",
+                                       "return O, LSE")
             desc = {"q": {"shape": list(q.shape), "stride": list(q.stride()),
                           "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)},
                     "v": {"shape": list(v.shape)}}
@@ -268,7 +304,7 @@ def _varlen_compiled_case(name, packings, check_op=False):
                    for t in (O, LSE)]
             _judge_outputs(label, got, expected_varlen_meta(desc), desc["q"])
         if found.get("graphs") != 1:
-            raise CheckFailure(name, f"{found.get('graphs')} graphs were compiled for "
+            raise CheckFailure(name, f"{brief(found.get('graphs'))} graphs were compiled for "
                                f"{len(inputs)} packings: the fake specialised on a size",
                                "use the sizes as they are (q.shape[0], ...), never int() of "
                                "them or a Python branch on them" + hints)
@@ -340,6 +376,8 @@ def _judge_gradients(label, got, problem, stage):
             hint=_HA["dx"])
     if dc is None:
         raise CheckFailure(label, f"{stage}: c.grad is None", _HA["none"])
+    if not isinstance(dc, torch.Tensor):
+        raise CheckFailure(label, f"{stage}: c.grad is {brief(dc)}, not a tensor", _HA["shape"])
     if tuple(dc.shape) != tuple(c.shape):
         raise CheckFailure(label, f"{stage}: c.grad has shape {tuple(dc.shape)}, c "
                            f"{tuple(c.shape)}", _HA["shape"])
@@ -370,19 +408,22 @@ def _autograd_case(name, eager, compiled=(), check_op=False):
         label = f"{name} [x {tuple(x.shape)}, c {tuple(c.shape)}]"
         try:
             if "eager_error" in found:
-                raise CheckFailure(label, f"y.backward() raised {found['eager_error']}",
-                                   _HA["none"] if "expected" in str(found["eager_error"])
-                                   else _HA["shape"] if "shape" in str(found["eager_error"])
-                                   else None)
+                error = returned_text(found["eager_error"], 1000)
+                raise CheckFailure(label, f"y.backward() raised {error}",
+                                   _HA["none"] if "expected" in error
+                                   else _HA["shape"] if "shape" in error else None)
             _judge_gradients(label, found.get("eager"), problem, "eager")
             if "compiled_error" in found:
                 raise CheckFailure(label, "torch.compile(fullgraph=True, dynamic=True): "
-                                   f"{found['compiled_error']}", _HA["compiled"])
-            for p, got in zip(problems, found.get("compiled", []), strict=True):
+                                   f"{returned_text(found['compiled_error'], 1000)}",
+                                   _HA["compiled"])
+            results = sequence(found.get("compiled", []), len(problems),
+                               what="the compiled results", case=label)
+            for p, got in zip(problems, results, strict=True):
                 shape = (f"{name} [compiled: x {tuple(p[0].shape)}, c {tuple(p[1].shape)}]")
                 _judge_gradients(shape, got, p, "compiled")
             if problems and found.get("graphs") != 1:
-                raise CheckFailure(label, f"{found.get('graphs')} graphs compiled for "
+                raise CheckFailure(label, f"{brief(found.get('graphs'))} graphs compiled for "
                                    f"{len(problems)} shapes", _HA["compiled"])
         except CheckFailure as failure:
             failure.hint = (failure.hint or "") + hints
@@ -400,8 +441,8 @@ def _whole(pair):
     from ..grader import LocalCandidate
 
     first = pair[0]
-    if isinstance(first, LocalCandidate):
-        return LocalCandidate(tuple(c.obj for c in pair), first.forbidden, first.torch_only)
+    if isinstance(first, LocalCandidate):  # of the pair's own kind (a test's stand-in, say)
+        return type(first)(tuple(c.obj for c in pair), first.forbidden, first.torch_only)
     from ..sandbox import RemoteCandidate
 
     if isinstance(first, RemoteCandidate):
@@ -504,13 +545,14 @@ def _graph_case(name, problems, hint):
         if not isinstance(found, dict):
             raise CheckFailure(name, "the harness returned something unexpected", None)
         if "error" in found:
-            error = str(found["error"])
+            error = returned_text(found["error"], 1000)
             why = (_HG["print"] if "builtin operator" in error or "print" in error
                    else _HG["branch"] if "branching" in error.lower() or "data-dependent" in
                    error.lower() else _HG["skipped"] if "skipped" in error else hint)
             raise CheckFailure(name, f"torch.compile(fullgraph=True, dynamic=True) failed: "
                                f"{error}", why)
-        outputs = found.get("outputs", [])
+        outputs = sequence(found.get("outputs", []), len(problems), what="the compiled outputs",
+                           case=name)
         for p, args, out in zip(problems, inputs, outputs, strict=True):
             B, N, D, n_heads, lengths, std, _ = p
             expected = block_reference(*args)
@@ -518,6 +560,7 @@ def _graph_case(name, problems, hint):
             label = (f"{name} [B={B}, N={N}, D={D}, heads={n_heads}, lengths {lengths}, "
                      f"scores of std {std:g}]")
             atol = 2e-5 * max(1.0, float(expected.abs().max())) * max(1.0, peak / 10)
+            out = validated(out, expected.shape, what="out", case=label)  # before the hint
             try:
                 compare("out", out, expected, case=label, atol=atol, rtol=1e-4,
                         dtype=torch.float32, hint=hint)
@@ -525,7 +568,7 @@ def _graph_case(name, problems, hint):
                 failure.hint = _block_hint(out, args, atol) or hint
                 raise
         if found.get("graphs") != 1:
-            raise CheckFailure(name, f"{found.get('graphs')} graphs were compiled for "
+            raise CheckFailure(name, f"{brief(found.get('graphs'))} graphs were compiled for "
                                f"{len(problems)} shapes (sequence lengths "
                                f"{[p[1] for p in problems]})", _HG["graphs"])
 

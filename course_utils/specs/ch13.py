@@ -32,7 +32,7 @@ import random
 
 import torch
 
-from ..checks import CheckFailure, compare, tolerance
+from ..checks import CheckFailure, brief, compare, tolerance, validated
 from ..grader import Exercise
 from ..watch import ForbiddenCall
 
@@ -102,7 +102,7 @@ def _int_tensor(x, name, shape, case):
     if tuple(x.shape) != shape:
         raise CheckFailure(case, f"{name} has shape {tuple(x.shape)}, expected {shape}",
                            "index is (R, N // R): one row per rank; rank and local are (N,)")
-    return x.cpu().long()
+    return validated(x, shape, what=name, case=case).cpu().long()  # no broadcast or overlap
 
 
 def _first_wrong(got: torch.Tensor, want: torch.Tensor):
@@ -165,7 +165,7 @@ def _zigzag_error_case(name, make_sizes):
             message = str(exc)
             missing = [str(v) for v in (N, 2 * R) if str(v) not in message]
             if missing:
-                raise CheckFailure(label, f"the ValueError says {message!r}: it should name "
+                raise CheckFailure(label, f"the ValueError says {brief(message)}: it should name "
                                    f"N = {N} and 2R = {2 * R}, the numbers that do not fit "
                                    f"(missing: {', '.join(missing)})", hint) from None
             return
@@ -310,6 +310,8 @@ def _merge_case(name, lead, n, d, block_sizes, hint, *, causal=False, offsets=No
                 if not isinstance(got, torch.Tensor):
                     raise CheckFailure(step, f"{what} is a {type(got).__name__}, expected a "
                                        "torch.Tensor", "return the new (O, LSE)")
+            O = validated(O, O_ref.shape, what="O", case=step)  # before the hint reads them
+            LSE = validated(LSE, LSE_ref.shape, what="LSE", case=step)
             finite = LSE_ref[torch.isfinite(LSE_ref)]
             max_score = float(finite.abs().max()) if finite.numel() else 0.0
             atol, rtol = tolerance(torch.float32, max_score)
@@ -403,9 +405,12 @@ def schedule_brute(R, s, C, d, *, source=None):
 def _as_int(x):
     if isinstance(x, torch.Tensor) and x.numel() == 1:
         x = x.item()
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != int(x):
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
-    return int(x)
+    try:
+        return int(x) if x == int(x) else None
+    except (ValueError, OverflowError):  # NaN, inf
+        return None
 
 
 def _schedule_of(candidate, R, s, C, d, label):
@@ -421,15 +426,18 @@ def _schedule_of(candidate, R, s, C, d, label):
     for r, g in enumerate(kinds):
         for a in range(2):
             for b in range(2):
-                if g[a][b] not in KINDS:
-                    raise CheckFailure(label, f"kinds[{r}][{a}][{b}] = {g[a][b]!r}: expected one "
-                                       f"of {', '.join(map(repr, KINDS))}", form)
-    if not isinstance(flops, (list, tuple, torch.Tensor)) or len(flops) != R:
+                if not isinstance(g[a][b], str) or g[a][b] not in KINDS:
+                    raise CheckFailure(label, f"kinds[{r}][{a}][{b}] = {brief(g[a][b])}: expected "
+                                       f"one of {', '.join(map(repr, KINDS))}", form)
+    if isinstance(flops, torch.Tensor):  # its shape checked before any element is read
+        flops = validated(flops, (R,), what="flops", case=label,
+                          hint="return a list of R ints").tolist()
+    if not isinstance(flops, (list, tuple)) or len(flops) != R:
         raise CheckFailure(label, f"flops must hold R = {R} numbers, one per rank, got "
-                           f"{type(flops).__name__}", "return a list of R ints")
+                           f"{brief(flops)}", "return a list of R ints")
     counts = [_as_int(f) for f in flops]
     if None in counts:
-        raise CheckFailure(label, f"flops must be whole numbers, got {list(flops)!r}",
+        raise CheckFailure(label, f"flops must be whole numbers, got {brief(list(flops), 300)}",
                            "FLOPs are counts: 4 * d * (kept pairs), an int")
     return [[list(row) for row in g] for g in kinds], counts
 

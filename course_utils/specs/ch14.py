@@ -20,7 +20,7 @@ import random
 
 import numpy as np
 
-from ..checks import CheckFailure
+from ..checks import CheckFailure, brief
 from ..grader import Exercise
 from . import require_implemented
 
@@ -63,14 +63,14 @@ def _table(fn, n, stages, case):
     for j in range(n):
         got = fn(j, stages)
         if not (isinstance(got, (tuple, list)) and len(got) == 3):
-            raise CheckFailure(case, f"ring_waits({j}, {stages}) returned {got!r}: expected a "
+            raise CheckFailure(case, f"ring_waits({j}, {stages}) returned {brief(got)}: expected a "
                                "tuple (buffer, full_parity, empty_parity)", None)
         buffer, full, empty = got
         for name, value, top in (("buffer", buffer, stages), ("full_parity", full, 2),
                                  ("empty_parity", empty, 2)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise CheckFailure(case, f"ring_waits({j}, {stages}): {name} = {value!r} is not "
-                                   "an int", None)
+                raise CheckFailure(case, f"ring_waits({j}, {stages}): {name} = {brief(value)} is "
+                                   "not an int", None)
             if not 0 <= value < top:
                 raise CheckFailure(case, f"ring_waits({j}, {stages}): {name} = {value} is not in "
                                    f"0..{top - 1}", HINT_BUFFER if name == "buffer" else HINT_PASS)
