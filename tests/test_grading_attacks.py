@@ -84,8 +84,16 @@ def oracle(condition_code: str) -> list[str]:
 ATTACKS: dict[str, tuple[list[str], dict[str, float]]] = {}
 
 
-def attack(name, cells, expected):
+CHAPTER: dict[str, str] = {}  # attacks on another chapter's exercises than 01's
+
+
+def attack(name, cells, expected, chapter="01"):
     ATTACKS[name] = (cells, expected)
+    CHAPTER[name] = chapter
+
+
+def file_of(name: str) -> str:
+    return f"{CHAPTER[name]}_{name}.ipynb"
 
 
 # --- the notebook reports its own results --------------------------------------------------------
@@ -368,6 +376,14 @@ attack("too_many_files", [
     "import time\ntime.sleep(30)",
     MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
 
+# The grader's own simulator fed a schedule of two million operations: refused by its size at
+# once (it was quadratic, and such an answer stalled a run for hours); the run goes on.
+attack("simulator_flood", [
+    "def pipeline_schedule(n_tiles, stages):\n"
+    "    return [('wait', 0), ('commit',), ('barrier',)] * 700_000",
+    'grader.check("10.wait_placement", pipeline_schedule)'],
+    {"10.wait_placement": 0}, chapter="10")
+
 # Attacks that only the kernel's Landlock (of at least this ABI) can stop.
 NEEDS_ABI = {"execute_the_solutions": 1, "read_grader_memory": 1, "rewrite_the_grader_package": 1,
              "overwrite_other_notebooks": 1, "network": 4, "signal_the_grader": 6,
@@ -485,7 +501,7 @@ def graded(tmp_path_factory):
     for name, (cells, _) in ATTACKS.items():
         prelude = (f"ORPHAN_TARGET = {str(orphan_target)!r}\n"
                    f"OTHERS_DIR = {str(folder)!r}\nNET_PORT = {listener.getsockname()[1]}")
-        path = folder / f"01_{name}.ipynb"
+        path = folder / file_of(name)
         path.write_text(notebook([prelude, *cells]))
         paths.append(path)
     for name, text in BROKEN_FILES.items():
@@ -531,7 +547,7 @@ def _score(report, exercise):
 def test_attack_scores_what_an_honest_grader_gives(graded, name):
     if LANDLOCK < NEEDS_ABI.get(name, 0):
         pytest.skip(f"only Landlock ABI >= {NEEDS_ABI[name]} stops this (this kernel: {LANDLOCK})")
-    report = graded["reports"][f"01_{name}.ipynb"]
+    report = graded["reports"][file_of(name)]
     for exercise, expected in ATTACKS[name][1].items():
         got = _score(report, exercise)
         where = f"{name}: {exercise}: {got['status']}: {got['message'][:300]}"
@@ -577,6 +593,24 @@ def test_a_timed_out_or_crashed_exercise_says_why(graded):
     assert oom["status"] in ("out of memory", "crashed"), oom
     looped = reports["01_infinite_loop_in_cell.ipynb"]["cell_errors"]
     assert any("timed out" in e for e in looped), looped
+
+
+def test_the_grader_refuses_a_flood_without_stalling(graded):
+    flood = _score(graded["reports"][file_of("simulator_flood")], "10.wait_placement")
+    assert flood["status"] == "failed", flood
+    assert "timed out" not in flood["message"], flood
+
+
+def test_only_the_first_check_counts_and_tells_nothing(graded):
+    first_wrong = _score(graded["reports"][file_of("oracle_wrong_then_right")],
+                         "01.memory_formula")
+    assert first_wrong["status"] == "failed" and first_wrong["score"] == 0
+
+
+def test_patching_the_course_is_named(graded):
+    for name in ("watch_patched_to_nothing", "harness_patched_to_lie"):
+        got = _score(graded["reports"][file_of(name)], "01.naive_attention")
+        assert got["status"] == "forbidden" and "replaced the course" in got["message"], got
 
 
 def test_forbidden_routes_name_what_was_found(graded):
