@@ -269,6 +269,60 @@ attack("harness_patched_to_lie", [
     _sdpa_attention(f"F.scaled_dot_product_attention({_SDPA_ARGS})"), CHECK_NAIVE],
     {"01.naive_attention": 0})
 
+# --- the package's answers taken at cell time, where a call-time guard cannot see them ------------
+attack("package_code_copied_at_cell_time", [textwrap.dedent("""
+    import types, torch
+    from course_utils import reference as r
+    _att = types.FunctionType(r.attention.__code__, r.__dict__, 'copy', r.attention.__defaults__)
+    def naive_attention(Q, K, V, causal=False, scale=None):
+        Nq, Nk = Q.shape[-2], K.shape[-2]
+        keep = torch.ones(Nq, Nk, dtype=torch.bool, device=Q.device).tril(Nk - Nq)
+        return _att(Q, K, V, mask=keep if causal else None, scale=scale)[0].float()
+    """), CHECK_NAIVE], {"01.naive_attention": 0})
+attack("package_module_run_again", [textwrap.dedent("""
+    import runpy, torch
+    from course_utils import reference as r
+    fresh = runpy.run_path(r.__file__, run_name='course_utils.reference_again')
+    def naive_attention(Q, K, V, causal=False, scale=None):
+        Nq, Nk = Q.shape[-2], K.shape[-2]
+        keep = torch.ones(Nq, Nk, dtype=torch.bool, device=Q.device).tril(Nk - Nq)
+        return fresh['attention'](Q, K, V, mask=keep if causal else None, scale=scale)[0].float()
+    """), CHECK_NAIVE], {"01.naive_attention": 0})
+
+# --- the watch switched off from inside, or left through Python lists ----------------------------
+attack("torch_modes_disabled", [_sdpa_attention(
+    "_off(lambda: F.scaled_dot_product_attention(Q, K, V, attn_mask=bias, scale=scale))")
+    .replace("def naive_attention", textwrap.dedent("""
+    def _off(f):
+        from torch.utils._python_dispatch import _disable_current_modes
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            return f()
+
+    def naive_attention""").strip("\n"), 1), CHECK_NAIVE], {"01.naive_attention": 0})
+attack("left_torch_through_lists", [textwrap.dedent("""
+    import math, torch
+    def naive_attention(Q, K, V, causal=False, scale=None):
+        scale = 1 / math.sqrt(Q.shape[-1]) if scale is None else scale
+        q, k, v = Q.tolist(), K.tolist(), V.tolist()
+        def rows(qh, kh, vh):
+            out = []
+            for i, qi in enumerate(qh):
+                s = [scale * sum(a * b for a, b in zip(qi, kj)) for kj in kh]
+                if causal:
+                    s = [x if j <= i + len(kh) - len(qh) else -math.inf for j, x in enumerate(s)]
+                m = max(s)
+                if m == -math.inf:
+                    out.append([0.0] * len(vh[0]))
+                    continue
+                p = [math.exp(x - m) for x in s]
+                l = sum(p)
+                out.append([sum(pj * vj[c] for pj, vj in zip(p, vh)) / l
+                            for c in range(len(vh[0]))])
+            return out
+        o = [[rows(q[b][h], k[b][h], v[b][h]) for h in range(len(q[b]))] for b in range(len(q))]
+        return torch.tensor(o, dtype=Q.dtype, device=Q.device)
+    """), CHECK_NAIVE], {"01.naive_attention": 0})
+
 # --- escaping through a restart: a crash must not hand the next worker anything ------------------
 # The first run of the cell plants code everywhere a restarted Python might pick it up, then
 # crashes; the restarted worker skips that cell. If any planted code ran in the new worker, it
