@@ -479,8 +479,7 @@ def _grade_in_worker(text, chapter, exercises, limits, run_root, keep, protected
     failure = ""
     notebook_deadline = time.monotonic() + limits.notebook_seconds
     for _ in range(limits.restarts + 1):
-        job = {"cells": cells, "skip_cells": sorted(skip_cells), "skip_ids": sorted(results),
-               "chapter": chapter}
+        job = {"cells": cells, "skip_cells": sorted(skip_cells), "skip_ids": sorted(results)}
         worker = None
         cell = -1  # the cell running now
         where = ("cell", cell)
