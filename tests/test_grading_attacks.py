@@ -234,7 +234,7 @@ attack("infinite_loop_in_check", [
 attack("infinite_loop_in_cell", [
     "while True:\n    pass", MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
 attack("segfault_in_check", [
-    NAIVE.replace("scale = 1", "import ctypes; ctypes.string_at(0)\n    scale = 1"),
+    NAIVE.replace("scale = 1", "import faulthandler; faulthandler._sigsegv()\n    scale = 1"),
     CHECK_NAIVE, MEMORY, CHECK_MEMORY], {"01.memory_formula": 2, "01.naive_attention": 0})
 attack("os_exit_in_check", [
     MEMORY, CHECK_MEMORY, NAIVE.replace("scale = 1", "import os; os._exit(0)\n    scale = 1"),
