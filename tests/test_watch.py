@@ -369,6 +369,8 @@ def attack_redispatch_boxed(Q, K, V):
 
 @attack("_set_skip_next_torch_function before numpy", FORWARD)
 def attack_skip_next_tf(Q, K, V):
+    if not hasattr(torch._C, "_set_skip_next_torch_function"):  # torch < 2.12 (the H200's 2.11)
+        pytest.skip("this torch has no _set_skip_next_torch_function: nothing to switch off")
     torch._C._set_skip_next_torch_function(True)
     return torch.from_numpy(Q.numpy().copy())
 
