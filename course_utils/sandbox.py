@@ -961,9 +961,25 @@ def descendants(pid: int) -> list[int]:
 
 
 def _rss_bytes(pids) -> int:
+    """The memory of ``pids`` together, each shared page counted once (Linux PSS).
+
+    Resident sizes would count a page shared by a forked child twice: twenty sleeping children
+    of a worker that holds torch would "use" 4 GiB. The proportional set size splits each shared
+    page between its users, so the sum is what the processes really hold; ``statm``'s resident
+    size is the fallback where ``smaps_rollup`` is missing (Linux < 4.14).
+    """
     page = os.sysconf("SC_PAGE_SIZE")
     total = 0
     for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Pss:"):
+                        total += int(line.split()[1]) << 10
+                        break
+            continue
+        except (OSError, ValueError, IndexError):
+            pass
         try:
             with open(f"/proc/{pid}/statm") as f:
                 total += int(f.read().split()[1]) * page
