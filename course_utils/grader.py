@@ -486,7 +486,7 @@ def _grade_in_worker(text, chapter, exercises, limits, run_root, keep, protected
         try:
             worker = sandbox.start_worker(run_root, job, limits, keep, protected)
             isolation[0] = worker.isolation
-            if protected is not None and sandbox.landlock_abi() >= 1 and not worker.verified:
+            if worker.lock_requested and not worker.verified:
                 return results, cell_errors, f"the sandbox did not hold: {worker.isolation}"
             worker.send({"op": "go"})
             cell_deadline = min(notebook_deadline, time.monotonic() + limits.cell_seconds)

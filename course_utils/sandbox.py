@@ -568,24 +568,21 @@ def _serve(channel: _Channel, candidate) -> dict:
             args = dec.dec(header.get("args", {"t": "tuple", "v": []}))
             kwargs = dec.dec(header.get("kwargs", {"t": "dict", "k": [], "v": []}))
             obj = _at(candidate, header.get("path", []))
-            changed = pristine.changed() if pristine is not None else []
+            changed = pristine.changed()
             if changed:
                 raise ForbiddenCall(
                     f"the notebook replaced the course's own code ({', '.join(changed[:4])}): "
                     "the checks cannot trust what they measure, so this exercise is refused. "
                     "Leave course_utils as it is.")
-            forbid = pristine.forbid if pristine is not None else _forbid_now()
-            watch = forbid(header.get("forbidden", ()), torch_only=header.get("torch_only", False))
-            with watch:
+            with pristine.forbid(header.get("forbidden", ()),
+                                 torch_only=header.get("torch_only", False)):
                 if op == "call":
                     out = obj(*args, **kwargs)
                 elif op == "launch":
                     config = dec.dec(header["config"])
                     out = obj[config](*args)
                 elif op == "invoke":
-                    helper = pristine.resolve(header["target"]) if pristine is not None \
-                        else _resolve_now(header["target"])
-                    out = helper(obj, *args, **kwargs)
+                    out = pristine.resolve(header["target"])(obj, *args, **kwargs)
                 else:
                     raise ProtocolError(f"unknown request {op!r}")
             from .runtime import synchronize
@@ -603,18 +600,6 @@ def _serve(channel: _Channel, candidate) -> dict:
             channel.send(dict(reply, nback=len(back)), [*back, *out_buffers])
         except Exception as exc:  # the student's code raised: send what and where
             channel.send(_raised(exc))
-
-
-def _forbid_now():
-    from .watch import forbid
-
-    return forbid
-
-
-def _resolve_now(target):
-    from .grader import resolve
-
-    return resolve(target)
 
 
 def hand_over(exercise_id: str, candidate):
@@ -1069,6 +1054,7 @@ class Worker:
     deadline: float = 0.0
     isolation: str = ""  # what was verified from outside after the start
     verified: bool = False
+    lock_requested: bool = False  # Landlock was asked for: a lock that did not hold stops it
     scratch: Path | None = None  # the only folder it may write
     package: Path | None = None  # its read-only copy of course_utils (the folder above it)
 
@@ -1285,6 +1271,7 @@ def start_worker(run_root: Path, job: dict, limits: Limits, keep, protected) -> 
             locked = header.get("locked")
             if not isinstance(locked, dict):
                 raise WorkerLost("error", "the worker did not report its lock")
+            worker.lock_requested = abi >= 1
             worker.verified, worker.isolation = verify_isolation(locked, probe, listeners,
                                                                  requested=abi >= 1)
         except BaseException:
@@ -1363,8 +1350,6 @@ def verify_isolation(locked: dict, probe: dict, listeners, requested: bool) -> t
     of the grader's sockets got it. Only the signal's outcome is the worker's own word (its
     code is the grader's own at that point: no cell has run).
     """
-    import time as _time
-
     found = locked.get("probe") or {}
     broken = []
     for path in probe["read"]:
@@ -1383,7 +1368,7 @@ def verify_isolation(locked: dict, probe: dict, listeners, requested: bool) -> t
                 os.unlink(path)
             except OSError:
                 pass
-    _time.sleep(0.01)
+    time.sleep(0.01)
     broken += [f"reached the grader's {name} socket" for name in listeners.received()]
     if found.get("signal") == "delivered":
         broken.append("signalled the grader")

@@ -250,11 +250,7 @@ def _library_copies(names: Iterable[str]) -> list:
         return []
     if stems not in _library_cache:
         found = {}
-        for module_name in _LIBRARY_MODULES:
-            try:
-                module = importlib.import_module(module_name)
-            except Exception:  # an older torch without one of them
-                continue
+        for module in _importable(_LIBRARY_MODULES):
             for attr, value in list(vars(module).items()):
                 # not the backward formulas: TorchScript compiles those from their source when
                 # forward-mode AD starts, and a swapped one would break it
@@ -642,11 +638,7 @@ def _switches():
                 if hasattr(owner, n):
                     objects[id(getattr(owner, n))] = (getattr(owner, n), level)
         rows = []
-        for module_name in _SCANNED:
-            try:
-                module = importlib.import_module(module_name)
-            except Exception:  # an older torch without one of them
-                continue
+        for module in _importable(_SCANNED):
             for attr, value in list(vars(module).items()):
                 if id(value) in objects and objects[id(value)][0] is value:
                     rows.append((module, attr, objects[id(value)][1]))
@@ -1111,3 +1103,12 @@ def _public_name(func) -> str:
     if module.startswith("torch._C") or module in ("", "torch"):
         return f"torch.{name}"
     return f"{module}.{name}"
+
+
+def _importable(module_names):
+    """The modules of ``module_names`` that this torch has, imported (an older torch lacks some)."""
+    for name in module_names:
+        try:
+            yield importlib.import_module(name)
+        except Exception:
+            continue
