@@ -43,6 +43,7 @@ __all__ = [
     "AttentionCase",
     "CheckFailure",
     "CheckSummary",
+    "Mistake",
     "assert_unchanged",
     "attention_cases",
     "brief",
@@ -51,6 +52,7 @@ __all__ = [
     "check_guard",
     "check_nan_cause",
     "compare",
+    "diagnose",
     "guarded",
     "poison_like",
     "poisoned",
@@ -549,6 +551,7 @@ def compare(
     hint=None,
     dtype=None,
     poisoned=False,
+    mistakes=(),
 ):
     """Check ``actual`` against ``expected`` element by element; raise :class:`CheckFailure`.
 
@@ -567,6 +570,11 @@ def compare(
         dtype: if given, ``actual`` must have exactly this dtype.
         poisoned: True when ``actual`` was pre-filled by :func:`poisoned`, so that NaN (or the
             integer maximum) means "never written".
+        mistakes: the wrong answers students write here, as ``(Mistake, wrong)`` pairs with
+            ``wrong`` what that mistake computes for this case (a tensor, or a function of no
+            argument that returns one, called only on a failure). When the values are off and
+            ``actual`` matches one of them, the failure's hint names that mistake instead of
+            ``hint`` (see :func:`diagnose`).
 
     Expected values that are ``+-inf`` (e.g. ``LSE = -inf`` of a fully masked row) must be
     matched exactly; expected NaN means "undefined here" and is skipped. Where the expected
@@ -578,6 +586,19 @@ def compare(
     """
     e = _as_tensor("expected " + name, expected, case)
     a = validated(actual, e.shape, what=name, case=case)  # before anything reads its values
+    try:
+        return _compare_values(name, a, e, case=case, atol=atol, rtol=rtol, hint=hint,
+                               dtype=dtype, poisoned=poisoned)
+    except CheckFailure as failure:
+        if mistakes and failure.worst_error is not None:  # the values are off, not the layout
+            found = diagnose(a, e, mistakes, atol=failure.atol, rtol=failure.rtol)
+            if found is not None:
+                failure.hint = found.hint_for(name)
+        raise
+
+
+def _compare_values(name, a, e, *, case, atol, rtol, hint, dtype, poisoned):
+    """``compare`` once ``a`` is known to be a tensor of the expected shape."""
     if a.device != e.device:
         raise CheckFailure(
             case,
@@ -607,7 +628,16 @@ def compare(
         default_atol, default_rtol = tolerance(a.dtype)
         atol = default_atol if atol is None else atol
         rtol = default_rtol if rtol is None else rtol
+    try:
+        _compare_finite(name, a, e, case=case, atol=atol, rtol=rtol, hint=hint,
+                        poisoned=poisoned)
+    except CheckFailure as failure:
+        failure.atol, failure.rtol = atol, rtol
+        raise
+    return _worst(a, e, atol, rtol)
 
+
+def _compare_finite(name, a, e, *, case, atol, rtol, hint, poisoned):
     a64 = a.detach().to(torch.float64)
     e64 = e.detach().to(torch.float64)
     defined = ~torch.isnan(e64)
@@ -622,6 +652,7 @@ def compare(
             f"{name} should be {_fmt(e64[idx].item())} at {int(wrong_inf.sum())} elements "
             f"(first at {_index_str(idx)}: got {_fmt(a64[idx].item())})",
             hint,
+            worst_error=math.inf,
         )
 
     # 2. Where a finite value is expected, NaN or inf means something went badly wrong.
@@ -678,11 +709,91 @@ def compare(
                 detail += f" ({a[idx].item()} is the poison value: that element was never written)"
         raise CheckFailure(case, detail, hint, worst_error=err[idx].item())
 
+
+def _worst(a, e, atol, rtol):
+    """(error, allowed) at the element closest to failing, of a comparison that passed."""
+    a64 = a.detach().to(torch.float64)
+    e64 = e.detach().to(torch.float64)
+    finite = torch.isfinite(e64)
     if not finite.any():
         return 0.0, float(atol)
+    zero = torch.zeros((), dtype=torch.float64, device=a64.device)
+    err = torch.where(finite, (a64 - e64).abs(), zero)
+    allowed = atol + rtol * torch.where(finite, e64.abs(), zero)
     ratio = torch.where(finite, err / allowed.clamp_min(1e-300), zero)
     idx = _unravel(int(torch.argmax(ratio)), ratio.shape)
     return err[idx].item(), allowed[idx].item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnosis: which known wrong answer did the candidate write?
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A wrong answer students write, recognised by what it computes.
+
+    ``name`` says what was done, in a few words ("no rescale by alpha"); ``hint`` says what to
+    change. The hint reads "your O matches a known slip, no rescale by alpha: ...". A case gives a mistake with the result it produces on the case's inputs (a model
+    of the wrong code, computed in float64); when a failing answer matches that result,
+    :func:`compare` shows this mistake's hint instead of the case's generic one.
+    """
+
+    name: str
+    hint: str
+
+    def hint_for(self, what: str) -> str:
+        return f"your {what} matches a known slip, {self.name}: {self.hint}"
+
+
+def _same_values(x, y, atol, rtol) -> bool:
+    """x and y agree: NaN where the other is NaN, equal infinities, finite values within
+    ``atol + rtol * |y|``."""
+    x64 = x.detach().to(torch.float64).cpu()
+    y64 = y.detach().to(torch.float64).cpu()
+    if x64.shape != y64.shape:
+        return False
+    nan_x, nan_y = torch.isnan(x64), torch.isnan(y64)
+    if not torch.equal(nan_x, nan_y):
+        return False
+    finite = torch.isfinite(y64)
+    infinite = ~finite & ~nan_y
+    if not torch.equal(x64[infinite], y64[infinite]) or not torch.isfinite(x64[finite]).all():
+        return False
+    return bool(((x64[finite] - y64[finite]).abs() <= atol + rtol * y64[finite].abs()).all())
+
+
+def diagnose(actual, expected, mistakes, *, atol=None, rtol=None):
+    """The first :class:`Mistake` of ``mistakes`` whose result ``actual`` matches, or None.
+
+    ``mistakes`` holds ``(Mistake, wrong)`` pairs, ``wrong`` a tensor (or number, or a function
+    of no argument returning one) on the case's inputs. A mistake counts only where it can be
+    told apart: its result must differ from ``expected`` (a case where the slip gives the right
+    answer says nothing about it). ``atol``/``rtol`` default to the tolerance of ``actual``'s
+    dtype, widened 10x: a wrong answer computed in float32 differs from its float64 model by
+    more than a right one does. A model that fails to compute is skipped.
+    """
+    a = torch.as_tensor(actual)
+    e = torch.as_tensor(expected)
+    if atol is None or rtol is None:
+        default_atol, default_rtol = tolerance(a.dtype if a.is_floating_point()
+                                               else torch.float32)  # fmt: skip
+        atol = default_atol if atol is None else atol
+        rtol = default_rtol if rtol is None else rtol
+    atol, rtol = 10 * atol, 10 * rtol
+    for mistake, wrong in mistakes:
+        try:
+            w = torch.as_tensor(wrong() if callable(wrong) else wrong)
+        except Exception:  # noqa: BLE001 (a model that cannot compute here names nothing)
+            continue
+        if w.shape != a.shape:
+            continue
+        if _same_values(e, w, atol, rtol):  # this case cannot tell the slip from the answer
+            continue
+        if _same_values(a, w, atol, rtol):
+            return mistake
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1233,6 +1344,7 @@ class CheckFailure(AssertionError):
         self.detail = detail
         self.hint = hint
         self.worst_error = worst_error
+        self.atol = self.rtol = None  # the tolerance of a value comparison, set by compare
         super().__init__(detail)
 
     def __str__(self):
