@@ -63,3 +63,24 @@ def poison_free_cuda_memory(nbytes=1 << 26):
 
     junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
     del junk
+
+
+# ----------------------------------------------------------------------------- named mistakes
+# Chapters 00-09 list the slips students make as ``NAMED_MISTAKES`` in their spec tests; each
+# one must fail a *visible* case with a hint that names it (tests/test_named_mistakes.py counts
+# at least three per exercise).
+
+
+class Slip:
+    """A wrong answer a student writes: ``make()`` builds it (a function, kernel, source or
+    value, as the exercise's check takes it); grading it must fail in a visible case whose
+    message holds every one of ``words`` (the mistake's name from the hint, usually)."""
+
+    def __init__(self, exercise_id, name, make, *words):
+        self.exercise_id, self.name, self.make, self.words = exercise_id, name, make, words
+
+    def __repr__(self):
+        return f"{self.exercise_id}: {self.name}"
+
+    def fails(self):
+        return fails_visibly(self.exercise_id, self.make(), *self.words)

@@ -124,3 +124,38 @@ def test_the_search_can_find_a_copy():
                                    'alpha = torch.exp(m - m_new)', "l = alpha*l + P.sum(dim=-1)"]]
     assert in_reach(block, text)
     assert not in_reach(block, [normalise("alpha = torch.exp(m - m_new)")])
+
+
+def markdown_code(path: Path) -> list[str]:
+    """The code an exercise notebook's text shows: fenced blocks and `inline` spans of its
+    markdown cells, a line each, normalised."""
+    nb = json.loads(path.read_text())
+    found = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        text = "".join(cell["source"])
+        for block in re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S):
+            found += block.split("\n")
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        found += re.findall(r"`([^`\n]+)`", text)
+        # a statement written as math: $m_{new} = \max(m, ...)$ reads the same once the
+        # LaTeX is gone; keep the raw text too
+        found += text.split("\n")
+    return [normalise(x) for x in found]
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
+def test_exercise_text_does_not_state_the_answer(path):
+    """The task asks for the step: its text does not list the statements of its answer. One
+    substantial line of the answer quoted in the text is allowed (a name, a signature); two are
+    a transcription."""
+    shown = set(markdown_code(ROOT / "exercises" / path.name))
+    problems = []
+    for index, block in solution_blocks(path):
+        lines = substantial(block)
+        quoted = [ln for ln in lines if ln in shown]
+        if len(quoted) >= 2 or (quoted and len(lines) <= 2):
+            problems.append(f"code cell {index}: its text shows {len(quoted)} of the answer's "
+                            f"{len(lines)} substantial lines, e.g. `{quoted[0][:70]}`")
+    assert not problems, "exercise texts that state their answer:\n" + "\n".join(problems)
