@@ -27,7 +27,8 @@ again under another name all outlive the swap. So the answers are not in the cop
   left out: no kept module imports it. ``tests/test_worker_package.py`` checks that every
   ``course_utils`` import of the notebooks resolves in the copy.
 - **Data files** only where a kept module reads them (:data:`DATA_FILES`: the recorded GPU
-  results that ``recorded`` loads). No ``__pycache__``.
+  results that ``recorded`` loads, the C++ header that ``cuda_cpu`` compiles a kernel with). No
+  ``__pycache__``.
 - **Answer functions stripped** (:data:`STRIPPED`): public functions of modules that must stay
   whose result is an exercise's answer. Their source is rewritten with ``ast``: the signature and
   docstring stay (``help`` still works), the body raises a RuntimeError saying that the function
@@ -69,7 +70,8 @@ ROOTS = ("__init__", "runtime", "grader", "sandbox", "watch", "bench", "recorded
 EXCLUDED = ("specs", "worker_package")
 
 # Data files (glob patterns relative to the package) copied when the module that reads them is.
-DATA_FILES = {"recorded": ("recorded/*.json",)}
+DATA_FILES = {"recorded": ("recorded/*.json",),
+              "cuda_cpu": ("kernels/cuda_cpu.h",)}  # the CPU emulation's C++ header
 
 # Public functions whose copy raises instead of answering: module -> function names. Each module
 # must stay (a kept module or a notebook imports it); no exercise notebook calls these.

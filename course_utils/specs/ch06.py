@@ -14,10 +14,11 @@
   ``(registers_per_thread, shared_bytes)`` for a FlashAttention-2 block that keeps its S tile in
   registers and pipelines K and V through ``stages`` shared buffers each.
 - ``06.no_local_memory``: the CUDA C++ kernel ``bucket_dot`` rewritten so that ptxas reports no
-  stack frame and no spills. Without a GPU it is compiled (nvcc; the report is graded as part of
-  the case) and scores nothing (``needs gpu``); on a GPU it is also compiled with NVRTC and
-  launched in the student's process (``harness.ch06:launch_cuda``), and its output (poisoned
-  beforehand) is compared here with a float64 reference.
+  stack frame and no spills (nvcc's report, graded as part of the case), then launched in the
+  student's process: on a GPU compiled with NVRTC (``harness.ch06:launch_cuda``), without one
+  the same body under the CPU emulation (``course_utils.cuda_cpu``). Its output (poisoned
+  beforehand, with guard rows) is compared here with a float64 reference, the known slips (the
+  shift the wrong way, the shift left out, contiguous buckets) named from the values.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import random
 
 import torch
 
-from ..checks import CheckFailure, brief, compare
+from .. import cuda_cpu
+from ..checks import CheckFailure, Mistake, brief, compare
 from ..cuda import nvcc_path, nvrtc_available
-from ..grader import Exercise, NeedsGPU, invoke
+from ..grader import Exercise, invoke
 from ..harness.ch06 import KERNEL, NB, W
 from ..occupancy import SM90, active_blocks, fa_registers_per_thread, fa_shared_bytes
 from ..runtime import on_gpu
@@ -278,6 +280,39 @@ def _reference(x: torch.Tensor, w: torch.Tensor, s: int) -> torch.Tensor:
     return out
 
 
+def _bucketed(x: torch.Tensor, w: torch.Tensor, bucket) -> torch.Tensor:
+    """out[row, bucket(j)] += x[row, j] * w[j] over j, in float64: the model of a slip."""
+    prod = x.double() * w.double()
+    out = torch.zeros(x.shape[0], NB, dtype=torch.float64, device=x.device)
+    for j in range(W):
+        out[:, bucket(j)] += prod[:, j]
+    return out
+
+
+MISTAKE_SHIFT_BACK = Mistake(
+    "the shift the wrong way (bucket (j - s) % NB)",
+    "acc[b] holds the j with j % NB == b, whose bucket is (b + s) % NB: move it forward by s",
+)
+MISTAKE_NO_SHIFT = Mistake(
+    "the shift s left out (bucket j % NB)",
+    "the run-time part must still happen: store acc[b] at bucket (b + s) % NB",
+)
+MISTAKE_CONTIGUOUS = Mistake(
+    f"contiguous buckets (j / {W // NB} instead of j % NB)",
+    "bucket b collects every NB-th element (j % NB == b), not a run of neighbours",
+)
+
+
+def _no_local_mistakes(x, w, s):
+    return [(MISTAKE_SHIFT_BACK, lambda: _bucketed(x, w, lambda j: (j - s) % NB)),
+            (MISTAKE_NO_SHIFT, lambda: _bucketed(x, w, lambda j: j % NB)),
+            (MISTAKE_CONTIGUOUS,
+             lambda: _bucketed(x, w, lambda j: (j // (W // NB) + s) % NB))]  # fmt: skip
+
+
+HINT_ROWS = "keep the `if (row >= n_rows) return;` guard: the last block runs past the rows"
+
+
 def _no_local_case(n_rows: int):
     def run(candidate):
         case = f"bucket_dot, n_rows = {n_rows}"
@@ -289,33 +324,34 @@ def _no_local_case(n_rows: int):
                 f"stores, {k.spill_load_bytes} B spill loads (nvcc sm_90)",
                 HINT_LOCAL,
             )
-        if not on_gpu():
-            raise NeedsGPU("compiled with nvcc; correctness is decided on a GPU")
         threads = 128
         blocks = (n_rows + threads - 1) // threads
+        dev = "cuda" if on_gpu() else "cpu"
         for s in (0, 3, NB, 29):
-            where = f"{case}, s = {s} (GPU, NVRTC)"
-            x = torch.randn(n_rows, W, device="cuda")
-            w = torch.randn(W, device="cuda")
-            out = torch.full((n_rows + 64, NB), float("nan"), device="cuda")  # + a guard
-            invoke(candidate, "course_utils.harness.ch06:launch_cuda", KERNEL, blocks, threads,
-                   x, w, out, n_rows, s)  # fmt: skip
+            where = f"{case}, s = {s} " + ("(GPU, NVRTC)" if on_gpu() else "(CPU emulation)")
+            x = torch.randn(n_rows, W, device=dev)
+            w = torch.randn(W, device=dev)
+            out = torch.full((n_rows + 64, NB), float("nan"), device=dev)  # + a guard
+            if on_gpu():
+                invoke(candidate, "course_utils.harness.ch06:launch_cuda", KERNEL, blocks,
+                       threads, x, w, out, n_rows, s)  # fmt: skip
+            else:  # the same body on the CPU (course_utils.cuda_cpu)
+                cuda_cpu.run_case(candidate, KERNEL, blocks, threads, x, w, out, n_rows, s,
+                                  case=where, hints={"out of bounds": HINT_ROWS})  # fmt: skip
             if not torch.isnan(out[n_rows:]).all():
-                raise CheckFailure(where, "a thread wrote past the last row of out",
-                                   "keep the `if (row >= n_rows) return;` guard")  # fmt: skip
+                raise CheckFailure(where, "a thread wrote past the last row of out", HINT_ROWS)
             compare("out", out[:n_rows], _reference(x, w, s), case=where, atol=1e-4, rtol=1e-4,
-                    poisoned=True,
+                    poisoned=True, mistakes=_no_local_mistakes(x, w, s),
                     hint="out[row * NB + b] = sum of x[row, j] * w[j] over the j with "
                          "(j + s) % NB == b: the bucket of j is rotated by s")  # fmt: skip
 
     return run
 
 
-if on_gpu():  # the results can only be checked where the kernel runs
-    no_local_memory.case("no stack frame; GPU: 1000 rows")(_no_local_case(1000))
-    no_local_memory.case("GPU: 1 row", hidden=True)(_no_local_case(1))
-else:  # compiling is not grading: the case reports the compiler, then "needs gpu"
-    no_local_memory.case("no stack frame (nvcc); its results need a GPU")(_no_local_case(1000))
+# On a GPU the real build runs; without one, the same body on the CPU emulation
+no_local_memory.case("no stack frame; 1000 rows, s = 0, 3, NB, 29")(_no_local_case(1000))
+no_local_memory.case("1 row", hidden=True)(_no_local_case(1))
+no_local_memory.case("300 rows", hidden=True)(_no_local_case(300))
 
 __all__ = [
     "BOUNDED_SOURCE",
