@@ -24,10 +24,14 @@ K's rows, not its columns, and the inner product reads it transposed.
   two threads between two barriers (a missing barrier shows here whatever order the simulator
   ran the threads in).
 - ``04.cuda_tiled_qk``: the same kernel in CUDA C++ from a blank body (indices, the two shared
-  tiles, loads, barriers, the inner product, the guarded store). Without a GPU it is compiled
-  (nvcc or NVRTC: errors and resources are reported) and scores nothing (``needs gpu``); on a GPU
-  it is compiled and launched in the student's process (``harness.ch04:launch_cuda``) on shapes
-  that are not multiples of the tile, and S is compared here against float64.
+  tiles, loads, barriers, the inner product, the guarded store). It is compiled with nvcc or
+  NVRTC (errors and resources are reported), then launched in the student's process on shapes
+  that are not multiples of the tile: on a GPU the real build (``harness.ch04:launch_cuda``),
+  without one the same body under the CPU emulation of the thread model
+  (``course_utils.cuda_cpu``: threads as fibers, run twice in two orders, so a missing barrier
+  changes the result; a barrier not every thread reaches, an access out of a buffer, a kernel
+  that does not finish are reported). S is compared here against float64, the known slips (the
+  K tile read by column, one k step only) named from the values.
 
 A missing ``syncthreads`` usually still passes ``04.tiled_qk`` in the simulator, which schedules
 threads differently from a GPU: its checks catch wrong guards and wrong indexing, not races.
@@ -41,8 +45,10 @@ import math
 import numpy as np
 import torch
 
+from .. import cuda_cpu
 from ..checks import (
     CheckFailure,
+    Mistake,
     assert_unchanged,
     brief,
     check_guard,
@@ -54,7 +60,7 @@ from ..checks import (
     validated,
     whole_number,
 )
-from ..grader import Exercise, NeedsGPU, invoke
+from ..grader import Exercise, invoke
 from ..harness.ch04 import (
     BC,
     BK,
@@ -666,38 +672,86 @@ def _compile_checks(candidate, case: str) -> None:
         )
 
 
+HINT_CUDA_STORE = "store S[i * Nk + j] only when i < Nq and j < Nk"
+
+# The wrong answers the values are compared with: what each slip computes, in float64.
+MISTAKE_KS_COLUMN = Mistake(
+    "the K tile read by column (Ks[kk][tx])",
+    "row r of the K tile holds key j0 + r, so thread tx multiplies with row tx: Ks[tx][kk]",
+)
+MISTAKE_ONE_K_STEP = Mistake(
+    f"only the first k step (d > TILE = {CUDA_TILE})",
+    "loop k0 = 0, TILE, 2 TILE, ... while k0 < d, loading both tiles at each step",
+)
+
+
+def _ks_column(Q: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
+    """S when the products read Ks[kk][tx] = K[j0 + kk, k0 + tx]: per block of TILE keys and
+    per k step, the Q tile times the K tile itself (not its transpose)."""
+    T, (Nq, d), Nk = CUDA_TILE, Q.shape, K.shape[0]
+    steps, tiles = math.ceil(d / T), math.ceil(Nk / T)
+    q = torch.zeros(Nq, steps * T, dtype=torch.float64, device=Q.device)
+    k = torch.zeros(tiles * T, steps * T, dtype=torch.float64, device=Q.device)
+    q[:, :d], k[:Nk, :d] = Q.double(), K.double()
+    k = k.view(tiles, T, steps * T)
+    S = sum(torch.einsum("ik,tkx->itx", q[:, s * T:(s + 1) * T], k[:, :, s * T:(s + 1) * T])
+            for s in range(steps))  # fmt: skip
+    return S.reshape(Nq, tiles * T)[:, :Nk]
+
+
+def _cuda_mistakes(Q, K):
+    T = CUDA_TILE
+    return [(MISTAKE_KS_COLUMN, lambda: _ks_column(Q, K)),
+            (MISTAKE_ONE_K_STEP, lambda: _reference(Q[:, :T], K[:, :T]))]  # fmt: skip
+
+
+# On the CPU the kernel runs under course_utils.cuda_cpu (blocks one after another, the threads
+# of a block as fibers, twice: thread 0 first, then the last thread first); these hints follow
+# what the emulation reports.
+_CPU_HINTS = {
+    "barrier": "every thread must reach both __syncthreads() of every k step: a thread outside S "
+    "still loads its slots of the tiles (0 outside Q and K); only the store is guarded by "
+    "i < Nq and j < Nk",
+    "out of bounds": HINT_CUDA_STORE + "; load Q and K only inside their rows and d",
+}
+
+
 def _cuda_case(Nq: int, Nk: int, d: int):
     def run(candidate):
-        case = f"Nq x Nk x d = {Nq} x {Nk} x {d} (CUDA C++, TILE = {CUDA_TILE})"
+        where = "CUDA C++" if on_gpu() else "CUDA C++ emulated on the CPU"
+        case = f"Nq x Nk x d = {Nq} x {Nk} x {d} ({where}, TILE = {CUDA_TILE})"
         _compile_checks(candidate, case)
-        if not on_gpu():
-            raise NeedsGPU("compiled with nvcc; correctness is decided on a GPU")
-        Q, K = _inputs(Nq, Nk, d, "cuda")
-        S, buffer = guarded((Nq, Nk), device="cuda")
+        dev = "cuda" if on_gpu() else "cpu"
+        Q, K = _inputs(Nq, Nk, d, dev)
+        S, buffer = guarded((Nq, Nk), device=dev)
         snap = snapshot(Q, K, names=("Q", "K"))
         grid = (math.ceil(Nk / CUDA_TILE), math.ceil(Nq / CUDA_TILE))
         # the kernel writes S through the buffer's first Nq * Nk floats; the rest is the guard
-        invoke(candidate, "course_utils.harness.ch04:launch_cuda", CUDA_KERNEL, grid,
-               (CUDA_TILE, CUDA_TILE), Q, K, buffer, Nq, Nk, d)  # fmt: skip
+        if on_gpu():
+            invoke(candidate, "course_utils.harness.ch04:launch_cuda", CUDA_KERNEL, grid,
+                   (CUDA_TILE, CUDA_TILE), Q, K, buffer, Nq, Nk, d)  # fmt: skip
+        else:
+            cuda_cpu.run_case(candidate, CUDA_KERNEL, grid, (CUDA_TILE, CUDA_TILE), Q, K,
+                              buffer, Nq, Nk, d, case=case, hints=_CPU_HINTS)  # fmt: skip
         assert_unchanged(snap, case=case)
-        check_guard(buffer, Nq * Nk, name="S", case=case,
-                    hint="store S[i * Nk + j] only when i < Nq and j < Nk")  # fmt: skip
+        check_guard(buffer, Nq * Nk, name="S", case=case, hint=HINT_CUDA_STORE)
         S = buffer[: Nq * Nk].view(Nq, Nk)
         atol, rtol = matmul_tolerance(d)
         compare("S", S, _reference(Q, K), case=case, atol=atol, rtol=rtol, poisoned=True,
-                hint=HINT_CUDA_VALUES)  # fmt: skip
+                hint=HINT_CUDA_VALUES, mistakes=_cuda_mistakes(Q, K))  # fmt: skip
 
     return run
 
 
-if on_gpu():  # results can only be graded where the kernel can run
-    cuda_tiled_qk.case("GPU: 100 x 77 x 45")(_cuda_case(100, 77, 45))
-    cuda_tiled_qk.case("GPU: d = 5 < TILE")(_cuda_case(33, 40, 5))
-    cuda_tiled_qk.case("GPU: 1 x 1 x 1", hidden=True)(_cuda_case(1, 1, 1))
-    cuda_tiled_qk.case("GPU: 1025 x 513 x 1000", hidden=True)(_cuda_case(1025, 513, 1000))
-    cuda_tiled_qk.case("GPU: 4099 queries, 3 keys, d = 17", hidden=True)(_cuda_case(4099, 3, 17))
-else:  # compiling is not grading: the one case reports the compiler, then "needs gpu"
-    cuda_tiled_qk.case("compiles (nvcc); its results need a GPU")(_cuda_case(100, 77, 45))
+# On a GPU the real build runs; without one, the same kernel body runs on the CPU emulation
+# (smaller hidden sizes there: every thread is a fiber, every barrier a switch)
+cuda_tiled_qk.case("100 x 77 x 45: partial tiles in Nq, Nk and d")(_cuda_case(100, 77, 45))
+cuda_tiled_qk.case("33 x 40 x 5: d < TILE, one k step")(_cuda_case(33, 40, 5))
+cuda_tiled_qk.case("1 x 1 x 1", hidden=True)(_cuda_case(1, 1, 1))
+cuda_tiled_qk.case("larger, not multiples", hidden=True)(
+    _cuda_case(*pick(gpu=(1025, 513, 1000), cpu=(300, 200, 100)))
+)
+cuda_tiled_qk.case("4099 queries, 3 keys, d = 17", hidden=True)(_cuda_case(4099, 3, 17))
 
 __all__ = [
     "cuda_tiled_qk",
