@@ -22,9 +22,12 @@ sequence, as when decoding with a KV cache) and sees the keys ``c`` with
   is found by brute force: every tile holding a (row, key) pair the mask keeps.
 - ``07.combine_splits``: the split-KV ("flash-decoding") combine in CUDA C++, written from a blank
   body: ``combine_splits(O_parts, LSE_parts, O, LSE, n_splits, rows, d)`` turns the partial
-  ``(O_s, LSE_s)`` of S key chunks into the attention over all keys. Without a GPU the source is
-  compiled (nvcc, sm_90) and the case reports ``needs gpu``; on a GPU it is compiled and launched
-  in the notebook's process (``harness.ch07.run_combine``) and compared here.
+  ``(O_s, LSE_s)`` of S key chunks into the attention over all keys. The source is compiled
+  (nvcc, sm_90, where there is one) and launched in the notebook's process: on a GPU the real
+  build (``harness.ch07.run_combine``), without one the same body under the CPU emulation
+  (``course_utils.cuda_cpu``). O and LSE are compared here, the known slips (no max subtracted,
+  no guard for a row that sees no key, LSE without + M, O not divided by the weights) named
+  from the values.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ import math
 import numpy as np
 import torch
 
-from .. import reference
+from .. import cuda_cpu, reference
 from ..checks import (
     AttentionCase,
     CheckFailure,
+    Mistake,
     brief,
     check_attention,
     compare,
@@ -45,7 +49,7 @@ from ..checks import (
     sequence,
     tolerance,
 )
-from ..grader import Exercise, NeedsGPU, invoke
+from ..grader import Exercise, invoke
 from ..harness.ch07 import COMBINE_KERNEL, KERNEL_PATH, ONLINE_BC, ONLINE_BR, ONLINE_D
 from ..runtime import device, kernel_array, on_gpu, synchronize
 from . import compiled_resources, require_implemented, source_of
@@ -378,6 +382,55 @@ _HC = {
 
 _compiled: dict[str, str] = {}  # source -> what the compile step said
 
+MISTAKE_NO_MAX = Mistake(
+    "exp(LSE_s) without subtracting the max M",
+    "exp of an LSE_s above 88.7 is inf in float32 (and a row whose every LSE_s is -inf divides "
+    "0 by 0): take M = max over s of LSE_s first and weigh by exp(LSE_s - M)",
+)
+MISTAKE_NO_EMPTY_GUARD = Mistake(
+    "no guard for a row that sees no key (M = -inf)",
+    "when every LSE_s of a row is -inf, exp(LSE_s - M) is exp(NaN): test M == -inf first and "
+    "write O = 0, LSE = -inf",
+)
+MISTAKE_LSE_NO_MAX = Mistake(
+    "LSE = log(sum of the weights), without + M",
+    "the weights were scaled by exp(-M), so their log is LSE - M: add M back",
+)
+MISTAKE_NOT_NORMALISED = Mistake(
+    "O not divided by the sum of the weights",
+    "O is a weighted mean of the O_s: divide the weighted sum by the sum of the weights",
+)
+
+
+def _combine_mistakes(O_parts, LSE_parts, O, LSE):
+    """(slips of O, slips of LSE): what each known wrong combine computes on these inputs."""
+
+    def no_max():  # float32, in the kernel's order: the overflow is the point
+        w = torch.exp(LSE_parts.float().cpu())
+        total = torch.zeros(w.shape[1])
+        out = torch.zeros(O_parts.shape[1:])
+        for s in range(w.shape[0]):
+            total = total + w[s]
+            out = out + w[s][:, None] * O_parts[s].float().cpu()
+        return out / total[:, None], torch.log(total)
+
+    lse = LSE_parts.double().cpu()
+    M = lse.max(dim=0).values
+    empty = torch.isneginf(M)
+    e_O, e_LSE = O.double().cpu(), LSE.double().cpu()
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    no_guard_O = torch.where(empty[:, None], nan, e_O)
+    no_guard_LSE = torch.where(empty, nan, e_LSE)
+    lse_minus_M = torch.where(empty, e_LSE, e_LSE - M)
+    scale = torch.exp(torch.where(empty, 0.0, e_LSE - M))  # sum of the weights exp(LSE_s - M)
+    not_normalised = torch.where(empty[:, None], e_O, e_O * scale[:, None])
+    # the missing guard first: where no LSE_s is large, a combine without the max gives the
+    # same NaN in the rows that see no key (0 / 0), and the guard is what those rows need
+    return ([(MISTAKE_NO_EMPTY_GUARD, no_guard_O), (MISTAKE_NO_MAX, lambda: no_max()[0]),
+             (MISTAKE_NOT_NORMALISED, not_normalised)],
+            [(MISTAKE_NO_EMPTY_GUARD, no_guard_LSE), (MISTAKE_NO_MAX, lambda: no_max()[1]),
+             (MISTAKE_LSE_NO_MAX, lse_minus_M)])  # fmt: skip
+
 
 def _combine_problem(rows, Nk, d, n_splits, logit_scale=1.0):
     """Partial results of ``n_splits`` key chunks (inputs) and the full attention (expected).
@@ -416,22 +469,27 @@ def _combine_case(*problems):
                 raise
             except RuntimeError as exc:  # no compiler here: nothing to say before a GPU runs it
                 _compiled[source] = f"not compiled ({str(exc).split(':')[0]})"
-        if not on_gpu():
-            raise NeedsGPU(f"{_compiled[source]}; correctness is decided on a GPU")
         for name, rows, Nk, d, n_splits, logit_scale, hint in problems:
             (O_parts, LSE_parts), (O, LSE), max_score = _combine_problem(
                 rows, Nk, d, n_splits, logit_scale)
             out_O = torch.full((rows, d), math.nan, device=O_parts.device)
             out_LSE = torch.full((rows,), math.nan, device=O_parts.device)
-            got = invoke(candidate, "course_utils.harness.ch07:run_combine", O_parts, LSE_parts,
-                         out_O, out_LSE)  # fmt: skip
+            if on_gpu():
+                got = invoke(candidate, "course_utils.harness.ch07:run_combine", O_parts,
+                             LSE_parts, out_O, out_LSE)  # fmt: skip
+            else:  # the same body on the CPU (course_utils.cuda_cpu): one block per row
+                name = f"{name} (CPU emulation)"
+                cuda_cpu.run_case(candidate, COMBINE_KERNEL, (rows,), (d,), O_parts, LSE_parts,
+                                  out_O, out_LSE, n_splits, rows, d, case=name)  # fmt: skip
+                got = (out_O, out_LSE)
             if not isinstance(got, (tuple, list)) or len(got) != 2:
                 raise CheckFailure(name, "the launch returned no (O, LSE)")
             atol, rtol = tolerance(torch.float32, max_score)
+            slips_O, slips_LSE = _combine_mistakes(O_parts, LSE_parts, O, LSE)
             compare("O", got[0], O, case=name, atol=atol, rtol=rtol, dtype=torch.float32,
-                    hint=hint, poisoned=True)  # fmt: skip
+                    hint=hint, poisoned=True, mistakes=slips_O)  # fmt: skip
             compare("LSE", got[1], LSE, case=name, atol=atol, rtol=rtol, dtype=torch.float32,
-                    hint=hint, poisoned=True)  # fmt: skip
+                    hint=hint, poisoned=True, mistakes=slips_LSE)  # fmt: skip
 
     return run
 
