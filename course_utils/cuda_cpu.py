@@ -253,14 +253,17 @@ def _encode(params: list[Parameter], grid, block, args, shared_bytes: int, timeo
 
 
 def launch(source: str, kernel: str, grid, block, *args, folder=None,
-           timeout: float = DEFAULT_TIMEOUT_S, shared_bytes: int = 0, reverse: bool = False) -> str:
+           timeout: float = DEFAULT_TIMEOUT_S, shared_bytes: int = 0, reverse: bool = False,
+           stats: dict | None = None) -> str:
     """Run ``kernel<<<grid, block, shared_bytes>>>(*args)`` from ``source`` on the CPU.
 
     ``args`` are numpy arrays for the pointer parameters (written back in place, const ones
     too: a kernel that casts away const shows) and numbers for the others. ``folder``: where to
     build and run (default: a folder under the temporary directory). ``reverse``: run the
-    threads of each block last to first (see :func:`launch_twice`). Returns what the kernel
-    printed. Raises :class:`EmulationError`.
+    threads of each block last to first (see :func:`launch_twice`). ``stats``: a dict to fill
+    with ``shared_bytes`` (the kernel's static ``__shared__`` storage, as g++ laid it out) and
+    ``barriers`` (how many ``__syncthreads()`` of the source were reached). Returns what the
+    kernel printed. Raises :class:`EmulationError`.
     """
     import numpy as np
 
@@ -289,13 +292,18 @@ def launch(source: str, kernel: str, grid, block, *args, folder=None,
             n = a.size * a.dtype.itemsize
             a.reshape(-1)[...] = np.frombuffer(raw, dtype=a.dtype, count=a.size, offset=offset)
             offset += n
+        if stats is not None and (run / "stats.txt").is_file():
+            for line in (run / "stats.txt").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                stats[key] = int(value)
         return stdout[-MAX_PRINTED:]
     finally:
         shutil.rmtree(run, ignore_errors=True)
 
 
 def launch_twice(source: str, kernel: str, grid, block, *args, folder=None,
-                 timeout: float = DEFAULT_TIMEOUT_S, shared_bytes: int = 0) -> str:
+                 timeout: float = DEFAULT_TIMEOUT_S, shared_bytes: int = 0,
+                 stats: dict | None = None) -> str:
     """:func:`launch`, then the same launch on copies of the arrays with the threads of each
     block run in the reverse order; raise ``EmulationError("race", ...)`` when any output
     differs between the two.
@@ -305,13 +313,14 @@ def launch_twice(source: str, kernel: str, grid, block, *args, folder=None,
     before another stored it (RAW: it reads the NaN the slot was filled with, in one order or
     the other) or after another overwrote it for the next step (WAR: a finite wrong value);
     which slots, depends on the order. Atomics that add floats in another order would differ
-    too: the course's exercises have none. Returns what the first run printed.
+    too: the course's exercises have none. ``stats`` as in :func:`launch`. Returns what the
+    first run printed.
     """
     import numpy as np
 
     copies = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
     printed = launch(source, kernel, grid, block, *args, folder=folder, timeout=timeout,
-                     shared_bytes=shared_bytes)  # fmt: skip
+                     shared_bytes=shared_bytes, stats=stats)  # fmt: skip
     launch(source, kernel, grid, block, *copies, folder=folder, timeout=timeout,
            shared_bytes=shared_bytes, reverse=True)  # fmt: skip
     params = kernel_parameters(source, kernel)
@@ -342,11 +351,12 @@ def launch_twice(source: str, kernel: str, grid, block, *args, folder=None,
 
 
 def run_case(candidate, kernel: str, grid, block, *args, case: str, hints=None,
-             timeout: float = DEFAULT_TIMEOUT_S) -> None:
+             timeout: float = DEFAULT_TIMEOUT_S) -> dict:
     """The grader's side of an emulated launch: run it where the candidate lives (through
     ``grader.invoke`` and :func:`course_utils.harness.cuda_cpu_launch.launch`, which runs it
     twice, in two thread orders) and turn what went wrong into a CheckFailure for ``case``
-    with the emulator's message and a hint (``hints[kind]``, else :data:`HINTS`)."""
+    with the emulator's message and a hint (``hints[kind]``, else :data:`HINTS`). Returns the
+    report of a launch that ran (with its ``shared_bytes`` and ``barriers``)."""
     from .checks import CheckFailure, brief
     from .grader import invoke
 
@@ -359,3 +369,4 @@ def run_case(candidate, kernel: str, grid, block, *args, case: str, hints=None,
         hint = (hints or {}).get(kind) or HINTS.get(kind)
         raise CheckFailure(case, f"on the CPU emulation ({kind}): {report.get('message', '')}",
                            hint)  # fmt: skip
+    return report

@@ -128,3 +128,32 @@ def test_solution_passes_every_case(exercise_id, notebook, name):
     candidate = grader.as_candidate(_solution_kernel(notebook, name), exercise)
     for case in exercise.cases:  # the hidden ones too
         case.run(candidate)
+
+
+NAIVE_QK = r"""
+__global__ void qk_tiled_kernel(const float* __restrict__ Q, const float* __restrict__ K,
+                                float* __restrict__ S, int Nq, int Nk, int d) {
+    int i = blockIdx.y * 16 + threadIdx.y, j = blockIdx.x * 16 + threadIdx.x;
+    if (i >= Nq || j >= Nk) return;
+    float s = 0.0f;
+    for (int c = 0; c < d; ++c) s += Q[i * d + c] * K[j * d + c];
+    S[i * Nk + j] = s;
+}
+"""
+
+
+def test_without_a_cuda_compiler_the_emulation_checks_the_tiles(monkeypatch):
+    """No nvcc and no NVRTC on the CPU: 04's structural checks come from the emulation."""
+    if on_gpu():
+        pytest.skip("the CPU path")
+    from course_utils import grader
+    from course_utils.specs import ch04
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("resource_usage needs a CUDA compiler and found none")
+
+    monkeypatch.setattr(ch04, "compiled_resources", no_compiler)
+    solution = _solution_kernel("04_tiled_matmul.ipynb", "qk_tiled_kernel")
+    assert grader.check("04.cuda_tiled_qk", solution).status == "passed"
+    r = grader.check("04.cuda_tiled_qk", NAIVE_QK)
+    assert r.status == "failed" and "less than two 16 x 16 float tiles" in r.message

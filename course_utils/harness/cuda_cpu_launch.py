@@ -21,7 +21,9 @@ def launch(obj, kernel: str, grid, block, *args, timeout: float = 20.0) -> dict:
     The launch runs twice, the threads of each block in two orders, and a result that depends
     on the order is a race (:func:`course_utils.cuda_cpu.launch_twice`).
 
-    Returns ``{"kind": "", "message": "", "printed": ...}`` when it ran, else ``kind`` says what
+    Returns ``{"kind": "", "message": "", "printed": ..., "shared_bytes": ..., "barriers": ...}``
+    when it ran (the static ``__shared__`` bytes, the ``__syncthreads()`` of the source that were
+    reached: see :func:`course_utils.cuda_cpu.launch`), else ``kind`` says what
     went wrong (``compile``, ``barrier``, ``race``, ``out of bounds``, ``crash``, ``timeout``,
     ``arguments``) and ``message`` how, where.
     """
@@ -46,11 +48,13 @@ def launch(obj, kernel: str, grid, block, *args, timeout: float = 20.0) -> dict:
             return {"kind": "arguments", "message": "arrays must be contiguous", "printed": ""}
         arrays.append(a)
     folder = Path(tempfile.gettempdir()) / "course_cuda_cpu"
+    stats: dict = {}
     try:
         printed = cuda_cpu.launch_twice(source, kernel, grid, block, *arrays, folder=folder,
-                                  timeout=timeout)  # fmt: skip
+                                        timeout=timeout, stats=stats)  # fmt: skip
     except cuda_cpu.EmulationError as exc:
         return {"kind": exc.kind, "message": str(exc), "printed": ""}
     if printed:
         print(printed, end="" if printed.endswith("\n") else "\n")
-    return {"kind": "", "message": "", "printed": printed[-1000:]}
+    return {"kind": "", "message": "", "printed": printed[-1000:],
+            "shared_bytes": stats.get("shared_bytes", -1), "barriers": stats.get("barriers", -1)}

@@ -102,6 +102,8 @@ inline size_t page = 4096;
 inline unsigned timeout_s = 20;
 inline char* dynamic_shared_memory = nullptr;
 inline bool reverse_order = false;  // run the fibers last to first (a second schedule)
+inline int barrier_lines[64];  // the source lines of the __syncthreads() that were reached
+inline int barrier_line_count = 0;
 
 [[noreturn]] inline void fail(const char* kind, const char* message) {
     // one line the Python side reads: "CUDA_CPU_ERROR <kind>: <message>"
@@ -125,6 +127,9 @@ inline void where(char* out, size_t size) {
 inline const uint3& thread_index() { return current->index; }
 
 inline void barrier(int line) {
+    bool known = false;
+    for (int i = 0; i < barrier_line_count; ++i) known = known || barrier_lines[i] == line;
+    if (!known && barrier_line_count < 64) barrier_lines[barrier_line_count++] = line;
     current->state = AT_BARRIER;
     current->barrier_line = line;
     swapcontext(&current->context, &scheduler);
@@ -475,6 +480,14 @@ inline int main(int argc, char** argv, void (*call)()) {
             buffers[i].count)
             fail("setup", "cannot write the output file");
     fclose(out);
+    // what the build and the run show: static shared memory, the barriers reached
+    FILE* stats = fopen("stats.txt", "w");
+    if (stats) {
+        size_t shared = __start_cuda_cpu_shared && __stop_cuda_cpu_shared
+                            ? (size_t)(__stop_cuda_cpu_shared - __start_cuda_cpu_shared) : 0;
+        fprintf(stats, "shared_bytes %zu\nbarriers %d\n", shared, barrier_line_count);
+        fclose(stats);
+    }
     return 0;
 }
 

@@ -716,11 +716,35 @@ _CPU_HINTS = {
 }
 
 
+def _emulated_structure(report: dict, case: str) -> None:
+    """Without nvcc or NVRTC: the shared tiles and the barrier, as the CPU emulation saw them
+    (g++'s layout of the ``__shared__`` variables, the ``__syncthreads()`` reached)."""
+    tiles = 2 * CUDA_TILE * CUDA_TILE * 4
+    if not isinstance(report.get("shared_bytes"), int) or report["shared_bytes"] < tiles:
+        raise CheckFailure(case, f"{CUDA_KERNEL} declares {brief(report.get('shared_bytes'))} B "
+                           f"of __shared__ memory, less than two {CUDA_TILE} x {CUDA_TILE} float "
+                           f"tiles ({tiles} B)",
+                           "declare __shared__ float Qs[TILE][TILE], Ks[TILE][TILE]; and compute "
+                           "from them")  # fmt: skip
+    if not isinstance(report.get("barriers"), int) or report["barriers"] < 1:
+        raise CheckFailure(case, f"{CUDA_KERNEL} reached no barrier",
+                           "__syncthreads() after loading the tiles (RAW) and after using them "
+                           "(WAR)")  # fmt: skip
+
+
 def _cuda_case(Nq: int, Nk: int, d: int):
     def run(candidate):
         where = "CUDA C++" if on_gpu() else "CUDA C++ emulated on the CPU"
         case = f"Nq x Nk x d = {Nq} x {Nk} x {d} ({where}, TILE = {CUDA_TILE})"
-        _compile_checks(candidate, case)
+        try:
+            _compile_checks(candidate, case)
+            compiled = True
+        except NotImplementedError:  # the placeholder (a RuntimeError too)
+            raise
+        except RuntimeError:  # no CUDA compiler: on the CPU, the emulation's report stands in
+            if on_gpu():
+                raise
+            compiled = False
         dev = "cuda" if on_gpu() else "cpu"
         Q, K = _inputs(Nq, Nk, d, dev)
         S, buffer = guarded((Nq, Nk), device=dev)
@@ -731,8 +755,11 @@ def _cuda_case(Nq: int, Nk: int, d: int):
             invoke(candidate, "course_utils.harness.ch04:launch_cuda", CUDA_KERNEL, grid,
                    (CUDA_TILE, CUDA_TILE), Q, K, buffer, Nq, Nk, d)  # fmt: skip
         else:
-            cuda_cpu.run_case(candidate, CUDA_KERNEL, grid, (CUDA_TILE, CUDA_TILE), Q, K,
-                              buffer, Nq, Nk, d, case=case, hints=_CPU_HINTS)  # fmt: skip
+            report = cuda_cpu.run_case(candidate, CUDA_KERNEL, grid, (CUDA_TILE, CUDA_TILE),
+                                       Q, K, buffer, Nq, Nk, d, case=case,
+                                       hints=_CPU_HINTS)  # fmt: skip
+            if not compiled:
+                _emulated_structure(report, case)
         assert_unchanged(snap, case=case)
         check_guard(buffer, Nq * Nk, name="S", case=case, hint=HINT_CUDA_STORE)
         S = buffer[: Nq * Nk].view(Nq, Nk)
