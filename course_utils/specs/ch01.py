@@ -7,16 +7,21 @@
   teaches the top-left one) and any scale. A row that sees no key (Nq > Nk) must give O = 0.
   ``torch.softmax`` is allowed (it is stable: the large-logit cases need that; chapter 02 shows
   why); SDPA is forbidden and the code must stay in torch. The expected O is computed one query
-  row at a time in float64 (``expected_attention``), slicing out the keys each row sees. The
-  top-left mask, NaN in the rows that see no key, a wrong default scale, no mask and an
-  ``exp(S) / sum(exp(S))`` softmax each fail a visible case, with a hint naming the cause.
+  row at a time in float64 (``expected_attention``), slicing out the keys each row sees. A
+  failed case names the slip its O matches (``attention_mistakes``: float64 models of the
+  top-left mask, NaN in the rows that see no key, a mask without the diagonal, no mask, the
+  scale ignored or a wrong default, a softmax over the queries, exp without the row max in
+  float32 or float64); each fails a visible case.
 - ``01.split_merge_heads``: the pair ``(split_heads, merge_heads)``:
   ``split_heads(X, H)`` maps ``(B, N, H*d)`` to ``(B, H, N, d)`` and ``merge_heads(O)`` maps
   ``(B, H, N, d)`` back to a contiguous ``(B, N, H*d)``; graded as one candidate, torch only.
   The expected tensors are gathered one element at a time from the index formula
   (``gather_by_offset``), never by a view, transpose or reshape that could be handed in.
-- ``01.memory_formula``: ``attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element)``: the bytes
-  of S and P together.
+- ``01.memory_formula``: a prediction checked against a measurement.
+  ``query_block_peak_bytes(B, H, Nq, Nk, d, Br, bytes_per_element)`` predicts the peak bytes of
+  ``attention_by_query_blocks`` (naive attention over blocks of Br query rows, a variant the
+  lecture does not show); the grader measures that peak by running the code on meta tensors
+  (``measured_peak_bytes``) and names the slip a wrong prediction matches.
 
 Every case draws fresh random inputs; the attention cases are the course's standard edge cases
 (``checks.attention_cases``, their top-left causal ones replaced by bottom-right ones) with hints
@@ -30,13 +35,14 @@ import itertools
 import math
 import numbers
 import random
+import weakref
 
 import torch
 
-from .. import reference
 from ..checks import (
     AttentionCase,
     CheckFailure,
+    Mistake,
     assert_unchanged,
     attention_cases,
     brief,
@@ -69,19 +75,128 @@ def keys_seen(Nq: int, Nk: int, causal: bool) -> list[int]:
     return [min(Nk, max(0, i + 1 + Nk - Nq)) for i in range(Nq)]
 
 
-def expected_attention(q, k, v, causal: bool, scale: float):
-    """The float64 ``O`` of the exercise, computed one query row at a time (the definition, not
-    an efficient route): row ``i`` slices out the keys it sees, weighs them by
-    ``exp(s - max s) / sum``, and averages their values; a row that sees no key stays 0."""
+def attention_over_prefixes(q, k, v, counts, scale: float, empty: float = 0.0):
+    """Float64 attention in which query row ``i`` sees the first ``counts[i]`` keys, one row at a
+    time (the definition, not an efficient route): the row slices out those keys, weighs them by
+    ``exp(s - max s) / sum`` and averages their values; a row that sees no key is ``empty``."""
     q64, k64, v64 = (t.detach().to(torch.float64) for t in (q, k, v))
     O = torch.zeros(q64.shape[:-1] + v64.shape[-1:], dtype=torch.float64, device=q64.device)
-    for i, n in enumerate(keys_seen(q64.shape[-2], k64.shape[-2], causal)):
+    for i, n in enumerate(counts):
         if n == 0:
-            continue  # nothing to attend to: O[i] = 0
+            O[..., i, :] = empty  # nothing to attend to
+            continue
         s = scale * (k64[..., :n, :] * q64[..., i, None, :]).sum(dim=-1)  # (B, H, n)
         w = torch.exp(s - s.max(dim=-1, keepdim=True).values)
         O[..., i, :] = (w[..., None] * v64[..., :n, :]).sum(dim=-2) / w.sum(dim=-1)[..., None]
     return O
+
+
+def expected_attention(q, k, v, causal: bool, scale: float):
+    """The float64 ``O`` of the exercise: each query row sees the keys ``keys_seen`` gives it; a
+    row that sees no key stays 0."""
+    return attention_over_prefixes(q, k, v, keys_seen(q.shape[-2], k.shape[-2], causal), scale)
+
+
+# The slips students make, each recognised by the O it gives (``checks.Mistake``): the models in
+# ``attention_mistakes`` compute that O in float64 on the case's inputs.
+TOP_LEFT = Mistake(
+    "the top-left causal mask",
+    "query i keeps j <= i there (SDPA's is_causal, the lecture's causal_mask). Here the mask is "
+    "aligned bottom-right: shift the diagonal by the offset Nk - Nq and keep j <= i + (Nk - Nq), "
+    "so that the last query sees every key, as a decoder with a KV cache needs.",
+)
+NO_KEY_NAN = Mistake(
+    "NaN in the rows that see no key",
+    "with Nq > Nk the first Nq - Nk query rows see no key at all: their scores are all -inf "
+    "and the softmax is 0/0 = NaN (torch.softmax gives NaN there). A row that sees no key "
+    "attends to nothing: its O row must be 0 (turn those NaN of P into 0, or zero the rows "
+    "whose mask keeps no key).",
+)
+DIAGONAL_LOST = Mistake(
+    "a strict mask that drops the diagonal",
+    "query i keeps key j iff j <= i + (Nk - Nq), the diagonal included (each token sees "
+    "itself); a mask of j < i + (Nk - Nq) leaves every row one key short and row 0 with none.",
+)
+NO_MASK = Mistake(
+    "causal=True ignored",
+    "with causal=True, set the scores of the keys a query may not see (j > i + (Nk - Nq)) to "
+    "-inf before the softmax.",
+)
+SCALE_IGNORED = Mistake(
+    "the scale argument ignored",
+    "the scale passed in is not 1/sqrt(d) in this case: use S = scale * Q K^T with the scale "
+    "passed in, and 1/sqrt(d) only when scale is None.",
+)
+WRONG_DEFAULT = Mistake(
+    "a wrong default scale",
+    "scale=None means 1/sqrt(d) with d = Q.shape[-1], the head dimension (not 1, not 1/d, and "
+    "not the length Nq).",
+)
+QUERY_AXIS = Mistake(
+    "a softmax over the queries",
+    "each row of P is one query's distribution over the keys: the softmax runs over the last "
+    "axis (dim=-1), not over dim=-2.",
+)
+EXP_OVERFLOW = Mistake(
+    "exp(S) / sum(exp(S)) without the row max",
+    "exp overflows float32 above 88.7, so a row with a large score becomes inf / inf = NaN. "
+    "torch.softmax(S, dim=-1) is stable; chapter 02 shows how (it subtracts the row max first).",
+)
+EXP_UPCAST = Mistake(
+    "exp in float64, still without the row max",
+    "upcasting moves the overflow from 88.7 to 709.8, which scores of about +-10,000 pass "
+    "anyway: inf / inf = NaN. torch.softmax(S, dim=-1) is stable (chapter 02 shows how).",
+)
+_EXP_LIMITS = {"float32": (88.72, -103.9), "float64": (709.78, -745.1)}  # overflow, underflow
+
+
+def attention_mistakes(q, k, v, causal: bool, scale: float, default_call: bool = False):
+    """(Mistake, thunk) pairs: what each slip gives on these inputs, as float64 ``O``; a thunk
+    is computed only when an answer fails (see ``checks.diagnose``)."""
+    Nq, Nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    seen = keys_seen(Nq, Nk, causal)
+    nan = math.nan
+
+    def prefixes(counts, s=scale, empty=0.0):
+        return lambda: attention_over_prefixes(q, k, v, counts, s, empty)
+
+    def exp_without_max(limits):
+        def model():
+            right = expected_attention(q, k, v, causal, scale)
+            S = scale * (q.double() @ k.double().mT)
+            S = S.masked_fill(torch.tensor([[j >= n for j in range(Nk)] for n in seen],
+                                           device=S.device), -math.inf)  # fmt: skip
+            high, low = limits
+            overflow = (S.amax(dim=-1) > high) | (S.amax(dim=-1) < low)
+            return torch.where(overflow[..., None], nan, right)
+
+        return model
+
+    def over_queries():
+        P = torch.softmax(scale * (q.double() @ k.double().mT), dim=-2)
+        return P @ v.double()
+
+    found = []
+    if causal:
+        found += [
+            (NO_KEY_NAN, prefixes(seen, empty=nan)),
+            (TOP_LEFT, prefixes([min(Nk, i + 1) for i in range(Nq)])),
+            (TOP_LEFT, prefixes([min(Nk, i + 1) for i in range(Nq)], empty=nan)),
+            (DIAGONAL_LOST, prefixes([max(0, n - 1) for n in seen])),
+            (DIAGONAL_LOST, prefixes([max(0, n - 1) for n in seen], empty=nan)),
+            (NO_MASK, prefixes([Nk] * Nq)),
+        ]
+    else:
+        found.append((QUERY_AXIS, over_queries))
+    if default_call:
+        found += [(WRONG_DEFAULT, prefixes(seen, s)) for s in (1.0, 1.0 / d, 1.0 / math.sqrt(Nq))]
+    elif scale != 1.0 / math.sqrt(d):
+        found.append((SCALE_IGNORED, prefixes(seen, 1.0 / math.sqrt(d))))
+    # float64's model first: where it differs from the answer (scores past 709), float32's
+    # overflows too, and the answer that survived float32's range was the upcast one
+    found += [(EXP_UPCAST, exp_without_max(_EXP_LIMITS["float64"])),
+              (EXP_OVERFLOW, exp_without_max(_EXP_LIMITS["float32"]))]  # fmt: skip
+    return found
 
 
 HINT_PLAIN = (
@@ -134,23 +249,6 @@ def hint_bottom_right(Nq: int, Nk: int) -> str:
             f"j <= i + (Nk - Nq), the offset Nk - Nq = {Nk - Nq} shifting the diagonal, so the "
             f"last query (i = {Nq - 1}) sees every key. Top-left (j <= i, SDPA's is_causal, the "
             f"lecture's causal_mask) is the other convention.")  # fmt: skip
-
-
-def hint_top_left(Nq: int, Nk: int) -> str:
-    """The hint for an O that matches the top-left mask exactly."""
-    return (f"your O is what the top-left mask gives (query i keeps j <= i: SDPA's is_causal, "
-            f"the lecture's causal_mask). Here the mask is aligned bottom-right: shift the "
-            f"diagonal by the offset Nk - Nq = {Nk - Nq} and keep j <= i + (Nk - Nq), so that "
-            f"the last query sees all {Nk} keys, as a decoder with a KV cache needs.")  # fmt: skip
-
-
-def hint_no_key(Nq: int, Nk: int) -> str:
-    """The hint for a NaN (or inf) in the rows that see no key."""
-    return (f"with Nq > Nk, the first Nq - Nk = {Nq - Nk} query rows see no key at all "
-            f"(i + Nk - Nq < 0): their scores are all -inf and the softmax is 0/0 = NaN "
-            f"(torch.softmax gives NaN there). A row that sees no key attends to nothing: its "
-            f"O row must be 0, not NaN (turn those NaN of P into 0, or zero the rows whose mask "
-            f"keeps no key).")  # fmt: skip
 
 
 HINT_DECODE = (
@@ -212,22 +310,6 @@ def _scale_for(case: AttentionCase, mode: str) -> float:
     return case.scale if case.scale is not None else 1.0 / math.sqrt(case.d)
 
 
-def _diagnose(case: AttentionCase, O, q, k, v, scale: float, atol: float, rtol: float):
-    """A sharper hint for a failed causal case: NaN in the rows that see no key, or the
-    top-left mask; None when neither explains the failure."""
-    if not (isinstance(O, torch.Tensor) and case.causal and O.shape == q.shape):
-        return None
-    O64 = O.detach().to(torch.float64)
-    empty = case.Nq - case.Nk
-    if empty > 0 and not torch.isfinite(O64[..., :empty, :]).all():
-        return hint_no_key(case.Nq, case.Nk)
-    if case.Nq != case.Nk:
-        top_left = reference.attention(q, k, v, causal=True, scale=scale)[0]
-        if ((O64 - top_left).abs() <= atol + rtol * top_left.abs()).all():
-            return hint_top_left(case.Nq, case.Nk)
-    return None
-
-
 def check_case(fn, case: AttentionCase, scale: str = "default"):
     """One call of ``fn`` on fresh inputs for ``case``, against :func:`expected_attention`."""
     q, k, v = random_qkv(case, torch.float32, device())
@@ -241,13 +323,8 @@ def check_case(fn, case: AttentionCase, scale: str = "default"):
     if isinstance(O, (tuple, list)):
         raise CheckFailure(case.name, f"the function returned {len(O)} values, not O alone",
                            "return only O, of shape (B, H, Nq, d)")  # fmt: skip
-    O = validated(O, O_ref.shape, what="O", case=case.name)  # before the hints read it
-    try:
-        compare("O", O, O_ref, case=case.name, atol=atol, rtol=rtol, hint=case.hint,
-                dtype=torch.float32)  # fmt: skip
-    except CheckFailure as failure:
-        failure.hint = _diagnose(case, O, q, k, v, s, atol, rtol) or failure.hint
-        raise
+    compare("O", O, O_ref, case=case.name, atol=atol, rtol=rtol, hint=case.hint,
+            dtype=torch.float32, mistakes=attention_mistakes(q, k, v, case.causal, s))
 
 
 def _attention_case(case: AttentionCase, scale: str = "default"):
@@ -269,6 +346,8 @@ _VISIBLE += [
     _make(1, 1, 21, 43, 16, causal=True),
     _make(1, 2, 43, 21, 16, causal=True),
     _make(1, 2, 1, 37, 16, causal=True),
+    _make(1, 2, 17, 16, 8, causal=True),  # twin of a hidden case: only row 0 sees no key
+    _make(1, 2, 24, 24, 16, logit_scale=1e4, hint=HINT_HUGE),  # overflows even float64
 ]
 for _c in _VISIBLE:
     naive_attention.case(_c.name)(_attention_case(_c))
@@ -290,7 +369,8 @@ def _default_arguments(fn):
     max_score = float((q.double() @ k.double().mT).abs().amax()) / math.sqrt(case.d)
     atol, rtol = tolerance(torch.float32, max_score)
     compare("O", result, O_ref, case=case.name, atol=atol, rtol=rtol, hint=HINT_DEFAULT,
-            dtype=torch.float32)  # fmt: skip
+            dtype=torch.float32,
+            mistakes=attention_mistakes(q, k, v, False, 1.0 / math.sqrt(case.d), True))
 
 
 @naive_attention.case("fresh random shapes, random scale", hidden=True)
@@ -338,25 +418,34 @@ split_merge_heads = Exercise(
     "01.split_merge_heads", "Split and merge attention heads", points=2, torch_only=True
 )
 
-HINT_SPLIT_VIEW = (
+SPLIT_PLAIN_VIEW = Mistake(
+    "a plain view as (B, H, N, d)",
     "the head axis comes from the feature axis: head h owns features h*d ... h*d + d - 1 of "
     "every token. A plain X.view(B, H, N, d) cuts each sequence along the tokens instead (head 0 "
     "gets the first N/H tokens' features). View X as (B, N, H, d), then move the head axis in "
-    "front of the tokens with .transpose(1, 2)."
+    "front of the tokens with .transpose(1, 2).",
 )
-HINT_SPLIT_INTERLEAVED = (
+SPLIT_INTERLEAVED = Mistake(
+    "the features split as (d, H)",
     "head h owns d consecutive features, h*d ... h*d + d - 1, not every H-th feature: split "
-    "the last axis as (H, d), not (d, H)."
+    "the last axis as (H, d), not (d, H).",
 )
 HINT_SPLIT = "Xh[b, h, n, j] must be X[b, n, h*d + j], with d = X.shape[-1] // H."
 HINT_SPLIT_SHAPE = (
-    "split_heads returns (B, H, N, d) with d = D // H: the head axis goes in front of the "
-    "tokens (a (B, N, H, d) result still needs .transpose(1, 2))."
+    "the transpose left out? split_heads returns (B, H, N, d) with d = D // H: the head axis "
+    "goes in front of the tokens (a (B, N, H, d) result still needs .transpose(1, 2))."
 )
-HINT_MERGE_VIEW = (
+MERGE_PLAIN_RESHAPE = Mistake(
+    "a plain reshape of (B, H, N, d)",
     "the head axis must go back next to the features before flattening: a plain "
     ".reshape(B, N, H*d) of a (B, H, N, d) tensor glues tokens of one head together instead of "
-    "the heads of one token. Use .transpose(1, 2) -> (B, N, H, d), then .reshape(B, N, H*d)."
+    "the heads of one token. Use .transpose(1, 2) -> (B, N, H, d), then .reshape(B, N, H*d).",
+)
+MERGE_INTERLEAVED = Mistake(
+    "the heads interleaved (B, N, d, H)",
+    "token n's features are head 0's d features, then head 1's, ...: O[b, n, h*d + j] = "
+    "Oh[b, h, n, j]. Moving the head axis behind the features (a permute to (B, N, d, H)) "
+    "interleaves the heads instead; only move it behind the tokens, to (B, N, H, d).",
 )
 HINT_MERGE = "O[b, n, h*d + j] must be Oh[b, h, n, j]."
 HINT_MERGE_SHAPE = "merge_heads returns (B, N, H*d) for an input of shape (B, H, N, d)."
@@ -365,8 +454,8 @@ HINT_CONTIGUOUS = (
     "transpose only swaps strides; .reshape copies when it must, or call .contiguous()."
 )
 HINT_VIEW_ERROR = (
-    ".view needs the data already in the right order, and a transposed tensor is not: use "
-    ".reshape (which copies when it must) or .contiguous().view(...)."
+    "a .view of a transposed tensor: .view needs the data already in the right order, and a "
+    "transposed tensor is not: use .reshape (which copies when it must) or .contiguous().view(...)."
 )
 HINT_PAIR = (
     "pass both functions as one candidate: grader.check('01.split_merge_heads', "
@@ -429,12 +518,11 @@ def _check_split(split_heads, B, N, H, d, case):
                   f"expected {(B, H, N, d)}")
         raise CheckFailure(case, detail, HINT_SPLIT_SHAPE)
     validated(Xh, (B, H, N, d), what="split_heads(X)", case=case)  # no broadcast or overlap
-    hint = HINT_SPLIT
-    if torch.equal(Xh, X.reshape(B, H, N, d)):
-        hint = HINT_SPLIT_VIEW
-    elif torch.equal(Xh, X.reshape(B, N, d, H).permute(0, 3, 1, 2)):
-        hint = HINT_SPLIT_INTERLEAVED
-    compare("split_heads(X)", Xh, _expected_split(X, H), case=case, atol=0, rtol=0, hint=hint)
+    X64 = X.double()
+    mistakes = [(SPLIT_PLAIN_VIEW, X64.reshape(B, H, N, d)),
+                (SPLIT_INTERLEAVED, X64.reshape(B, N, d, H).permute(0, 3, 1, 2))]
+    compare("split_heads(X)", Xh, _expected_split(X, H), case=case, atol=0, rtol=0,
+            hint=HINT_SPLIT, mistakes=mistakes)
     return X, Xh
 
 
@@ -451,8 +539,11 @@ def _check_merge(merge_heads, Oh, case):
                   f"expected {(B, N, H * d)}")
         raise CheckFailure(case, detail, HINT_MERGE_SHAPE)
     validated(O, (B, N, H * d), what="merge_heads(Oh)", case=case)  # no broadcast or overlap
-    hint = HINT_MERGE_VIEW if torch.equal(O, Oh.reshape(B, N, H * d)) else HINT_MERGE
-    compare("merge_heads(Oh)", O, _expected_merge(Oh), case=case, atol=0, rtol=0, hint=hint)
+    Oh64 = Oh.double()
+    mistakes = [(MERGE_PLAIN_RESHAPE, Oh64.reshape(B, N, H * d)),
+                (MERGE_INTERLEAVED, Oh64.permute(0, 2, 3, 1).reshape(B, N, H * d))]
+    compare("merge_heads(Oh)", O, _expected_merge(Oh), case=case, atol=0, rtol=0,
+            hint=HINT_MERGE, mistakes=mistakes)
     if not O.is_contiguous():
         raise CheckFailure(case, f"merge_heads returned a non-contiguous tensor (strides "
                            f"{O.stride()})", HINT_CONTIGUOUS)  # fmt: skip
@@ -514,24 +605,140 @@ def _random_heads(candidate):
         _round_trip_case(B, N, H, d)(candidate)
 
 
-# ----------------------------------------------------------------------------- memory formula
+# ----------------------------------------------------------------------------- peak memory
+#
+# The lecture counts S and P of the naive code: 2 * B * H * Nq * Nk elements. The exercise is a
+# variant it did not show, attention one block of Br query rows at a time, and asks for its peak
+# memory, which the grader measures by running the code below (on "meta" tensors: shapes and
+# dtypes without data, so 128k tokens cost nothing).
+
+
+def attention_by_query_blocks(Q, K, V, Br):
+    """Naive attention over blocks of ``Br`` query rows: O of shape (B, H, Nq, d), each block's
+    S and P made, used and freed before the next block's (the code the exercise shows)."""
+    scale = 1.0 / math.sqrt(Q.shape[-1])
+    O = torch.empty_like(Q)  # (B, H, Nq, d)
+    for start in range(0, Q.shape[-2], Br):
+        S = Q[..., start:start + Br, :] @ K.mT  # (B, H, Br, Nk): this block's scores
+        S *= scale  # in place: no second tensor
+        P = torch.softmax(S, dim=-1)  # (B, H, Br, Nk), made while S is alive
+        del S
+        O[..., start:start + Br, :] = P @ V  # P @ V is a new (B, H, Br, d) tensor, then copied
+        del P
+    return O
+
+
+class _PeakBytes:
+    """A dispatch mode that counts the bytes held by the tensors made under it: every new
+    storage adds its size when an operation returns it, and takes it back when it is freed.
+    Views share their base's storage and the inputs' storages are not counted."""
+
+    def __init__(self, inputs):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(t, torch.Tensor):
+                        counter._count(t.untyped_storage())
+                return out
+
+        self.mode = Mode()
+        self.inputs = [t.untyped_storage() for t in inputs]  # held: their ids stay theirs
+        self.known = {id(st) for st in self.inputs}
+        self.live = self.peak = 0
+
+    def _count(self, storage):
+        key = id(storage)
+        if key in self.known:
+            return
+        self.known.add(key)
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, storage.nbytes())
+
+    def _free(self, key, nbytes):
+        self.live -= nbytes
+        self.known.discard(key)
+
+
+def measured_peak_bytes(B, H, Nq, Nk, d, Br, dtype=torch.float32, device="meta"):
+    """The most bytes that ``attention_by_query_blocks`` holds at once in tensors it makes (Q,
+    K and V not counted), measured by running it; on "meta" tensors by default."""
+    Q, K, V = (torch.empty(B, H, n, d, dtype=dtype, device=device) for n in (Nq, Nk, Nk))
+    counter = _PeakBytes((Q, K, V))
+    with torch.no_grad(), counter.mode:
+        O = attention_by_query_blocks(Q, K, V, Br)
+    del O
+    return counter.peak
+
 
 memory_formula = Exercise(
-    "01.memory_formula", "Bytes of S and P in naive attention", points=2
+    "01.memory_formula", "Predict the peak memory of attention by query blocks", points=2,
+    forbidden=("softmax",),  # a prediction: running the code and counting is the grader's part
 )
 
-HINT_FORMULA = "bytes = 2 * B * H * Nq * Nk * bytes_per_element (S and P, each B*H*Nq*Nk elements)"
-BYTES_PER_ELEMENT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+HINT_PEAK = (
+    "follow the loop one statement at a time and add up the tensors alive at each moment: O "
+    "(made before the loop), then one block's S, P and P @ V as they are made and deleted; the "
+    "peak is the largest of those sums. Each tensor holds B * H * (its two last sizes) elements "
+    "of bytes_per_element bytes."
+)
+DTYPES = {"float64": (torch.float64, 8), "float32": (torch.float32, 4),
+          "bfloat16": (torch.bfloat16, 2), "float16": (torch.float16, 2)}  # fmt: skip
+
+WHOLE_MATRICES = Mistake(
+    "the lecture's whole S and P",
+    "this loop never holds all Nq rows of S and P: only one block of Br query rows at a time "
+    "(the block's S, P and P @ V are deleted before the next block's are made), plus O.",
+)
+WITHOUT_O = Mistake(
+    "O left out",
+    "O = torch.empty_like(Q) is made before the loop and alive all along: its B * H * Nq * d "
+    "elements count at every moment.",
+)
+FULL_BLOCK = Mistake(
+    "a block of Br rows when Nq < Br",
+    "with fewer queries than Br, Q[..., start:start + Br, :] has only Nq rows: the one block, "
+    "and its S and P, are Nq rows tall.",
+)
+SOFTMAX_MOMENT_ONLY = Mistake(
+    "only the moment of the softmax",
+    "after `del S`, P @ V makes a (B, H, Br, d) tensor while P is alive: with few keys (Nk < d) "
+    "P and P @ V together weigh more than S and P did. The peak is the larger of the moments.",
+)
+ALL_AT_ONCE = Mistake(
+    "S, P and P @ V all alive at once",
+    "`del S` frees S before P @ V runs: the block's three tensors are never alive together; "
+    "take the larger of the two moments (S with P, then P with P @ V).",
+)
+IN_ELEMENTS = Mistake("elements, not bytes", "multiply by bytes_per_element.")
+ONE_HEAD = Mistake(
+    "one (batch, head) pair",
+    "every tensor of the loop has the leading (B, H) axes: multiply by B and by H.",
+)
 
 
-def expected_bytes(B, H, Nq, Nk, bytes_per_element):
-    """S and P together: two (B, H, Nq, Nk) tensors of ``bytes_per_element`` bytes each.
-
-    Counted on shape-only ("meta") tensors, not by the formula the exercise asks for.
-    """
-    S = torch.empty((B, H, Nq, Nk), device="meta")
-    P = torch.empty_like(S)
-    return (S.numel() + P.numel()) * bytes_per_element
+def _peak_mistakes(B, H, Nq, Nk, d, Br, dtype, bpe, measured):
+    """(Mistake, the number that slip predicts), the models starting from what was measured or
+    from the sizes of the tensors involved, never from the exercise's answer."""
+    o = B * H * Nq * d * bpe
+    rows = min(Br, Nq)
+    block, product = B * H * rows * Nk * bpe, B * H * rows * d * bpe
+    taller = measured_peak_bytes(B, H, max(Nq, Br), Nk, d, Br, dtype)  # Q padded to Br rows
+    return [
+        (WHOLE_MATRICES, 2 * B * H * Nq * Nk * bpe),
+        (WHOLE_MATRICES, o + 2 * B * H * Nq * Nk * bpe),
+        (WITHOUT_O, measured - o),
+        (FULL_BLOCK, taller - B * H * (max(Nq, Br) - Nq) * d * bpe),
+        (SOFTMAX_MOMENT_ONLY, o + 2 * block),
+        (ALL_AT_ONCE, o + 2 * block + product),
+        (IN_ELEMENTS, measured // bpe),
+        (ONE_HEAD, measured // (B * H)),
+    ]
 
 
 def _as_number(x, case):
@@ -541,84 +748,59 @@ def _as_number(x, case):
         raise CheckFailure(case, "the function returned None", "did you forget `return`?")
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise CheckFailure(case, f"the function returned a {type(x).__name__}, not a number",
-                           HINT_FORMULA)  # fmt: skip
+                           HINT_PEAK)  # fmt: skip
     try:
         float(x)
     except OverflowError:
         raise CheckFailure(case, f"the function returned {brief(x)}, too large for any "
-                           "number of bytes", HINT_FORMULA) from None
+                           "number of bytes", HINT_PEAK) from None
     return x
 
 
-def _memory_hint(fn, got, B, H, Nq, Nk, bpe):
-    """The likely mistake behind a wrong byte count."""
-    want = expected_bytes(B, H, Nq, Nk, bpe)
-    same = lambda x, y: math.isclose(x, y, rel_tol=1e-9)  # noqa: E731
-
-    def again(*args):  # the candidate on other arguments; None if that fails
-        try:
-            return _as_number(fn(*args), "")
-        except Exception:  # the hint is a guess: a second call that fails changes nothing
-            return None
-
-    other = again(B, H, Nq, Nk, 2 * bpe)
-    if other is not None and same(other, got):
-        return "the count does not change with bytes_per_element: multiply by it."
-    if same(got * 2, want):
-        return ("half the expected count: only S or only P was counted. The naive code holds "
-                "both at once (P = softmax(S) is a new tensor while S is still alive).")
-    if same(got, 2 * want):
-        return "twice the expected count: S and P are one matrix each, counted once each."
-    for unit, name in ((2**30, "GiB"), (1e9, "GB"), (2**20, "MiB"), (1e6, "MB")):
-        if same(got * unit, want):
-            return f"return bytes, not {name}."
-    if same(got * bpe, want):
-        return "that counts elements: multiply by bytes_per_element."
-    if Nq != Nk and (same(got, expected_bytes(B, H, Nq, Nq, bpe))
-                     or same(got, expected_bytes(B, H, Nk, Nk, bpe))):  # fmt: skip
-        return "S and P are Nq x Nk (one row per query, one column per key), not square."
-    doubled = again(B, H, 2 * Nq, 2 * Nk, bpe)
-    if doubled is not None and same(doubled, 2 * got):
-        return ("doubling Nq and Nk only doubled your count: S and P grow like Nq * Nk, not "
-                "like N * d (that is the size of Q, K, V and O, which are not counted).")
-    for missing in (B, H, B * H):
-        if missing > 1 and same(got * missing, want):
-            return "every (batch, head) pair has its own S and P: multiply by B and by H."
-    return HINT_FORMULA
-
-
-def _memory_case(B, H, Nq, Nk, dtype_name):
+def _peak_case(B, H, Nq, Nk, d, Br, dtype_name):
     def run(fn):
-        bpe = BYTES_PER_ELEMENT[dtype_name]
-        case = f"B={B}, H={H}, Nq={Nq}, Nk={Nk}, {dtype_name} ({bpe} bytes)"
-        got = _as_number(fn(B, H, Nq, Nk, bpe), case)
-        want = expected_bytes(B, H, Nq, Nk, bpe)
+        dtype, bpe = DTYPES[dtype_name]
+        case = f"B={B}, H={H}, Nq={Nq}, Nk={Nk}, d={d}, Br={Br}, {dtype_name} ({bpe} bytes)"
+        got = _as_number(fn(B, H, Nq, Nk, d, Br, bpe), case)
+        want = measured_peak_bytes(B, H, Nq, Nk, d, Br, dtype)
         if not math.isclose(got, want, rel_tol=1e-9):
-            detail = f"got {got:,} bytes, expected {want:,} ({want / 2**30:.4g} GiB)"
-            raise CheckFailure(case, detail, _memory_hint(fn, got, B, H, Nq, Nk, bpe))
+            hint = HINT_PEAK
+            for mistake, wrong in _peak_mistakes(B, H, Nq, Nk, d, Br, dtype, bpe, want):
+                if wrong != want and math.isclose(got, wrong, rel_tol=1e-9):
+                    hint = mistake.hint_for("prediction")
+                    break
+            raise CheckFailure(case, f"predicted {got:,} bytes, measured {want:,} "
+                               f"({want / 2**20:,.1f} MiB)", hint)  # fmt: skip
 
     return run
 
 
-memory_formula.case("B=1, H=16, N=1024, float32")(_memory_case(1, 16, 1024, 1024, "float32"))
-memory_formula.case("B=1, H=16, N=128k, bfloat16")(
-    _memory_case(1, 16, 131072, 131072, "bfloat16")
-)
-memory_formula.case("Nq != Nk: B=3, H=8, Nq=4096, Nk=1024, float32")(
-    _memory_case(3, 8, 4096, 1024, "float32")
-)
-memory_formula.case("one element: B=H=Nq=Nk=1", hidden=True)(_memory_case(1, 1, 1, 1, "float32"))
-memory_formula.case("N=128k, float32", hidden=True)(_memory_case(1, 16, 131072, 131072, "float32"))
-memory_formula.case("float16, Nq < Nk", hidden=True)(_memory_case(4, 32, 512, 8192, "float16"))
-memory_formula.case("float64", hidden=True)(_memory_case(3, 12, 2048, 2048, "float64"))
+memory_formula.case("B=1, H=16, N=4096, d=64, Br=128, float32")(
+    _peak_case(1, 16, 4096, 4096, 64, 128, "float32"))
+memory_formula.case("Nq != Nk, Nq not a multiple of Br, bfloat16")(
+    _peak_case(3, 8, 1000, 2048, 64, 128, "bfloat16"))
+memory_formula.case("fewer queries than Br: Nq=48, Br=128")(
+    _peak_case(2, 8, 48, 2048, 64, 128, "float32"))
+memory_formula.case("fewer keys than d: Nk=32, d=128 (a short KV cache), float16")(
+    _peak_case(4, 8, 256, 32, 128, 64, "float16"))
+memory_formula.case("N=128k, d=128, Br=1024, bfloat16")(
+    _peak_case(1, 16, 131072, 131072, 128, 1024, "bfloat16"))
+memory_formula.case("a decode step: Nq=1", hidden=True)(
+    _peak_case(8, 32, 1, 8192, 128, 64, "bfloat16"))
+memory_formula.case("Br = Nq: one block", hidden=True)(
+    _peak_case(2, 4, 256, 512, 64, 256, "float32"))
+memory_formula.case("Br = 1, float64", hidden=True)(_peak_case(1, 2, 40, 24, 16, 1, "float64"))
+memory_formula.case("Nk < d and Nq < Br", hidden=True)(
+    _peak_case(2, 2, 10, 16, 64, 32, "float16"))
 
 
 @memory_formula.case("fresh random shapes", hidden=True)
-def _random_memory(fn):
-    for _ in range(5):
-        shape = [random.randint(1, 8), random.randint(1, 64)]
-        shape += [random.randint(1, 200_000), random.randint(1, 200_000)]
-        _memory_case(*shape, random.choice(list(BYTES_PER_ELEMENT)))(fn)
+def _random_peak(fn):
+    for _ in range(4):
+        B, H, d = random.randint(1, 8), random.randint(1, 32), random.choice((16, 64, 128))
+        Nq, Nk = random.randint(1, 4096), random.randint(1, 4096)
+        Br = random.choice((16, 64, 128, 256))
+        _peak_case(B, H, Nq, Nk, d, Br, random.choice(list(DTYPES)))(fn)
 
 
 __all__ = ["naive_attention", "split_merge_heads", "memory_formula"]
