@@ -147,7 +147,9 @@ def _launcher(kernel: str, params: list[Parameter]) -> str:
 
 
 def _scratch(folder) -> Path:
-    base = Path(folder) if folder is not None else Path(tempfile.gettempdir()) / "course_cuda_cpu"
+    if folder is None:  # one per user: a shared temporary directory may hold another's
+        folder = Path(tempfile.gettempdir()) / f"course_cuda_cpu_{os.getuid()}"
+    base = Path(folder)
     base.mkdir(parents=True, exist_ok=True)
     return base
 

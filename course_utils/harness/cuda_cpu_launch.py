@@ -1,15 +1,12 @@
 """The student-side launch of a CUDA C++ exercise on the CPU (no GPU): the kernel body runs under
 the emulation of :mod:`course_utils.cuda_cpu`, in the candidate's process (the sandboxed worker
-while grading), building in its temporary folder.
+while grading), building under its temporary folder (``TMPDIR``: the worker's scratch folder).
 
 The grader's cases call :func:`launch` through ``grader.invoke``; it takes and returns data
 only, never an expected value.
 """
 
 from __future__ import annotations
-
-import tempfile
-from pathlib import Path
 
 __all__ = ["launch"]
 
@@ -47,10 +44,9 @@ def launch(obj, kernel: str, grid, block, *args, timeout: float = 20.0) -> dict:
         elif isinstance(a, np.ndarray) and not a.flags.c_contiguous:
             return {"kind": "arguments", "message": "arrays must be contiguous", "printed": ""}
         arrays.append(a)
-    folder = Path(tempfile.gettempdir()) / "course_cuda_cpu"
     stats: dict = {}
     try:
-        printed = cuda_cpu.launch_twice(source, kernel, grid, block, *arrays, folder=folder,
+        printed = cuda_cpu.launch_twice(source, kernel, grid, block, *arrays,
                                         timeout=timeout, stats=stats)  # fmt: skip
     except cuda_cpu.EmulationError as exc:
         return {"kind": exc.kind, "message": str(exc), "printed": ""}
