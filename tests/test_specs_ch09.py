@@ -8,11 +8,13 @@ import importlib.util
 import itertools
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
 import triton
 import triton.language as tl
+from spec_helpers import Slip
 
 from course_utils import grader
 
@@ -64,58 +66,103 @@ def test_variants_really_change_the_source(tmp_path):
     assert "1 + lo" in Path(fn.fn.__code__.co_filename).read_text()
 
 
-# ----------------------------------------------------------------------------- window split
+# ----------------------------------------------------------------------------- named slips
+# Each slip is the solution with one or two lines edited; grading it must fail a *visible* case
+# whose hint names the slip (spec_helpers.Slip). A session-wide folder holds the edited copies.
+
+_FOLDER = Path(tempfile.mkdtemp(prefix="ch09_slips_"))
+
+
+def _slip(name, *edits):
+    return lambda: variant(name, _FOLDER, *edits)
+
+
+_WINDOW_START = "lo = tl.where(first < hi, first // BLOCK_N * BLOCK_N, hi)"
+_MIDDLE = "mid_lo = tl.minimum((every + BLOCK_N - 1) // BLOCK_N * BLOCK_N, mid_hi)"
+_MASK = "S = tl.where((back >= 0) & (back < WINDOW), S, float(\"-inf\"))"
+_GUARD = "ref = tl.where(m_new > float(\"-inf\"), m_new, 0.0)"
+_DIVIDE = "acc = mean / tl.where(l_new > 0.0, l_new, 1.0)[:, None]"
+
+NAMED_MISTAKES = [
+    # 09.window_split: the brute-force classification of each key tile names the slip
+    Slip("09.window_split", "starts at key 0", _slip("window_split", (_WINDOW_START,
+         "lo = first * 0")), "starts before the window"),
+    Slip("09.window_split", "left edge unmasked", _slip("window_split", (_MIDDLE,
+         "mid_lo = lo")), "in the unmasked stage, but some row"),
+    Slip("09.window_split", "middle rounded down", _slip("window_split", (
+         "(every + BLOCK_N - 1) // BLOCK_N * BLOCK_N", "every // BLOCK_N * BLOCK_N")),
+         "in the unmasked stage"),
+    Slip("09.window_split", "everything masked", _slip("window_split", (
+         "return lo, mid_lo, mid_hi, hi", "return lo, mid_hi, mid_hi, hi")),
+         "go through a masked stage"),
+    Slip("09.window_split", "no clip at Nk", _slip("window_split",
+         ("hi = tl.minimum(start_m + BLOCK_M, Nk)", "hi = start_m + BLOCK_M"),
+         ("mid_hi = tl.minimum(start_m, Nk)", "mid_hi = start_m + 0 * Nk")), "past Nk"),
+    Slip("09.window_split", "rows that see nothing", _slip("window_split", (_WINDOW_START,
+         "lo = first // BLOCK_N * BLOCK_N")), "no row of this tile sees any key",
+         "start_m=96, Nk=50, WINDOW=40"),
+    Slip("09.window_split", "window of BLOCK_M + BLOCK_N one tile short", _slip("window_split", (
+         "every = tl.maximum(start_m + BLOCK_M - WINDOW, lo)",
+         "every = tl.maximum(start_m + BLOCK_M - WINDOW + 1, lo)")), "masked stage"),
+    # 09.window_inner: O is matched against float64 models of each slip
+    Slip("09.window_inner", "the lecture's unnormalised acc", _slip("window_inner",
+         ("acc * old[:, None])", "acc * tl.exp2(m_i - ref)[:, None])"), (_DIVIDE, "acc = mean")),
+         "unnormalised acc"),
+    Slip("09.window_inner", "no rescale", _slip("window_inner",
+         ("old = l_i * tl.exp2(m_i - ref)", "old = l_i")), "no rescale when the max grows"),
+    Slip("09.window_inner", "exp instead of exp2", _slip("window_inner",
+         ("P = tl.exp2(S * qk_scale - ref[:, None])", "P = tl.exp(S * qk_scale - ref[:, None])"),
+         ("old = l_i * tl.exp2(m_i - ref)", "old = l_i * tl.exp(m_i - ref)")),
+         "exp instead of exp2"),
+    Slip("09.window_inner", "no -inf guard", _slip("window_inner", (_GUARD, "ref = m_new")),
+         "no guard for a row that has seen no key yet"),
+    Slip("09.window_inner", "no 0/0 guard", _slip("window_inner",
+         (_DIVIDE, "acc = mean / l_new[:, None]")), "no guard for a row that has seen no key"),
+    Slip("09.window_inner", "m = the guarded max", _slip("window_inner",
+         ("m_i = m_new  # the true", "m_i = ref  # the true")),
+         "the stand-in kept as the running max", "all scores below -100"),
+    Slip("09.window_inner", "causal mask only", _slip("window_inner",
+         (_MASK, "S = tl.where(back >= 0, S, float(\"-inf\"))")),
+         "the window's left side not masked"),
+    Slip("09.window_inner", "window one key too wide", _slip("window_inner",
+         (_MASK, "S = tl.where((back >= 0) & (back <= WINDOW), S, float(\"-inf\"))")),
+         "WINDOW + 1 keys (off by one)"),
+    Slip("09.window_inner", "own key left out", _slip("window_inner",
+         (_MASK, "S = tl.where((back > 0) & (back < WINDOW), S, float(\"-inf\"))")),
+         "the query's own key left out"),
+    Slip("09.window_inner", "window one key too narrow", _slip("window_inner",
+         (_MASK, "S = tl.where((back >= 0) & (back < WINDOW - 1), S, float(\"-inf\"))")),
+         "WINDOW - 1 keys (off by one)"),
+    # 09.gqa_dkdv: dK and dV are matched against float64 models of each slip
+    Slip("09.gqa_dkdv", "first query head only", _slip("gqa_dkdv_kernel",
+         ("for g in range(GROUP):", "for g in range(1):")), "first query head of each group"),
+    Slip("09.gqa_dkdv", "accumulators reset per head", _slip("gqa_dkdv_kernel",
+         ("        head = bkv * GROUP + g",
+          "        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)\n"
+          "        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)\n"
+          "        head = bkv * GROUP + g")), "last query head of each group"),
+    Slip("09.gqa_dkdv", "interleaved heads", _slip("gqa_dkdv_kernel",
+         ("head = bkv * GROUP + g", "head = bkv + g * GROUP")), "interleaved"),
+    Slip("09.gqa_dkdv", "no diagonal stage", _slip("gqa_dkdv_kernel",
+         ("        if CAUSAL:\n", "        if False:\n")), "no diagonal stage"),
+    Slip("09.gqa_dkdv", "diagonal stage unmasked", _slip("gqa_dkdv_kernel",
+         ("offs_d, diag_lo, diag_hi, Nq, HEAD_DIM, BLOCK_M, True, EVEN_M)",
+          "offs_d, diag_lo, diag_hi, Nq, HEAD_DIM, BLOCK_M, False, EVEN_M)")),
+         "diagonal stage without its mask"),
+]
+
+
+@pytest.mark.parametrize("slip", NAMED_MISTAKES, ids=repr)
+def test_named_mistake(slip):
+    slip.fails()
+
+
+# ----------------------------------------------------------------------------- right answers
 
 
 def test_window_split_passes_when_right(tmp_path):
     r = check("09.window_split", variant("window_split", tmp_path))
     assert r.status == "passed" and r.hidden_run, r.message
-
-
-def test_window_split_starting_at_key_zero_is_named(tmp_path):
-    bad = variant("window_split", tmp_path,
-                  ("lo = tl.where(first < hi, first // BLOCK_N * BLOCK_N, hi)", "lo = first * 0"))
-    r = check("09.window_split", bad)
-    assert r.status == "failed" and "starts before the window" in r.message, r.message
-
-
-def test_window_split_left_edge_unmasked_is_named(tmp_path):
-    bad = variant("window_split", tmp_path,
-                  ("mid_lo = tl.minimum((every + BLOCK_N - 1) // BLOCK_N * BLOCK_N, mid_hi)",
-                   "mid_lo = lo"))
-    r = check("09.window_split", bad)
-    assert r.status == "failed" and "in the unmasked stage, but some row" in r.message, r.message
-
-
-def test_window_split_rounding_the_middle_down_is_named(tmp_path):
-    bad = variant("window_split", tmp_path,
-                  ("(every + BLOCK_N - 1) // BLOCK_N * BLOCK_N", "every // BLOCK_N * BLOCK_N"))
-    r = check("09.window_split", bad)
-    assert r.status == "failed" and "in the unmasked stage" in r.message, r.message
-
-
-def test_window_split_everything_masked_is_named(tmp_path):
-    bad = variant("window_split", tmp_path, ("return lo, mid_lo, mid_hi, hi",
-                                             "return lo, mid_hi, mid_hi, hi"))
-    r = check("09.window_split", bad)
-    assert r.status == "failed" and "go through a masked stage" in r.message, r.message
-
-
-def test_window_split_without_clipping_at_nk_is_named(tmp_path):
-    bad = variant("window_split", tmp_path,
-                  ("hi = tl.minimum(start_m + BLOCK_M, Nk)", "hi = start_m + BLOCK_M"),
-                  ("mid_hi = tl.minimum(start_m, Nk)", "mid_hi = start_m + 0 * Nk"))
-    r = check("09.window_split", bad)
-    assert r.status == "failed" and "past Nk" in r.message, r.message
-
-
-def test_window_split_rows_that_see_nothing_are_named(tmp_path):
-    bad = variant("window_split", tmp_path,
-                  ("lo = tl.where(first < hi, first // BLOCK_N * BLOCK_N, hi)",
-                   "lo = first // BLOCK_N * BLOCK_N"))
-    r = check("09.window_split", bad)
-    assert r.status == "failed" and "no row of this tile sees any key" in r.message, r.message
-    assert "start_m=96, Nk=50, WINDOW=40" in r.message, r.message  # the first such visible one
 
 
 def test_window_split_stub_is_not_implemented():
@@ -134,46 +181,9 @@ def test_window_split_not_jitted_is_named():
     assert r.status == "failed" and "@triton.jit" in r.message
 
 
-# ----------------------------------------------------------------------------- window inner
-
-
 def test_window_inner_passes_when_right(tmp_path):
     r = check("09.window_inner", variant("window_inner", tmp_path))
     assert r.status == "passed" and r.hidden_run, r.message
-
-
-def test_window_inner_without_the_minus_inf_guard_fails_the_first_case(tmp_path):
-    # The lecture's loop, unchanged: a row whose first visited tile is all outside its window
-    # gets m_new = -inf and NaN. The first (visible) case has WINDOW < BLOCK_M.
-    bad = variant("window_inner", tmp_path,
-                  ('m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_sub = m_new"))
-    r = check("09.window_inner", bad)
-    assert r.status == "failed" and "NaN" in r.message and "stand-in" in r.message, r.message
-    assert not r.message.startswith("(hidden case)"), r.message  # a visible case shows it
-
-
-def test_window_inner_causal_mask_only_is_named(tmp_path):
-    bad = variant("window_inner", tmp_path,
-                  ("after_start & (cols[None, :] <= offs_m[:, None])",
-                   "cols[None, :] <= offs_m[:, None]"))
-    r = check("09.window_inner", bad)
-    assert r.status == "failed" and "left side is not masked" in r.message, r.message
-
-
-def test_window_inner_off_by_one_is_named(tmp_path):
-    bad = variant("window_inner", tmp_path,
-                  ("cols[None, :] > offs_m[:, None] - WINDOW",
-                   "cols[None, :] >= offs_m[:, None] - WINDOW"))
-    r = check("09.window_inner", bad)
-    assert r.status == "failed" and "off by one" in r.message, r.message
-
-
-def test_window_inner_missing_rescale_fails_the_first_case(tmp_path):
-    bad = variant("window_inner", tmp_path,
-                  ("l_i = l_i * alpha + tl.sum(P, 1)", "l_i = l_i + tl.sum(P, 1)"),
-                  ("acc * alpha[:, None])", "acc)"))
-    r = check("09.window_inner", bad)
-    assert r.status == "failed" and not r.message.startswith("(hidden case)"), r.message
 
 
 def test_window_inner_stub_is_not_implemented():
@@ -186,42 +196,9 @@ def test_window_inner_stub_is_not_implemented():
     assert check("09.window_inner", window_inner).status == "not implemented"
 
 
-# ----------------------------------------------------------------------------- GQA dK/dV
-
-
 def test_gqa_dkdv_passes_when_right(tmp_path):
     r = check("09.gqa_dkdv", variant("gqa_dkdv_kernel", tmp_path))
     assert r.status == "passed" and r.hidden_run, r.message
-
-
-def test_gqa_dkdv_first_head_only_is_named(tmp_path):
-    bad = variant("gqa_dkdv_kernel", tmp_path, ("for g in range(GROUP):", "for g in range(1):"))
-    r = check("09.gqa_dkdv", bad)
-    assert r.status == "failed" and "first query head of each group" in r.message, r.message
-
-
-def test_gqa_dkdv_accumulators_reset_per_head_is_named(tmp_path):
-    bad = variant("gqa_dkdv_kernel", tmp_path,
-                  ("        head = bkv * GROUP + g",
-                   "        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)\n"
-                   "        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)\n"
-                   "        head = bkv * GROUP + g"))
-    r = check("09.gqa_dkdv", bad)
-    assert r.status == "failed" and "last query head of each group" in r.message, r.message
-
-
-def test_gqa_dkdv_interleaved_heads_fail_with_the_mapping_hint(tmp_path):
-    # With B = 1 and 2 K/V heads, bkv + g * GROUP is the mapping h -> h % H_KV.
-    bad = variant("gqa_dkdv_kernel", tmp_path,
-                  ("head = bkv * GROUP + g", "head = bkv + g * GROUP"))
-    r = check("09.gqa_dkdv", bad)
-    assert r.status == "failed" and r.passed == 0 and "bkv * GROUP + g" in r.message, r.message
-
-
-def test_gqa_dkdv_missing_diagonal_stage_fails_the_causal_cases(tmp_path):
-    bad = variant("gqa_dkdv_kernel", tmp_path, ("        if CAUSAL:\n", "        if False:\n"))
-    r = check("09.gqa_dkdv", bad)
-    assert r.status == "failed" and "causal" in r.message and r.passed == 3, r.message
 
 
 def test_gqa_dkdv_stub_is_not_implemented(tmp_path):

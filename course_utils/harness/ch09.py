@@ -8,7 +8,9 @@ the package:
 - ``09.window_split``: the key ranges a query tile visits under a causal **sliding window**
   (three stages: the window's left edge, masked; the middle, unmasked; the diagonal, masked).
   :func:`window_split_bounds` runs the student's ``@triton.jit`` function in a probe kernel.
-- ``09.window_inner``: the loop over key tiles of a sliding-window forward.
+- ``09.window_inner``: the loop over key tiles of a sliding-window forward that keeps its
+  accumulator normalised after every tile (FlashAttention-1's form: the kernel stores ``acc``
+  as O, with no division at the end).
   :func:`run_window_forward` launches :func:`_window_forward_kernel` with the student's function
   as its ``INNER``; the grader sends the stage bounds of every query tile as data.
 - ``09.gqa_dkdv``: a dK/dV kernel for grouped-query attention (several query heads share one
@@ -159,10 +161,10 @@ def _window_forward_kernel(Q, K, V, O, LSE, BOUNDS, qk_scale, Nq, Nk, WINDOW,
     acc, l_i, m_i = INNER(acc, l_i, m_i, q, K, V, qk_scale, offs_m, offs_n, offs_d, mid_hi, hi,
                           Nk, WINDOW, HEAD_DIM, BLOCK_N, True, EVEN_N)  # the diagonal
 
-    # A row that sees no key at all (more queries than keys + WINDOW) has l = 0: O = 0 and
-    # LSE = -inf there. A NaN l (a NaN computed in the loop) stays NaN, so that it shows.
+    # INNER keeps acc normalised (FlashAttention-1's form): acc is O itself, stored as it is,
+    # so a NaN computed in the loop shows. A row that sees no key at all (more queries than
+    # keys + WINDOW) has l = 0 and acc = 0: O = 0 and LSE = -inf there.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    acc = acc * tl.where(l_i == 0.0, 0.0, 1.0 / l_safe)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
     o_ptrs = O + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < Nq)

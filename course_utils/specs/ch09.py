@@ -12,10 +12,18 @@ run inside small kernels of ``course_utils/harness/ch09.py`` (on the student's s
   by tile against a brute-force classification (every (row, key) pair of every tile).
 - ``09.window_inner``: ``window_inner(acc, l_i, m_i, q, K, V, qk_scale, offs_m, offs_n, offs_d,
   lo, hi, Nk, WINDOW, HEAD_DIM, BLOCK_N, MASKED, EVEN_N) -> (acc, l_i, m_i)``, the loop of a
-  sliding-window forward; the grader sends each query tile's stage bounds. O and LSE against
-  the float64 softmax with the window's boolean mask (a row that sees no key: O = 0, LSE = -inf).
+  sliding-window forward that keeps ``acc`` normalised after every tile (FlashAttention-1's
+  form: the kernel stores ``acc`` as O); the grader sends each query tile's stage bounds. O and
+  LSE against the float64 softmax with the window's boolean mask (a row that sees no key: O = 0,
+  LSE = -inf). A case whose scores are all below -100 catches a running max left at the finite
+  stand-in of a row that has seen no key yet.
 - ``09.gqa_dkdv``: a whole dK/dV kernel for grouped-query attention (``GROUP`` query heads share
   a K/V head), against float64 autograd of the definition (K, V repeated over the group).
+
+A failing O, dK or dV is matched against float64 models of the slips students make (``Mistake``
+constants below, ``compare(..., mistakes=...)``): the hint names the one the answer computed,
+and falls back to the case's hint when none matches. ``09.window_split`` names its slips from a
+brute-force classification of every key tile instead.
 
 On the CPU the kernels run in Triton's interpreter (float32 and float16, d = 16 or 32, small N);
 on a GPU the same cases run compiled in float16 and bfloat16 (a plain ``tl.dot`` on float32
@@ -33,6 +41,7 @@ import torch
 from ..checks import (
     AttentionCase,
     CheckFailure,
+    Mistake,
     compare,
     poisoned,
     sequence,
@@ -41,7 +50,7 @@ from ..checks import (
     whole_number,
 )
 from ..grader import Exercise, invoke
-from ..harness.ch09 import DKDV_CONFIG, FWD_CONFIG, grad_tolerance
+from ..harness.ch09 import DKDV_CONFIG, FWD_CONFIG, LOG2E, grad_tolerance
 from ..runtime import device, pick
 from . import require_implemented, returned_text
 
@@ -241,6 +250,10 @@ window_split.case("ragged Nk, and more queries than keys (rows that see no key)"
     _window_split_case(32, 16, [(64, 70, 40), (64, 90, 40), (96, 50, 40), (128, 37, 20),
                                 (32, 1, 50)])
 )
+window_split.case("windows of exactly BLOCK_N, BLOCK_M and BLOCK_M + BLOCK_N (BLOCK_M = 32, "
+                  "BLOCK_N = 16)")(
+    _window_split_case(32, 16, [(s, 200, w) for s in (0, 32, 96) for w in (16, 32, 48)])
+)
 window_split.case("windows of exactly BLOCK_N, BLOCK_M and BLOCK_M + BLOCK_N", hidden=True)(
     _window_split_case(64, 32, [(s, 400, w) for s in (0, 64, 192, 320) for w in (32, 64, 96)])
 )
@@ -265,24 +278,78 @@ for _bm, _bn in ((16, 16), (32, 16), (128, 32)):
 
 # ----------------------------------------------------------------------------- window inner
 
-window_inner = Exercise("09.window_inner", "The loop of a sliding-window Triton forward", points=3)
+window_inner = Exercise("09.window_inner",
+                        "A sliding-window loop that keeps O normalised (FlashAttention-1's form)",
+                        points=3)
 
 _HW = {
-    "edge": "WINDOW < BLOCK_M: on the window's left edge a row can see no key of a whole tile, "
-    "so rowmax(S) = -inf and m_new = -inf; then exp2(m_i - m_new) = exp2(-inf + inf) = NaN. "
-    "Subtract a finite stand-in where m_new is still -inf (e.g. tl.where(m_new == float('-inf'), "
-    "0.0, m_new)): P and alpha are then 0 and 1 there, and the row waits for its first key.",
-    "mask": "on the masked stages (MASKED) query offs_m[r] sees key cols[c] iff offs_m[r] - "
-    "WINDOW < cols[c] <= offs_m[r]: set S to -inf elsewhere, before the row max.",
-    "one": "WINDOW = 1: each query sees only its own key (O row i = V row i, LSE = S_ii * "
-    "scale): the mask is offs_m - WINDOW < cols <= offs_m.",
-    "empty": "more queries than keys: rows from Nk + WINDOW - 1 on see no key at all; the kernel "
-    "writes O = 0 and LSE = -inf for them as long as your loop leaves l = 0, acc = 0 (no NaN).",
-    "large": "scores of about +-150: subtract the running max (in log2 units: a max of S * "
-    "qk_scale) inside exp2.",
+    "edge": "WINDOW < BLOCK_M: on the window's left edge a row can meet a whole tile of keys it "
+    "does not see. Follow that row through your update: its tile max, its weights, its new sum "
+    "and your division by it must all stay finite, and the row must leave the tile as it came "
+    "(acc = 0, l = 0, m = -inf).",
+    "trap": "every score of these rows is below -100, and the last rows of each query tile see "
+    "no key of the tile they meet first: only the true running max (-inf until the first key, "
+    "then the largest score seen) keeps 2^(S * qk_scale - m) from underflowing to 0.",
+    "mask": "on the masked stages (MASKED) query offs_m[r] sees key cols[c] only inside its "
+    "window, its own key and the WINDOW - 1 before it: -inf elsewhere, before the row max.",
+    "one": "WINDOW = 1: each query sees only its own key (O row i = V row i), so both ends of "
+    "the window rule are tested at once.",
+    "empty": "more queries than keys: rows from Nk + WINDOW - 1 on see no key at all, but their "
+    "query tile is visited: your loop must leave them at acc = 0, l = 0 (no 0/0 from a "
+    "division by their sum).",
+    "large": "scores of about +-150: the weights must be taken against the running max (log2 "
+    "units: a max of S * qk_scale) inside exp2.",
     "fp16": "float16 inputs: tl.dot(P, v) needs both operands in one dtype: P.to(v.dtype); "
     "acc, l_i and m_i stay float32.",
+    "causal": "a window longer than the sequence is plain causal attention, and one query with "
+    "one key is O = V: the loop must not depend on the window being short.",
 }
+
+# The slips students make here, recognised by what they compute (float64 models below).
+UNNORMALISED = Mistake(
+    "the lecture's unnormalised acc",
+    "this kernel stores acc as O with no division at the end: after every tile acc must be "
+    "the weighted mean of the V rows seen so far (divided by the row's running sum), not their "
+    "weighted sum as in the lecture's forward_inner.")
+NO_RESCALE = Mistake(
+    "no rescale when the max grows",
+    "when a tile raises a row's max from m_i to m_new, what was summed under m_i (l_i, and "
+    "the weights inside acc) counts 2^(m_new - m_i) times too much against the new tile: bring "
+    "it to the new max before the tile is added.")
+BASE_E = Mistake(
+    "exp instead of exp2",
+    "m_i and qk_scale are in log2 units (qk_scale = scale * log2 e): the weights are powers "
+    "of 2, tl.exp2. tl.exp computes the softmax of S * scale * log2 e, log2 e = 1.44 times too "
+    "sharp.")
+NO_GUARD = Mistake(
+    "no guard for a row that has seen no key yet",
+    "the rows that are NaN see no key of the first tile they meet (the window's left edge, "
+    "WINDOW < BLOCK_M): their tile max is -inf, so m_new = -inf and m_i - m_new = -inf + inf "
+    "is NaN, and their sum is still 0, so a division by it is 0/0. Such a row must leave the "
+    "tile unchanged.")
+GUARDED_MAX = Mistake(
+    "the stand-in kept as the running max (m_i = the guarded max)",
+    "a finite value standing in for m_new = -inf is only for the subtraction. Stored as m_i, "
+    "it stays above every later score of a row whose first tile had no key; with scores below "
+    "-100 every 2^(S * qk_scale - m) is then 0 in float32, l = 0 and O = 0. Keep m_i the true "
+    "running max: -inf until the row's first key.")
+LEFT_UNMASKED = Mistake(
+    "the window's left side not masked",
+    "the rows see every key of the left-edge tiles, also those before their window (a "
+    "causal mask only). On the masked stages a key is seen only if it is one of the row's "
+    "last WINDOW keys.")
+WIDE_BY_ONE = Mistake(
+    "a window of WINDOW + 1 keys (off by one)",
+    "a window of WINDOW keys holds the query's own key and the WINDOW - 1 before it: the key "
+    "offs_m - WINDOW is outside.")
+NARROW_BY_ONE = Mistake(
+    "a window of WINDOW - 1 keys (off by one)",
+    "a window of WINDOW keys holds the query's own key and the WINDOW - 1 before it: the key "
+    "offs_m - WINDOW + 1 is inside.")
+OWN_KEY_OUT = Mistake(
+    "the query's own key left out",
+    "causal attention includes the diagonal: query offs_m sees key offs_m itself (with WINDOW "
+    "= 1 it is the only key it sees).")
 
 
 def window_keep(Nq, Nk, window):
@@ -301,49 +368,88 @@ def _attention64(q, k, v, keep, scale):
     return P @ v.double(), LSE
 
 
-def _diagnose_window(O, q, k, v, window, scale, atol, rtol, bounds, block_m):
-    """The likely bug when O is wrong, found by matching O against variants of the mask.
+def _window_mistakes(q, k, v, window, scale, bounds, block_m, block_n, O_ref):
+    """``(Mistake, model)`` pairs: what each slip writes as O on these inputs (float64).
 
-    Each variant keeps only the keys of the tiles the kernel visited (``bounds``).
+    Each model computes only the wrong result, from the whole score matrix: ``bounds`` (the
+    stage bounds of each query tile) says which key tiles a row's loop meets, and in which order.
     """
-    if not torch.isfinite(O.double()).all():
-        return None
     Nq, Nk = q.shape[-2], k.shape[-2]
     i = torch.arange(Nq, device=device())[:, None]
     j = torch.arange(Nk, device=device())[None, :]
-    lo = bounds[:, 0].repeat_interleave(block_m)[:Nq, None].to(device())
-    hi = bounds[:, 3].repeat_interleave(block_m)[:Nq, None].to(device())
-    visited = (j >= lo) & (j < hi)
-    variants = (
-        ((j <= i) & visited, "the window's left side is not masked: the rows see every key of "
-         "the left-edge tiles, also those before their window. On the masked stages keep key "
-         "cols[c] only if offs_m[r] - WINDOW < cols[c] <= offs_m[r]."),
-        (window_keep(Nq, Nk, window + 1) & visited, "O sees WINDOW + 1 keys per row: off by "
-         "one. A window of WINDOW keys is offs_m - WINDOW < cols <= offs_m (the query's own key "
-         "included)."),
-        (window_keep(Nq, Nk, max(window - 1, 1)), "O sees WINDOW - 1 keys per row: off by one. "
-         "A window of WINDOW keys is offs_m - WINDOW < cols <= offs_m (the query's own key "
-         "included)."),
-    )
-    right = window_keep(Nq, Nk, window)
-    for keep, hint in variants:
-        if bool((keep == right).all()):
-            continue
-        O_alt, _ = _attention64(q, k, v, keep, scale)
-        if bool(((O.double() - O_alt).abs() <= atol + rtol * O_alt.abs()).all()):
-            return hint
-    return None
+    first = bounds[:, 0].repeat_interleave(block_m)[:Nq, None].to(device())
+    last = bounds[:, 3].repeat_interleave(block_m)[:Nq, None].to(device())
+    visited = (j >= first) & (j < last)
+    keep = window_keep(Nq, Nk, window)
+    S = (scale * (q.double() @ k.double().transpose(-2, -1))).masked_fill(~keep, -math.inf)
+    # rows whose first visited tile holds none of their keys (the window's left edge)
+    blind = ~(keep & (j < first + block_n)).any(-1) & (first < last).squeeze(-1)
+
+    def mean_of(P):  # rows without weight: 0
+        total = P.sum(-1, keepdim=True)
+        return (P @ v.double()) / torch.where(total > 0, total, 1.0)
+
+    def unnormalised():
+        top = S.amax(-1, keepdim=True)
+        P = torch.where(keep, torch.exp(S - torch.where(top > -math.inf, top, 0.0)), 0.0)
+        return P @ v.double()
+
+    def no_rescale():  # each key weighed against the running max of the tile it came in
+        tiles = -(-Nk // block_n)
+        padded = torch.nn.functional.pad(S, (0, tiles * block_n - Nk), value=-math.inf)
+        tile_max = padded.unflatten(-1, (tiles, block_n)).amax(-1)
+        running = torch.cummax(tile_max, dim=-1).values.repeat_interleave(block_n, -1)[..., :Nk]
+        P = torch.where(keep, torch.exp(S - torch.where(keep, running, 0.0)), 0.0)
+        return mean_of(P)
+
+    def no_guard():
+        return O_ref.masked_fill(blind[:, None], math.nan)
+
+    def guarded_max():  # m stays at the stand-in 0: scores below 2^-149 of it vanish
+        lost = blind & (S.amax(-1) * LOG2E < -149)
+        return O_ref.masked_fill(lost[..., None], 0.0)
+
+    def masked(rule):
+        return lambda: _attention64(q, k, v, rule & visited, scale)[0]
+
+    return [
+        (UNNORMALISED, unnormalised),
+        (NO_GUARD, no_guard),
+        (GUARDED_MAX, guarded_max),
+        (BASE_E, lambda: _attention64(q, k, v, keep, scale * LOG2E)[0]),
+        (NO_RESCALE, no_rescale),
+        (LEFT_UNMASKED, masked(j <= i)),
+        (WIDE_BY_ONE, masked(window_keep(Nq, Nk, window + 1))),
+        (NARROW_BY_ONE, masked(window_keep(Nq, Nk, max(window - 1, 1)))),
+        (OWN_KEY_OUT, masked(window_keep(Nq, Nk, window) & (j < i))),
+    ]
+
+
+def _very_negative_qkv(case, dtype):
+    """q, k, v whose scaled scores all lie in [-135, -115]: a row's softmax is still spread
+    over a few keys, but 2^(S * qk_scale) underflows to 0 in float32 against any m >= 0."""
+    a = math.sqrt(125.0 / _scale_of(case))
+    q = torch.randn(case.B, case.H, case.Nq, case.d) * 0.3
+    k = torch.randn(case.B, case.H, case.Nk, case.d) * 0.3
+    q[..., 0] = a
+    k[..., 0] = -a * (1 + 0.04 * torch.randn(case.B, case.H, case.Nk).clamp(-2, 2))
+    v = torch.randn(case.B, case.H, case.Nk, case.d)
+    return tuple(t.to(device=device(), dtype=dtype) for t in (q, k, v))
 
 
 def _window_case(*cases):
-    """Cases are ``(AttentionCase, WINDOW, dtype)``."""
+    """Cases are ``(AttentionCase, WINDOW, dtype)``, or with a fourth item, a function
+    ``(case, dtype) -> (q, k, v)`` that makes the inputs."""
 
     def run(candidate):
         _jit(candidate, "window_inner")
         block_m, block_n = FWD_CONFIG.kwargs["BLOCK_M"], FWD_CONFIG.kwargs["BLOCK_N"]
-        for case, window, dtype in cases:
-            q, k, v = _qkv(case.B, case.H, case.H, case.Nq, case.Nk, case.d, dtype,
-                           case.logit_scale)
+        for case, window, dtype, *make in cases:
+            if make:
+                q, k, v = make[0](case, dtype)
+            else:
+                q, k, v = _qkv(case.B, case.H, case.H, case.Nq, case.Nk, case.d, dtype,
+                               case.logit_scale)
             scale = _scale_of(case)
             keep = window_keep(case.Nq, case.Nk, window)
             O_ref, LSE_ref = _attention64(q, k, v, keep, scale)
@@ -355,15 +461,9 @@ def _window_case(*cases):
             label = _label(case, dtype)
             O, LSE = sequence(invoke(candidate, H + "run_window_forward", q, k, v, window, scale,
                                      bounds, O, LSE), 2, what="the launch's (O, LSE)", case=label)
-            O = validated(O, O_ref.shape, what="O", case=label)  # before the diagnosis reads it
-            try:
-                compare("O", O, O_ref, case=label, atol=atol, rtol=rtol, hint=case.hint,
-                        dtype=dtype, poisoned=True)
-            except CheckFailure as failure:
-                better = _diagnose_window(O, q, k, v, window, scale, atol, rtol, bounds, block_m)
-                if better:
-                    failure.hint = better
-                raise
+            compare("O", O, O_ref, case=label, atol=atol, rtol=rtol, hint=case.hint,
+                    dtype=dtype, poisoned=True, mistakes=_window_mistakes(
+                        q, k, v, window, scale, bounds, block_m, block_n, O_ref))
             compare("LSE", LSE, LSE_ref, case=label, atol=atol, rtol=rtol, poisoned=True,
                     hint="O is right but LSE is not: the kernel computes LSE = (m_i + log2 l_i) "
                          "/ log2 e from what you return: return m_i as the max of S * "
@@ -379,6 +479,10 @@ window_inner.case(f"window of {W_EDGE} keys < BLOCK_M, Nq=Nk={NW}")(
     _window_case((C(f"WINDOW={W_EDGE}, Nq=Nk={NW}, d={D16}", 1, 1, NW, NW, D16,
                     hint=_HW["edge"]), W_EDGE, F32))
 )
+window_inner.case(f"all scores below -100, window of {W_EDGE} keys < BLOCK_M, Nq=Nk={NW}")(
+    _window_case((C(f"scores < -100, WINDOW={W_EDGE}, Nq=Nk={NW}, d={D16}", 1, 1, NW, NW, D16,
+                    hint=_HW["trap"]), W_EDGE, F32, _very_negative_qkv))
+)
 window_inner.case("window of 40 keys, ragged Nq=Nk=75, B=2, H=2")(
     _window_case((C(f"WINDOW=40, Nq=Nk=75, B=2, H=2, d={D16}", 2, 2, 75, 75, D16,
                     hint=_HW["mask"]), 40, F32))
@@ -386,9 +490,10 @@ window_inner.case("window of 40 keys, ragged Nq=Nk=75, B=2, H=2")(
 window_inner.case("WINDOW = 1, Nq=Nk=33")(
     _window_case((C(f"WINDOW=1, Nq=Nk=33, d={D16}", 1, 1, 33, 33, D16, hint=_HW["one"]), 1, F32))
 )
-window_inner.case("window of 24, Nq=20 < Nk=50, and Nq=70 > Nk=13 (rows that see no key)")(
-    _window_case((C(f"WINDOW=24, Nq=20, Nk=50, d={D16}", 1, 1, 20, 50, D16, hint=_HW["mask"]),
-                  24, F32),
+window_inner.case("window of 24, scale 0.5, Nq=20 < Nk=50, and Nq=70 > Nk=13 (rows that see "
+                  "no key)")(
+    _window_case((C(f"scale=0.5, WINDOW=24, Nq=20, Nk=50, d={D16}", 1, 1, 20, 50, D16,
+                    scale=0.5, hint=_HW["mask"]), 24, F32),
                  (C(f"WINDOW=24, Nq=70, Nk=13, d={D16}", 1, 1, 70, 13, D16, hint=_HW["empty"]),
                   24, F32))
 )
@@ -399,6 +504,11 @@ window_inner.case("large logits (scores of std 50), window of 24, Nq=Nk=40")(
 window_inner.case("float16 inputs, window of 20, Nq=Nk=48")(
     _window_case((C(f"WINDOW=20, Nq=Nk=48, H=2, d={D32}", 1, 2, 48, 48, D32, hint=_HW["fp16"]),
                   20, LOW))
+)
+window_inner.case("window longer than the sequence (causal), Nq=Nk=30, and Nq=Nk=1")(
+    _window_case((C(f"WINDOW=1e6, Nq=Nk=30, d={D16}", 1, 1, 30, 30, D16, hint=_HW["causal"]),
+                  BIG, F32),
+                 (C(f"WINDOW=1, Nq=Nk=1, d={D16}", 1, 1, 1, 1, D16, hint=_HW["causal"]), 1, F32))
 )
 window_inner.case("window longer than the sequence (causal), and Nq=Nk=1", hidden=True)(
     _window_case((C(f"WINDOW=1e6, Nq=Nk=45, d={D16}", 1, 1, 45, 45, D16), BIG, F32),
@@ -416,6 +526,10 @@ window_inner.case(f"{_dtype_name(BF16)}, window of 37, B=2, H=2, Nq=Nk=100, d={D
 window_inner.case("logits x30, window of 5, ragged Nq=Nk=53", hidden=True)(
     _window_case((C(f"logits x30, WINDOW=5, Nq=Nk=53, d={D16}", 1, 1, 53, 53, D16,
                     logit_scale=30.0, hint=_HW["edge"]), 5, F32))
+)
+window_inner.case("all scores below -100, window of 7, ragged Nq=Nk=50", hidden=True)(
+    _window_case((C(f"scores < -100, WINDOW=7, Nq=Nk=50, d={D16}", 1, 1, 50, 50, D16,
+                    hint=_HW["trap"]), 7, F32, _very_negative_qkv))
 )
 
 # ----------------------------------------------------------------------------- GQA dK/dV
@@ -458,23 +572,78 @@ def gqa_problem(case, h_kv, dtype):
     return inputs, (dK_heads.sum(2), dV_heads.sum(2), dK_heads, dV_heads), scale
 
 
-def _diagnose_gqa(name, got, answers):
-    """The likely bug when dK or dV is wrong: one query head of the group instead of the sum."""
+FIRST_HEAD = Mistake(
+    "the first query head of each group only",
+    "loop over the GROUP query heads bkv * GROUP + g that share this K/V head, adding each "
+    "one's terms into the same dk, dv.")
+LAST_HEAD = Mistake(
+    "the last query head of each group only (accumulators reset per head)",
+    "the accumulators are reset (or overwritten) for every query head: keep one dk, dv for the "
+    "whole group and let every head add into them.")
+INTERLEAVED = Mistake(
+    "interleaved heads (query head bkv + g * GROUP)",
+    "the query heads of one K/V head are consecutive: head h reads K/V head h // GROUP, so K/V "
+    "head bkv is read by bkv * GROUP, ..., bkv * GROUP + GROUP - 1.")
+NO_DIAGONAL = Mistake(
+    "no diagonal stage",
+    "the query rows start_n .. start_n + BLOCK_N - 1 see part of this key tile: for causal "
+    "attention each query head also runs the stage (diag_lo, diag_hi), masked.")
+DIAGONAL_UNMASKED = Mistake(
+    "the diagonal stage without its mask",
+    "on the stage (diag_lo, diag_hi) a query row sees only the keys up to itself: that stage "
+    "runs with DIAGONAL=True, the other with False.")
+
+
+def _gqa_terms(q, k, v, dO, LSE, D, scale, seen):
+    """What a dK/dV loop sums for query heads ``q`` against keys ``k``, ``v`` (same leading
+    dims), counting only the (query, key) pairs of ``seen``: ``(dK, dV)``, float64, with the
+    given LSE and D (the lecture's backward formulas, in matrix form)."""
+    q, k, v, dO = (t.double() for t in (q, k, v, dO))
+    S = scale * q @ k.transpose(-2, -1)
+    P = torch.where(seen, torch.exp(S - LSE.double()[..., None]), 0.0)
+    dS = P * (dO @ v.transpose(-2, -1) - D[..., None])
+    return scale * dS.transpose(-2, -1) @ q, P.transpose(-2, -1) @ dO
+
+
+def _gqa_mistakes(name, inputs, answers, causal, scale):
+    """``(Mistake, model)`` pairs: what each slip writes as dK or dV (``name``) here."""
+    q, k, v, O, LSE, dO = inputs
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    which = 0 if name == "dK" else 1
     heads = answers[2] if name == "dK" else answers[3]
-    g = got.double()
-    if not torch.isfinite(g).all() or heads.shape[2] == 1:
-        return None
+    D = (dO.double() * O.double()).sum(-1)
+    i = torch.arange(Nq, device=q.device)[:, None]
+    j = torch.arange(Nk, device=q.device)[None, :]
+    causal_keep = (j <= i) if causal else torch.ones(Nq, Nk, dtype=torch.bool, device=q.device)
+    block = DKDV_CONFIG.kwargs["BLOCK_N"]
 
-    def close(x):
-        return bool((g - x).abs().max() <= 0.02 * x.abs().max() + 1e-3)
+    def grouped(seen):  # every query head against its own K/V head, summed over the group
+        terms = _gqa_terms(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), dO,
+                           LSE, D, scale, seen)[which]
+        return terms.view(B, Hkv, group, Nk, d).sum(2)
 
-    if close(heads[:, :, 0]):
-        return (f"{name} holds the first query head of each group only: loop over the GROUP "
-                "query heads bkv * GROUP + g that share this K/V head, adding each one's terms.")
-    if close(heads[:, :, -1]):
-        return (f"{name} holds the last query head of each group only: the accumulators are "
-                "reset (or overwritten) per head; keep one dk, dv for the whole group.")
-    return None
+    def interleaved():
+        flat = B * Hkv
+        heads_of = [[b + g * group for g in range(group)] for b in range(flat)]
+        if max(max(h) for h in heads_of) >= B * Hq:
+            raise ValueError("the slip reads past the last query head here")
+        qf, dOf = q.reshape(B * Hq, Nq, d), dO.reshape(B * Hq, Nq, d)
+        LSEf, Df = LSE.reshape(B * Hq, Nq), D.reshape(B * Hq, Nq)
+        kf, vf = k.reshape(flat, Nk, d), v.reshape(flat, Nk, d)
+        out = [sum(_gqa_terms(qf[h], kf[b], vf[b], dOf[h], LSEf[h], Df[h], scale,
+                              causal_keep)[which] for h in heads_of[b]) for b in range(flat)]
+        return torch.stack(out).view(B, Hkv, Nk, d)
+
+    return [
+        (FIRST_HEAD, heads[:, :, 0]),
+        (LAST_HEAD, heads[:, :, -1]),
+        (INTERLEAVED, interleaved),
+        (NO_DIAGONAL, lambda: grouped(causal_keep & (i >= (j // block + 1) * block))),
+        (DIAGONAL_UNMASKED, lambda: grouped(i >= (j // block) * block if causal
+                                            else causal_keep)),
+    ]
 
 
 def _gqa_case(*cases):
@@ -496,14 +665,9 @@ def _gqa_case(*cases):
             max_score = _max_score(q, k.repeat_interleave(case.H // h_kv, dim=1), scale)
             for name, got, want in (("dV", dV, answers[1]), ("dK", dK, answers[0])):
                 atol, rtol = grad_tolerance(dtype, want, max_score)
-                try:
-                    compare(name, got, want, case=label, atol=atol, rtol=rtol, dtype=dtype,
-                            hint=case.hint or _HG["plain"], poisoned=True)
-                except CheckFailure as failure:
-                    better = _diagnose_gqa(name, got, answers)
-                    if better:
-                        failure.hint = better
-                    raise
+                compare(name, got, want, case=label, atol=atol, rtol=rtol, dtype=dtype,
+                        hint=case.hint or _HG["plain"], poisoned=True,
+                        mistakes=_gqa_mistakes(name, inputs, answers, case.causal, scale))
 
     return run
 
