@@ -1,366 +1,257 @@
-"""Chapter 03's graded cases catch the bugs students make, with advice that names the fix."""
+"""Chapter 03's graded cases catch the bugs students make, with advice that names the fix.
 
-import math
+Each slip of ``NAMED_MISTAKES`` is the solution notebook's code with one edit (``module_builder``
+on ``solution_source``): grading it must fail a *visible* case with the hint that names it.
+"""
+
+import tempfile
+from pathlib import Path
 
 import pytest
-from numba import cuda
+from spec_helpers import Slip, module_builder, solution_source, stub
 
 from course_utils import grader
+from course_utils.specs import ch03
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
-
-# ----------------------------------------------------------------------------- intensity
-
-
-def intensity_right(kind, shape, itemsize):
-    if kind == "add":
-        return shape[0] / (3 * shape[0] * itemsize)
-    if kind == "relu":
-        return shape[0] / (2 * shape[0] * itemsize)
-    if kind == "softmax":
-        rows, cols = shape
-        return 5 * rows * cols / (2 * rows * cols * itemsize)
-    M, N, K = shape
-    return 2 * M * N * K / ((M * K + K * N + M * N) * itemsize)
-
-
-def intensity_matmul_no_factor_2(kind, shape, itemsize):
-    if kind == "matmul":
-        return intensity_right(kind, shape, itemsize) / 2
-    return intensity_right(kind, shape, itemsize)
-
-
-def intensity_forgets_write(kind, shape, itemsize):
-    if kind == "relu":
-        return 1 / itemsize
-    if kind == "matmul":
-        M, N, K = shape
-        return 2 * M * N * K / ((M * K + K * N) * itemsize)
-    return intensity_right(kind, shape, itemsize)
-
-
-def intensity_in_bits(kind, shape, itemsize):
-    return intensity_right(kind, shape, 8 * itemsize)
-
-
-def test_intensity_passes_when_right():
-    assert grader.check("03.arithmetic_intensity", intensity_right).status == "passed"
-
-
-def test_intensity_wrong_answers_are_named():
-    r = grader.check("03.arithmetic_intensity", intensity_matmul_no_factor_2)
-    assert r.status == "failed" and "2*M*N*K" in r.message
-    r = grader.check("03.arithmetic_intensity", intensity_forgets_write)
-    assert r.status == "failed" and "relu" in r.message and "write" in r.message
-    r = grader.check("03.arithmetic_intensity", intensity_in_bits)
-    assert r.status == "failed" and "do not multiply by 8" in r.message
-
-
-# ----------------------------------------------------------------------------- roofline
-
-
-def roofline_right(intensity, peak_flops, bandwidth):
-    verdict = "memory" if intensity < peak_flops / bandwidth else "compute"
-    return min(peak_flops, intensity * bandwidth), verdict
-
-
-def roofline_ridge_is_memory(intensity, peak_flops, bandwidth):
-    verdict = "memory" if intensity <= peak_flops / bandwidth else "compute"
-    return min(peak_flops, intensity * bandwidth), verdict
-
-
-def roofline_inverted_ridge(intensity, peak_flops, bandwidth):
-    verdict = "memory" if intensity < bandwidth / peak_flops else "compute"
-    return min(peak_flops, intensity * bandwidth), verdict
-
-
-def roofline_max(intensity, peak_flops, bandwidth):
-    verdict = "memory" if intensity < peak_flops / bandwidth else "compute"
-    return max(peak_flops, intensity * bandwidth), verdict
-
-
-def test_bound():
-    assert grader.check("03.bound", roofline_right).status == "passed"
-    r = grader.check("03.bound", roofline_ridge_is_memory)
-    assert r.status == "failed" and r.passed == r.total - 1 and "at or above" in r.message
-    r = grader.check("03.bound", roofline_inverted_ridge)
-    assert r.status == "failed" and "expected 'memory'" in r.message
-    r = grader.check("03.bound", roofline_max)
-    assert r.status == "failed" and "min(peak_flops" in r.message
-    assert grader.check("03.bound", lambda *a: "memory").status == "failed"
-
-
-# ----------------------------------------------------------------------------- next wave
-
-
-def _each_fails_saying(exercise, cases):
-    """Every (wrong answer, phrase) in cases fails ``exercise`` with the phrase in its message."""
-    for wrong, said in cases:
-        r = grader.check(exercise, wrong)
-        assert r.status == "failed" and said in r.message, (said, r.message)
-
-
-def _ceil(a, b):
-    return -(-a // b)
-
-
-def make_next_wave(tiles_of=None, waves_of=None, slots_of=None, stop_at_more_tiles=False):
-    """A next_wave built from (possibly wrong) pieces: each slip is one argument."""
-    tiles_of = tiles_of or (lambda N, tm, tn: _ceil(N, tm) * _ceil(N, tn))
-    waves_of = waves_of or _ceil
-    slots_of = slots_of or (lambda sms, bps: sms * bps)
-
-    def next_wave(n, tm, tn, sms, bps):
-        def waves(N):
-            return waves_of(tiles_of(N, tm, tn), slots_of(sms, bps))
-
-        N = n + 1
-        if stop_at_more_tiles:
-            while tiles_of(N, tm, tn) == tiles_of(n, tm, tn):
-                N += 1
-        else:
-            while waves(N) <= waves(n):
-                N += 1
-        return N, waves(n), waves(N)
-
-    return next_wave
-
-
-def test_next_wave():
-    assert grader.check("03.next_wave", make_next_wave()).status == "passed"
-    cases = [
-        (make_next_wave(slots_of=lambda sms, bps: sms), "sms * blocks_per_sm"),
-        (make_next_wave(tiles_of=lambda N, tm, tn: (N // tm) * (N // tn)), "edge tiles count"),
-        (make_next_wave(waves_of=lambda t, s: t // s), "partly filled wave"),
-        (make_next_wave(stop_at_more_tiles=True), "not always one more wave"),
-    ]
-    _each_fails_saying("03.next_wave", cases)
-    r = grader.check("03.next_wave", lambda *a: 2049)
-    assert r.status == "failed" and "expected (N, waves at n, waves at N)" in r.message
-
-
-# ----------------------------------------------------------------------------- efficient size
-
-
-def make_efficient_size(efficiency=None, start=0, slots_of=None):
-    slots_of = slots_of or (lambda sms, bps: sms * bps)
-
-    def right(N, tm, tn, slots):
-        tiles = _ceil(N, tm) * _ceil(N, tn)
-        return N * N / (_ceil(tiles, slots) * slots * tm * tn)
-
-    efficiency = efficiency or right
-
-    def efficient_size(n_min, target, tm, tn, sms, bps):
-        N = n_min + start
-        while efficiency(N, tm, tn, slots_of(sms, bps)) < target:
-            N += 1
-        return N
-
-    return efficient_size
-
-
-def wave_only(N, tm, tn, slots):
-    tiles = _ceil(N, tm) * _ceil(N, tn)
-    return tiles / (_ceil(tiles, slots) * slots)
-
-
-def tile_only(N, tm, tn, slots):
-    return N * N / (_ceil(N, tm) * _ceil(N, tn) * tm * tn)
-
-
-def test_efficient_size():
-    assert grader.check("03.efficient_size", make_efficient_size()).status == "passed"
-    cases = [
-        (make_efficient_size(wave_only), "multiply the wave efficiency by the tile efficiency"),
-        (make_efficient_size(tile_only), "multiply by the wave efficiency"),
-        (make_efficient_size(slots_of=lambda sms, bps: sms), "sms * blocks_per_sm"),
-    ]
-    _each_fails_saying("03.efficient_size", cases)
-    # n_min itself counts: a visible case starts at a size that already qualifies
-    r = grader.check("03.efficient_size", make_efficient_size(start=1))
-    assert r.status == "failed" and "n_min itself counts" in r.message, r.message
-
-
-# ----------------------------------------------------------------------------- LayerNorm bytes
-
-
-def make_layernorm_bytes(square_reads=1, small=True, gamma_beta=True, fused_extra=0, unit=1):
-    def layernorm_bytes(rows, cols, itemsize):
-        x, r, c = rows * cols, rows if small else 0, cols
-        eager = (x + r) + (2 * x + r) + (x + square_reads * x) + (x + r) + 2 * r + 2 * r \
-            + (2 * x + r) + 2 * (2 * x + (c if gamma_beta else 0))
-        fused = 2 * x + 2 * cols + fused_extra * rows
-        return eager * itemsize * unit, fused * itemsize * unit
-
-    return layernorm_bytes
-
-
-def test_layernorm_bytes():
-    assert grader.check("03.layernorm_bytes", make_layernorm_bytes()).status == "passed"
-    cases = [
-        (make_layernorm_bytes(square_reads=2), "xc is read once"),
-        (make_layernorm_bytes(small=False), "(rows, 1) tensors"),
-        (make_layernorm_bytes(gamma_beta=False), "count gamma and beta"),
-        (make_layernorm_bytes(fused_extra=2), "keeps mean and rstd in registers"),
-        (make_layernorm_bytes(unit=8), "bytes, not bits"),
-    ]
-    for wrong, said in cases:
-        r = grader.check("03.layernorm_bytes", wrong)
-        assert r.status == "failed" and said in r.message, (said, r.message)
-        assert r.passed == 0  # every visible shape shows it
-
-
-# ----------------------------------------------------------------------------- Little's law
-
-
-def make_in_flight(scale=1.0, per_sm=True, rounding=math.ceil, per_load=True):
-    def in_flight(bandwidth, latency, sms, threads_per_sm, bytes_per_load):
-        total = bandwidth * latency * scale
-        each = total / sms if per_sm else total
-        loads = rounding(each / (threads_per_sm * (bytes_per_load if per_load else 1)))
-        return total, each, loads
-
-    return in_flight
-
-
-def test_in_flight():
-    assert grader.check("03.in_flight", make_in_flight()).status == "passed"
-    cases = [
-        (make_in_flight(scale=8), "bytes, not bits"),
-        (make_in_flight(scale=1e9), "latency is given in seconds"),
-        (make_in_flight(per_sm=False), "shared by all sms SMs"),
-        (make_in_flight(rounding=math.floor), "round up"),
-        (make_in_flight(rounding=round), "round up"),
-        (make_in_flight(per_load=False), "loads, not bytes"),
-    ]
-    _each_fails_saying("03.in_flight", cases)
-    r = grader.check("03.in_flight", lambda *a: 2.1e6)
-    assert r.status == "failed" and "expected (bytes in flight" in r.message
-
-
-def _visible_failures(exercise, wrong) -> int:
-    from course_utils.checks import CheckFailure
-
-    failed = 0
-    for case in (c for c in exercise.cases if not c.hidden):
-        try:
-            case.run(wrong)
-        except CheckFailure:
-            failed += 1
-    return failed
-
-
-def test_each_slip_fails_a_visible_case():
-    """What a student sees before grading already catches every slip the hints name."""
-    from course_utils.specs import ch03
-
-    slips = [
-        (ch03.next_wave, [make_next_wave(slots_of=lambda sms, bps: sms),
-                         make_next_wave(tiles_of=lambda N, tm, tn: (N // tm) * (N // tn)),
-                         make_next_wave(waves_of=lambda t, s: t // s),
-                         make_next_wave(stop_at_more_tiles=True)]),
-        (ch03.efficient_size, [make_efficient_size(wave_only), make_efficient_size(tile_only),
-                              make_efficient_size(slots_of=lambda sms, bps: sms),
-                              make_efficient_size(start=1)]),
-        (ch03.layernorm_bytes, [make_layernorm_bytes(square_reads=2),
-                               make_layernorm_bytes(small=False),
-                               make_layernorm_bytes(gamma_beta=False),
-                               make_layernorm_bytes(fused_extra=2), make_layernorm_bytes(unit=8)]),
-        (ch03.in_flight, [make_in_flight(scale=8), make_in_flight(scale=1e9),
-                         make_in_flight(per_sm=False), make_in_flight(rounding=math.floor),
-                         make_in_flight(rounding=round), make_in_flight(per_load=False)]),
-    ]  # fmt: skip
-    for exercise, wrongs in slips:
-        for wrong in wrongs:
-            assert _visible_failures(exercise, wrong), (exercise.id, wrong)
-
-
-def test_predictions_stub_is_not_implemented():
-    def stub(*args):
-        raise NotImplementedError
-
-    for name in ("03.next_wave", "03.efficient_size", "03.layernorm_bytes", "03.in_flight"):
-        assert grader.check(name, stub).status == "not implemented"
-
-
-# ----------------------------------------------------------------------------- fused kernel
-
-
-@cuda.jit
-def fused_right(x, y, n):
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < n:
-        xi = x[i]
-        s = math.sin(xi)
-        y[i] = s * s + 2 * math.cos(xi) * xi
-
-
-@cuda.jit
-def fused_reads_x_three_times(x, y, n):  # right values, three loads of x[i] per element
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < n:
-        s = math.sin(x[i])
-        y[i] = s * s + 2 * math.cos(x[i]) * x[i]
-
-
-@cuda.jit
-def fused_in_two_stores(x, y, n):  # right values, y stored, re-read and stored again
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < n:
-        xi = x[i]
-        y[i] = math.sin(xi) ** 2
-        y[i] += 2 * math.cos(xi) * xi
-
-
-@cuda.jit
-def fused_unguarded(x, y, n):
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    s = math.sin(x[i])
-    y[i] = s * s + 2 * math.cos(x[i]) * x[i]
-
-
-@cuda.jit
-def fused_pythagoras(x, y, n):
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < n:
-        y[i] = math.sin(x[i]) ** 2 + math.cos(x[i]) ** 2
-
-
-@cuda.jit
-def fused_in_place(x, y, n):
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < n:
-        x[i] = math.sin(x[i]) ** 2 + 2 * math.cos(x[i]) * x[i]
-        y[i] = x[i]
-
-
-@cuda.jit
-def fused_stub(x, y, n):
-    raise NotImplementedError
-
-
-def test_fused_kernel_passes_when_right():
-    assert grader.check("03.fused_kernel", fused_right).status == "passed"
-
-
-def test_fused_kernel_wrong_answers_are_named():
-    r = grader.check("03.fused_kernel", fused_unguarded)
-    assert r.status == "failed" and "if i < n" in r.message
-    r = grader.check("03.fused_kernel", fused_pythagoras)
-    assert r.status == "failed" and "always 1" in r.message
-    r = grader.check("03.fused_kernel", fused_in_place)
-    assert r.status == "failed" and "x" in r.message
-
-
-def test_fused_kernel_traffic_is_counted():
-    for kernel, said in ((fused_reads_x_three_times, "was read 3 times"),
-                         (fused_in_two_stores, "y was read")):  # fmt: skip
-        r = grader.check("03.fused_kernel", kernel)
-        assert r.status == "failed" and r.passed == r.total - 1
-        assert said in r.message
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "03_gpu_performance_model.ipynb"
+FOLDER = Path(tempfile.mkdtemp(prefix="ch03_slips_"))
+
+# The solution's imports and its answers, not the cells that check, plot or measure.
+_BASE = solution_source(SOLUTION, lambda s: s.startswith("import math") or any(
+    f"def {name}(" in s for name in ("flops_and_bytes", "linear_bound", "next_wave",
+                                     "efficient_size", "layernorm_bytes", "in_flight",
+                                     "fused_kernel")))  # fmt: skip
+_build = module_builder(FOLDER, _BASE, "ch03")
+
+EXERCISES = {  # id -> the solution's function for it
+    "03.arithmetic_intensity": "flops_and_bytes",
+    "03.bound": "linear_bound",
+    "03.next_wave": "next_wave",
+    "03.efficient_size": "efficient_size",
+    "03.layernorm_bytes": "layernorm_bytes",
+    "03.in_flight": "in_flight",
+    "03.fused_kernel": "fused_kernel",
+}
+
+
+def slip(exercise_id, name, edits, *words):
+    """A Slip whose candidate is the solution's function with ``edits`` applied."""
+    return Slip(exercise_id, name,
+                lambda: getattr(_build(*edits), EXERCISES[exercise_id]), *words)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the slips
+
+INTENSITY = "03.arithmetic_intensity"
+BOUND = "03.bound"
+WAVE = "03.next_wave"
+EFFICIENT = "03.efficient_size"
+LAYERNORM = "03.layernorm_bytes"
+FLIGHT = "03.in_flight"
+FUSED = "03.fused_kernel"
+
+LOOP = "    for i in range(first, n, threads_in_grid):  # one grid apart: one owner per element"
+STORE = "        y[i] = s * s + 2 * math.cos(xi) * xi"
+
+NAMED_MISTAKES = [
+    # 03.arithmetic_intensity: counting FLOPs and bytes of kernels the lecture did not count
+    slip(INTENSITY, "the write of C forgotten",
+         [("elements = M + N + M * N", "elements = M + N")], "the output's write not counted"),
+    slip(INTENSITY, "scores: N*N*d FLOPs",
+         [("flops = N * N * 2 * d", "flops = N * N * d")], "a multiply-add counted as one FLOP"),
+    slip(INTENSITY, "axpy: y read or written, not both",
+         [("elements = 3 * n", "elements = 2 * n")],
+         "y counted once although it is read and written"),
+    slip(INTENSITY, "scores: the bytes of Q only",
+         [("elements = N * d + N * d + N * N", "elements = N * d + N * N")],
+         "the bytes of one operand only"),
+    slip(INTENSITY, "outer: a multiply as 2 FLOPs",
+         [("flops = M * N  #", "flops = 2 * M * N  #")], "a lone multiply counted as two FLOPs"),
+    slip(INTENSITY, "elements, not bytes",
+         [("return flops, elements * itemsize", "return flops, elements")],
+         "elements, not bytes"),
+    slip(INTENSITY, "bits, not bytes",
+         [("return flops, elements * itemsize", "return flops, elements * itemsize * 8")],
+         "bits, not bytes"),
+    # 03.bound: a linear layer's intensity, its ridge and its roof
+    slip(BOUND, "bandwidth / peak as the ridge",
+         [("intensity(B) < peak_flops / bandwidth", "intensity(B) < bandwidth / peak_flops")],
+         "the ridge turned upside down"),
+    slip(BOUND, "only W's bytes",
+         [("return flops / ((B * d_in + d_in * d_out + B * d_out) * itemsize)",
+           "return flops / (d_in * d_out * itemsize)")], "only W's bytes counted"),
+    slip(BOUND, "B * d_in * d_out FLOPs",
+         [("flops = 2 * B * d_in * d_out", "flops = B * d_in * d_out")],
+         "a multiply-add counted as one FLOP"),
+    slip(BOUND, "max of the roofs",
+         [("min(peak_flops, intensity(1) * bandwidth)",
+           "max(peak_flops, intensity(1) * bandwidth)")], "max instead of min"),
+    slip(BOUND, "the ridge counted as memory bound",
+         [("intensity(B) < peak_flops / bandwidth", "intensity(B) <= peak_flops / bandwidth")],
+         "the ridge itself counted as memory bound"),
+    slip(BOUND, "elements, not bytes",
+         [("* itemsize)  # x, W in; y out", ")  # x, W in; y out")], "elements, not bytes"),
+    # 03.next_wave
+    slip(WAVE, "a wave of sms blocks",
+         [("-(-tiles // (sms * blocks_per_sm))", "-(-tiles // sms)")],
+         "a wave of one block per SM", "sms * blocks_per_sm"),
+    slip(WAVE, "edge tiles dropped",
+         [("-(-size // tile_m) * -(-size // tile_n)", "(size // tile_m) * (size // tile_n)")],
+         "the edge tiles left out"),
+    slip(WAVE, "waves rounded down",
+         [("-(-tiles // (sms * blocks_per_sm))", "tiles // (sms * blocks_per_sm)")],
+         "a part-filled wave not counted"),
+    slip(WAVE, "the first size with more tiles",
+         [("while waves(N) == waves(n):",
+           "while -(-N // tile_m) * -(-N // tile_n) == -(-n // tile_m) * -(-n // tile_n):")],
+         "stopped at the first extra row of tiles"),
+    # 03.efficient_size
+    slip(EFFICIENT, "the wave efficiency alone",
+         [("if N * N / capacity >= target:",
+           "if tiles / (-(-tiles // places) * places) >= target:")],
+         "the wave efficiency alone"),
+    slip(EFFICIENT, "the tile efficiency alone",
+         [("if N * N / capacity >= target:",
+           "if N * N / (tiles * tile_m * tile_n) >= target:")], "the tile efficiency alone"),
+    slip(EFFICIENT, "a wave of sms blocks",
+         [("places = sms * blocks_per_sm", "places = sms")], "a wave of one block per SM"),
+    slip(EFFICIENT, "starting after n_min",
+         [("N = n_min\n", "N = n_min + 1\n")], "n_min itself skipped"),
+    # 03.layernorm_bytes
+    slip(LAYERNORM, "xc read twice",
+         [("+ (big + big)  # sq = xc * xc", "+ (big + big + big)  # sq = xc * xc")],
+         "xc counted twice in xc * xc"),
+    slip(LAYERNORM, "no (rows, 1) tensors",
+         [("big, small, vec = rows * cols, rows, cols", "big, small, vec = rows * cols, 0, cols")],
+         "the (rows, 1) tensors left out"),
+    slip(LAYERNORM, "no gamma or beta",
+         [("+ (big + vec + big)  # yg", "+ (big + big)  # yg"),
+          ("+ (big + vec + big)  # y =", "+ (big + big)  # y =")], "gamma and beta left out"),
+    slip(LAYERNORM, "the fused kernel stores mean and rstd",
+         [("fused = big + 2 * vec + big", "fused = big + 2 * vec + big + 2 * small")],
+         "mean and rstd stored by the fused kernel"),
+    slip(LAYERNORM, "bits, not bytes",
+         [("return eager * itemsize, fused * itemsize",
+           "return eager * itemsize * 8, fused * itemsize * 8")], "bits, not bytes"),
+    # 03.in_flight
+    slip(FLIGHT, "bits, not bytes",
+         [("needed = bandwidth * latency", "needed = bandwidth * latency * 8")],
+         "bits, not bytes"),
+    slip(FLIGHT, "latency in ns",
+         [("needed = bandwidth * latency", "needed = bandwidth * latency * 1e9")],
+         "the latency rescaled"),
+    slip(FLIGHT, "all the bytes on one SM",
+         [("each_sm = needed / sms", "each_sm = needed")], "the whole GPU's bytes on one SM"),
+    slip(FLIGHT, "rounded down",
+         [("math.ceil(each_sm", "math.floor(each_sm")], "rounded down"),
+    slip(FLIGHT, "bytes per thread, not loads",
+         [("(threads_per_sm * bytes_per_load)", "threads_per_sm")], "bytes, not loads"),
+    # 03.fused_kernel: a grid the kernel does not choose
+    slip(FUSED, "one element per thread",
+         [(LOOP, "    i = first\n    if i < n:")], "one element per thread"),
+    slip(FUSED, "threadIdx.x alone",
+         [("first = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x",
+           "first = cuda.threadIdx.x")], "the block's offset left out"),
+    slip(FUSED, "a stride of one block",
+         [("range(first, n, threads_in_grid)", "range(first, n, cuda.blockDim.x)")],
+         "threads whose elements overlap"),
+    slip(FUSED, "x[i] in the expression",
+         [(STORE, "        y[i] = s * s + 2 * math.cos(x[i]) * x[i]")],
+         "x[i] loaded more than once"),
+    slip(FUSED, "y[i] +=",
+         [(STORE, "        y[i] = s * s\n        y[i] += 2 * math.cos(xi) * xi")],
+         "y read back"),
+    slip(FUSED, "sin**2 + cos**2",
+         [(STORE, "        y[i] = s * s + math.cos(xi) ** 2")], "sin(x)**2 + cos(x)**2",
+         "always 1"),
+]
+
+
+@pytest.mark.parametrize("slip", NAMED_MISTAKES, ids=repr)
+def test_named_mistake(slip):
+    slip.fails()
+
+
+# ----------------------------------------------------------------------------- the rest
+
+
+@pytest.mark.parametrize("exercise_id", EXERCISES)
+def test_solution_passes(exercise_id):
+    """The solution notebook's answer scores full marks, hidden cases included."""
+    answer = getattr(_build(), EXERCISES[exercise_id])
+    result = grader.check(exercise_id, answer)
+    assert result.status == "passed" and result.score == result.points, result.message
+
+
+@pytest.mark.parametrize("exercise_id", [e for e in EXERCISES if e != FUSED])
+def test_stub_is_not_implemented(exercise_id):
+    assert grader.check(exercise_id, stub).status == "not implemented"
 
 
 def test_fused_stub_is_not_implemented():
-    assert grader.check("03.fused_kernel", fused_stub).status == "not implemented"
+    from numba import cuda
+
+    @cuda.jit
+    def fused_stub(x, y, n):
+        raise NotImplementedError
+
+    assert grader.check(FUSED, fused_stub).status == "not implemented"
+
+
+def test_bound_closed_form_passes():
+    """Solving intensity(B) = ridge for B and rounding up passes too, the ridge case included:
+    the cases keep away from a batch that only rounding would decide."""
+    import math
+
+    def closed_form(d_in, d_out, itemsize, peak_flops, bandwidth):
+        r = peak_flops / bandwidth
+        B = math.ceil(r * itemsize * d_in * d_out
+                      / (2 * d_in * d_out - r * itemsize * (d_in + d_out)))  # fmt: skip
+        at_one = 2 * d_in * d_out / ((d_in + d_in * d_out + d_out) * itemsize) * bandwidth
+        return max(B, 1), min(peak_flops, at_one)
+
+    for _ in range(20):
+        assert grader.check(BOUND, closed_form).status == "passed"
+
+
+def test_wrong_forms_are_refused():
+    for exercise_id, wrong, said in (
+        (INTENSITY, lambda *a: 0.5, "expected a pair (FLOPs, bytes)"),
+        (BOUND, lambda *a: "memory", "expected a pair (B, attainable"),
+        (WAVE, lambda *a: 2049, "expected (N, waves at n, waves at N)"),
+        (FLIGHT, lambda *a: 2.1e6, "expected (bytes in flight"),
+    ):
+        result = grader.check(exercise_id, wrong)
+        assert result.status == "failed" and said in result.message, result.message
+
+
+def test_unknown_slips_get_the_generic_hint():
+    """An answer that matches no known slip gets the case's own advice, no slip's name."""
+    result = grader.check(INTENSITY, lambda kind, shape, itemsize: (1, 1))
+    assert "known slip" not in result.message and ch03.INTENSITY_HINT in result.message
+    result = grader.check(BOUND, lambda *a: (3, 1.0))
+    assert "known slip" not in result.message and ch03.BOUND_HINT in result.message
+
+
+def test_the_slips_differ_from_the_answer_on_every_visible_case_they_name():
+    """Each mistake model of the bound exercise is told apart from the answer somewhere
+    visible, or its slip could not be named before grading."""
+    from course_utils.checks import Mistake
+
+    told = set()
+    for case in ch03.bound.cases:
+        if case.hidden:
+            continue
+        for d_in, d_out, s, peak, bw in [(4096, 4096, 2, 743e12, 3.0e12),
+                                         (768, 50304, 2, 312e12, 2.0e12),
+                                         (1024, 4096, 4, 52e12, 3.0e12),
+                                         (4096, 4096, 1, 819.2e12, 1.0e12)]:  # fmt: skip
+            want = ch03.exact_linear_bound(d_in, d_out, s, peak, bw)
+            told |= {m for m, w in ch03._bound_mistakes(d_in, d_out, s, peak, bw) if w != want}
+    named = {v for v in vars(ch03).values() if isinstance(v, Mistake)}
+    bound_slips = {ch03.RIDGE_INVERTED, ch03.WEIGHTS_ONLY, ch03.LINEAR_ONE_FLOP, ch03.ROOF_MAX,
+                   ch03.LINEAR_ELEMENTS, ch03.STRICT_RIDGE}  # fmt: skip
+    assert bound_slips <= named and bound_slips <= told
