@@ -4,8 +4,10 @@ import math
 
 import pytest
 from numba import cuda, float32
+from spec_helpers import Slip
 
 from course_utils import grader, runtime
+from course_utils.checks import CheckFailure
 from course_utils.harness import ch05 as harness
 from course_utils.specs import ch05
 
@@ -128,7 +130,7 @@ def test_transpose_padded_tile_is_refused():
 
 def test_transpose_swizzle_on_one_side_only_fails():
     r = grader.check("05.swizzled_transpose", _transpose(store_swizzle=False))
-    assert r.status == "failed" and "40 x 24" in r.message and "c ^ r" in r.message
+    assert r.status == "failed" and "32 x 32" in r.message and "one side only" in r.message
 
 
 @pytest.mark.skipif(runtime.on_gpu(), reason="sets the simulator's leftover shared memory")
@@ -137,9 +139,11 @@ def test_transpose_reading_unstored_slots_is_not_called_unwritten(nan_shared_mem
 
     CI once drew NaN in the simulator's tile, and the grader blamed a missing bounds guard.
     """
-    r = grader.check("05.swizzled_transpose", _transpose(store_swizzle=False))
-    assert r.status == "failed" and "40 x 24" in r.message and "c ^ r" in r.message
-    assert "no thread stored" in r.message and "bounds guard" not in r.message
+    case = next(c for c in ch05.swizzled_transpose.cases if c.name.startswith("40 x 24"))
+    with pytest.raises(CheckFailure) as failure:
+        case.run(_transpose(store_swizzle=False))
+    message = str(failure.value)
+    assert "c ^ r" in message and "no thread stored" in message and "bounds guard" not in message
 
 
 @traced
@@ -170,3 +174,42 @@ def test_transpose_stub_is_not_implemented():
         raise NotImplementedError("transpose_kernel")
 
     assert grader.check("05.swizzled_transpose", stub).status == "not implemented"
+
+
+def sectors_itemsize_four(elements, itemsize, offset):
+    return sectors_right(elements, 4, offset)
+
+
+# ----------------------------------------------------------------------------- named slips
+# Each fails a visible case, and the hint names it (tests/test_named_mistakes.py counts them).
+
+_traced_slips = [] if runtime.on_gpu() else [
+    Slip("05.swizzled_transpose", "no swizzle", lambda: _transpose(layout="plain"),
+         "32-way shared-memory bank conflict", "c ^ r"),
+    Slip("05.swizzled_transpose", "the lecture's padding", lambda: _transpose(layout="padded"),
+         "padded?"),
+    Slip("05.swizzled_transpose", "naive transpose", lambda: transpose_naive, "needs 32 sectors"),
+    Slip("05.swizzled_transpose", "dst written down columns",
+         lambda: _transpose(coalesced_store=False), "dst is written down a column"),
+]
+
+NAMED_MISTAKES = [
+    Slip("05.sectors_per_request", "one sector per lane", lambda: sectors_one_per_lane,
+         "one sector per lane"),
+    Slip("05.sectors_per_request", "offset ignored", lambda: sectors_ignores_offset,
+         "misaligned", "add it before dividing"),
+    Slip("05.sectors_per_request", "bytes over 32", lambda: sectors_bytes_over_32,
+         "consecutive, aligned"),
+    Slip("05.sectors_per_request", "itemsize taken as 4", lambda: sectors_itemsize_four,
+         "float16", "4-byte elements"),
+    Slip("05.swizzled_transpose", "swizzle on one side only",
+         lambda: _transpose(store_swizzle=False), "the swizzle on one side only"),
+    Slip("05.swizzled_transpose", "no store guard", lambda: _transpose(guard=False),
+         *(["out of bounds", "guard both sides"] if not runtime.on_gpu() else [])),
+    *_traced_slips,
+]
+
+
+@pytest.mark.parametrize("slip", NAMED_MISTAKES, ids=repr)
+def test_named_mistake(slip):
+    slip.fails()

@@ -26,7 +26,8 @@ BR, BC, BK, TM, TN = pick(gpu=(64, 64, 8, 8, 4), cpu=(16, 16, 4, 4, 2))
 RT_THREADS = (BR // TM) * (BC // TN)  # threads per block: 128 on a GPU, 32 (one warp) here
 
 __all__ = ["BC", "BK", "BR", "CUDA_KERNEL", "CUDA_TILE", "RT_THREADS", "TILE", "TM", "TN",
-           "launch_cuda", "matmul_tolerance", "traced_qk", "traced_register_qk"]  # fmt: skip
+           "barrier_counts", "launch_cuda", "matmul_tolerance", "traced_qk",
+           "traced_register_qk"]  # fmt: skip
 
 
 def matmul_tolerance(K: int) -> tuple[float, float]:
@@ -79,6 +80,24 @@ def traced_qk(kernel, Q, K):
         "k_sectors": int(t.max_sectors_per_request("K", "load")),
         "summary": t.summary(),
     }
+
+
+def barrier_counts(kernel, Q, K):
+    """Run ``kernel[grid, (TILE, TILE)](Q, K, S)`` in the simulator, counting the barriers
+    (``cuda.syncthreads``) each thread passes: an int64 tensor (grid y, grid x, TILE * TILE),
+    thread t = threadIdx.y * TILE + threadIdx.x. A thread that returned before the k loop
+    shows fewer than the others. Q: Nq x d and K: Nk x d float32 CPU tensors."""
+    import torch
+
+    Nq, Nk = Q.shape[0], K.shape[0]
+    grid = (math.ceil(Nk / TILE), math.ceil(Nq / TILE))
+    S = torch.full((Nq, Nk), math.nan)
+    with _barrier_epochs() as (_, barriers):
+        kernel[grid, (TILE, TILE)](Q.numpy(), K.numpy(), S.numpy())
+    counts = torch.zeros(grid[1], grid[0], TILE * TILE, dtype=torch.int64)
+    for (block, tid), n in barriers.items():
+        counts[block[1], block[0], tid] = n
+    return counts
 
 
 @contextmanager

@@ -36,6 +36,7 @@ from numba import cuda  # specs are imported after course_utils.setup() has chos
 from .. import trace
 from ..checks import (
     CheckFailure,
+    Mistake,
     assert_unchanged,
     brief,
     check_guard,
@@ -93,6 +94,11 @@ def _sectors_hint(got, elements, itemsize, offset, expected):
         )
     if offset and got == len(trace.sectors_of([e * itemsize for e in active], itemsize)):
         return "the offset moves every address: add it before dividing by 32"
+    if itemsize != 4 and got == len(trace.sectors_of([offset + e * 4 for e in active], 4)):
+        return (
+            f"that counts 4-byte elements: these are {itemsize} bytes each, so lane l's address "
+            "is offset + elements[l] * itemsize"
+        )
     if got == math.ceil(len(active) * itemsize / 32):
         return (
             "bytes / 32 holds only for consecutive, aligned elements: count the distinct sectors "
@@ -147,8 +153,11 @@ _cases = [
      _pattern("lane l -> 32 * l (column 0)", lambda lane: 32 * lane), 4, 0, False),
     ("misaligned by one element", _pattern("lane l -> l", lambda lane: lane), 4, 4, False),
     ("broadcast", _pattern("every lane -> element 7", lambda lane: 7), 4, 0, False),
+    ("float16 contiguous", _pattern("lane l -> l", lambda lane: lane), 2, 0, False),
+    ("half the warp inactive, stride 8",
+     _pattern("lane l -> 8 * l if l < 16 else None",
+              lambda lane: 8 * lane if lane < 16 else None), 4, 0, False),
     ("float64 contiguous", _pattern("lane l -> l", lambda lane: lane), 8, 0, True),
-    ("float16 contiguous", _pattern("lane l -> l", lambda lane: lane), 2, 0, True),
     ("reversed", _pattern("lane l -> 31 - l", lambda lane: 31 - lane), 4, 0, True),
     ("half the warp inactive",
      _pattern("lane l -> l if l < 16 else None", lambda lane: lane if lane < 16 else None),
@@ -189,6 +198,28 @@ HINT_VALUES = (
 )
 
 
+# The slips students write here, recognised from dst (a model of the wrong kernel's output).
+M_ONE_SIDE_SWIZZLE = Mistake(
+    "the swizzle on one side only",
+    "element (r, c) of the tile is stored at tile[r, c ^ r], so it must be read back from the "
+    "same place: reading tile[tx, c] (or storing tile[r, tx]) gives dst[c, r] = src[r, c ^ r]. "
+    "Swizzle both the store into the tile and the read out of it",
+)
+
+
+def _one_side_swizzle_model(src: torch.Tensor) -> torch.Tensor:
+    """dst[c, r] = src[r, c ^ r] within each tile: what a kernel that swizzles only one side
+    writes. Defined where that column lies inside src; elsewhere the kernel read a slot that no
+    thread stored, and no model can say what it holds."""
+    M, N = src.shape
+    r = torch.arange(M, device=src.device)[:, None]
+    c = torch.arange(N, device=src.device)[None, :]
+    cols = c // TILE * TILE + ((c % TILE) ^ (r % TILE))
+    if bool((cols >= N).any()):
+        raise ValueError("a swizzled column falls outside src")
+    return torch.gather(src.double(), 1, cols.expand(M, N)).T
+
+
 def _launch(kernel, src, dst):
     M, N = src.shape
     grid = (math.ceil(N / TILE), math.ceil(M / TILE))
@@ -216,7 +247,7 @@ def _transpose_case(M, N):
             hint = check_nan_cause(dst, lambda t: _launch(kernel, src, t), name="dst", case=case,
                                    hint_unwritten=HINT_UNWRITTEN, hint_values=HINT_VALUES)
         compare("dst", dst, src.T.contiguous(), case=case, atol=0, rtol=0, poisoned=True,
-                hint=hint)  # fmt: skip
+                hint=hint, mistakes=[(M_ONE_SIDE_SWIZZLE, lambda: _one_side_swizzle_model(src))])
 
     return run
 
@@ -292,12 +323,15 @@ def _fresh_size():
     return random.randint(1, 2 * TILE)
 
 
+swizzled_transpose.case("32 x 32: one whole tile")(_transpose_case(32, 32))
 swizzled_transpose.case("40 x 24 (neither a multiple of TILE)")(_transpose_case(40, 24))
 swizzled_transpose.case("31 x 45")(_transpose_case(31, 45))
+swizzled_transpose.case("one row: 1 x 40")(_transpose_case(1, 40))
+swizzled_transpose.case("one column: 40 x 1")(_transpose_case(40, 1))
 if not on_gpu():  # tracing needs the simulator
     swizzled_transpose.case("coalesced, no bank conflicts, no padding (traced)")(_traffic_case)
 swizzled_transpose.case("1 x 1", hidden=True)(_transpose_case(1, 1))
-swizzled_transpose.case("exact multiples: 32 x 32", hidden=True)(_transpose_case(32, 32))
+swizzled_transpose.case("exact multiples: 64 x 32", hidden=True)(_transpose_case(64, 32))
 swizzled_transpose.case("one row: 1 x 70", hidden=True)(_transpose_case(1, 70))
 swizzled_transpose.case("one column: 65 x 1", hidden=True)(_transpose_case(65, 1))
 swizzled_transpose.case("fresh random size, up to 64 x 32", hidden=True)(

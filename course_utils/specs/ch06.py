@@ -10,9 +10,15 @@
   1 KiB per-block shared-memory reserve each change the answer; and, wherever nvcc or NVRTC is
   installed (no GPU needed), against the registers ptxas itself gives kernels compiled with
   ``__launch_bounds__``.
-- ``06.flash_budget``: ``flash_budget(Br, Bc, d, threads, dtype_bytes, stages)`` ->
-  ``(registers_per_thread, shared_bytes)`` for a FlashAttention-2 block that keeps its S tile in
-  registers and pipelines K and V through ``stages`` shared buffers each.
+- ``06.flash_budget``: ``largest_bc(Br, d, threads, dtype_bytes, stages, min_blocks)``, the
+  largest key tile Bc (a multiple of 16) for which ``min_blocks`` FlashAttention-2 blocks fit on
+  an H100 SM at once, each keeping its S tile (Br x Bc float32) in registers beside O, m and l,
+  and pipelining K and V through ``stages`` shared buffers each; 0 when not even Bc = 16 fits.
+  The lecture gives the budget's floor and computes occupancy from a budget; the exercise turns
+  both around into a design choice. Graded against a search over the course's occupancy
+  calculator; a wrong answer is named by the budget it matches (no S tile, S not split among
+  the threads, one K/V buffer, Q multi-buffered, occupancy ignored, registers counted without
+  their allocation rules, Bc not a multiple of 16).
 - ``06.no_local_memory``: the CUDA C++ kernel ``bucket_dot`` rewritten so that ptxas reports no
   stack frame and no spills (nvcc's report, graded as part of the case), then launched in the
   student's process: on a GPU compiled with NVRTC (``harness.ch06:launch_cuda``), without one
@@ -29,7 +35,7 @@ import random
 import torch
 
 from .. import cuda_cpu
-from ..checks import CheckFailure, Mistake, brief, compare
+from ..checks import CheckFailure, Mistake, compare
 from ..cuda import nvcc_path, nvrtc_available
 from ..grader import Exercise, invoke
 from ..harness.ch06 import KERNEL, NB, W
@@ -79,6 +85,8 @@ def _bounds_hint(got, threads, min_blocks, shared_bytes, expected):
             "of 256, and each quarter of the register file (16384) holds whole warps, so the "
             f"{min_blocks * warps} warps must fit 4 quarters of whole warps"
         )
+    if got > 255 >= expected:
+        return "a thread can use at most 255 registers, however many the register file holds"
     if got > expected and got % 8:
         return "registers are allocated per warp in units of 256: per thread, a multiple of 8"
     return (
@@ -124,8 +132,11 @@ launch_bounds.case("the 1 KiB shared reserve: 4 blocks of 56.5 KiB cannot fit")(
 launch_bounds.case("impossible: too many warps or blocks -> 0")(
     _bounds_case((512, 5, 0), (32, 33, 0), (2048, 1, 0))
 )
-launch_bounds.case("shared rounded up to 128 B", hidden=True)(
-    _bounds_case((128, 5, 45666), (128, 5, 45500))
+launch_bounds.case("shared rounded up to 128 B: 5 blocks of 45666 B cannot fit")(
+    _bounds_case((128, 5, 45666))
+)
+launch_bounds.case("shared rounded up to 128 B, more sizes", hidden=True)(
+    _bounds_case((128, 5, 45500), (64, 3, 75000))
 )
 launch_bounds.case("partial warps", hidden=True)(_bounds_case((100, 3, 0), (33, 7, 0)))
 launch_bounds.case("FlashAttention-like: 256 threads, 2 blocks, 85 KB", hidden=True)(
@@ -189,72 +200,163 @@ if nvcc_path() is not None or nvrtc_available():  # a compiler measures it, GPU 
 # ----------------------------------------------------------------------------- FA budget
 
 flash_budget = Exercise(
-    "06.flash_budget", "FlashAttention-2 register and shared budget, S in registers", points=2
+    "06.flash_budget", "The largest Bc of a FlashAttention-2 block, S in registers", points=2
+)
+
+BC_UNIT = 16  # Bc is a whole number of 16-key MMA tiles
+
+
+def _fa2_registers(Br: int, Bc: int, d: int, threads: int) -> int:
+    """The lecture's floor (O, m, l) plus this thread's share of the float32 S tile."""
+    return fa_registers_per_thread(Br, d, threads) + -(-(Br * Bc) // threads)
+
+
+def _fa2_shared(Br: int, Bc: int, d: int, dtype_bytes: int, stages: int) -> int:
+    """Q_i once, and ``stages`` buffers of K_j and of V_j."""
+    return fa_shared_bytes(Br, 0, d, dtype_bytes) + stages * fa_shared_bytes(0, Bc, d, dtype_bytes)
+
+
+def _fits(registers: int, shared_bytes: int, threads: int, min_blocks: int) -> bool:
+    return active_blocks(registers, shared_bytes, threads).blocks >= min_blocks
+
+
+def searched_largest_bc(Br, d, threads, dtype_bytes, stages, min_blocks, *, registers=None,
+                        shared=None, fits=None, unit=BC_UNIT) -> int:  # fmt: skip
+    """The reference: grow Bc by ``unit`` while the block still fits (the budget grows with Bc,
+    so the first Bc that does not fit ends the search). ``registers``, ``shared`` and ``fits``
+    replace the budget's parts: the known wrong answers are this search over a wrong budget."""
+    registers = registers or _fa2_registers
+    shared = shared or _fa2_shared
+    fits = fits or _fits
+    largest = 0
+    for Bc in range(unit, 64 * 1024, unit):
+        if not fits(registers(Br, Bc, d, threads), shared(Br, Bc, d, dtype_bytes, stages),
+                    threads, min_blocks):  # fmt: skip
+            break
+        largest = Bc
+    return largest
+
+
+# The slips, each named by the answer it gives: a search over the budget the wrong code computes.
+M_BC_NO_S = Mistake(
+    "the S tile left out of the registers",
+    "FlashAttention-2 keeps the Br x Bc scores (then P) in registers as float32, beside O, m and "
+    "l: each thread holds its share of them, and that share grows with Bc",
+)
+M_BC_S_WHOLE = Mistake(
+    "the whole S tile in every thread",
+    "the Br x Bc scores are spread over the block's threads like O is: each thread holds its "
+    "share, not all of them",
+)
+M_BC_ONE_STAGE = Mistake(
+    "one K and one V buffer",
+    "each of the `stages` pipeline stages has its own K_j and V_j buffers in shared memory",
+)
+M_BC_Q_STAGED = Mistake(
+    "Q_i multi-buffered too",
+    "Q_i is loaded once per block and stays: only K_j and V_j go through the `stages` buffers",
+)
+M_BC_ONE_BLOCK = Mistake(
+    "min_blocks ignored",
+    "the tile must leave room for min_blocks blocks on one SM: their registers and their shared "
+    "memory (with its 1 KiB reserve each) together, as in exercise 1",
+)
+M_BC_FLAT_REGISTERS = Mistake(
+    "registers counted as 65536 / (threads * blocks)",
+    "registers are allocated per warp in units of 256 and each quarter of the register file "
+    "holds whole warps: exercise 1's rules decide how many a thread may use",
+)
+M_BC_UNIT = Mistake(
+    "Bc not a multiple of 16",
+    "Bc is a whole number of 16-key MMA tiles: the largest multiple of 16 that fits",
 )
 
 
-def _budget_case(Br, Bc, d, threads, dtype_bytes, stages):
+def _flat_fits(registers, shared_bytes, threads, min_blocks):
+    return (registers <= 255 and registers * threads * min_blocks <= 65536
+            and min_blocks * (shared_bytes + 1024) <= 228 * 1024 and shared_bytes <= 227 * 1024)
+
+
+def _bc_mistakes(*config):
+    def search(**wrong):
+        return lambda: searched_largest_bc(*config, **wrong)
+
+    floor = fa_registers_per_thread
+    return [
+        (M_BC_NO_S, search(registers=lambda Br, Bc, d, t: floor(Br, d, t))),
+        (M_BC_S_WHOLE, search(registers=lambda Br, Bc, d, t: floor(Br, d, t) + Br * Bc)),
+        (M_BC_ONE_STAGE, search(shared=lambda Br, Bc, d, b, st: _fa2_shared(Br, Bc, d, b, 1))),
+        (M_BC_Q_STAGED, search(shared=lambda Br, Bc, d, b, st: st * _fa2_shared(Br, Bc, d, b, 1))),
+        (M_BC_ONE_BLOCK, search(fits=lambda r, sh, t, mb: _fits(r, sh, t, 1))),
+        (M_BC_FLAT_REGISTERS, search(fits=_flat_fits)),
+        (M_BC_UNIT, search(unit=1)),
+    ]
+
+
+HINT_BC = (
+    "per Bc, the registers per thread (the lecture's floor and the S tile's share) and the "
+    "shared bytes (Q_i, and the K and V buffers of every stage); the answer is the largest "
+    "multiple of 16 for which min_blocks such blocks fit an SM, by exercise 1's rules"
+)
+
+
+def _bc_check(fn, Br, d, threads, dtype_bytes, stages, min_blocks):
+    config = (Br, d, threads, dtype_bytes, stages, min_blocks)
+    case = (f"Br={Br}, d={d}, threads={threads}, dtype_bytes={dtype_bytes}, stages={stages}, "
+            f"min_blocks={min_blocks}")  # fmt: skip
+    got = _as_int(fn(*config), case)
+    want = searched_largest_bc(*config)
+    if got == want:
+        return
+    detail = f"got Bc = {got}, expected {want}"
+    if want:
+        regs, smem = _fa2_registers(Br, want, d, threads), _fa2_shared(Br, want, d, dtype_bytes,
+                                                                       stages)  # fmt: skip
+        detail += (f" (Bc = {want}: {regs} registers per thread, {smem} bytes of shared memory; "
+                   f"{active_blocks(regs, smem, threads)})")  # fmt: skip
+    else:
+        detail += " (not even Bc = 16 fits)"
+    hint = HINT_BC
+    for mistake, model in _bc_mistakes(*config):
+        wrong = model()
+        if wrong != want and wrong == got:
+            hint = mistake.hint_for("Bc")
+            break
+    raise CheckFailure(case, detail, hint)
+
+
+def _bc_case(*configs):
     def run(fn):
-        case = (f"Br={Br}, Bc={Bc}, d={d}, threads={threads}, dtype_bytes={dtype_bytes}, "
-                f"stages={stages}")  # fmt: skip
-        got = fn(Br, Bc, d, threads, dtype_bytes, stages)
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise CheckFailure(case, f"expected (registers, shared_bytes), got {brief(got)}",
-                               None)  # fmt: skip
-        regs, smem = (_as_int(g, case) for g in got)
-        floor = fa_registers_per_thread(Br, d, threads)  # O, m and l (the lecture's floor)
-        s_share = -(-(Br * Bc) // threads)
-        want_regs = floor + s_share
-        q_bytes = fa_shared_bytes(Br, 0, d, dtype_bytes)
-        kv_bytes = fa_shared_bytes(0, Bc, d, dtype_bytes)  # one K and one V buffer
-        want_smem = q_bytes + stages * kv_bytes
-        if regs != want_regs:
-            if regs == floor:
-                hint = "add the S tile: Br x Bc float32 scores, split evenly among the threads"
-            elif regs == floor + Br * Bc:
-                hint = "divide the S tile among the threads: ceil(Br * Bc / threads) each"
-            else:
-                hint = ("O's share ceil(Br * d / threads) + m and l (2 per row the thread holds "
-                        "part of) + S's share ceil(Br * Bc / threads)")  # fmt: skip
-            raise CheckFailure(case, f"registers: got {regs}, expected {want_regs}", hint)
-        if smem != want_smem:
-            if smem == q_bytes + kv_bytes:
-                hint = "each stage is its own K_j and V_j buffer: multiply them by stages"
-            elif smem == stages * (q_bytes + kv_bytes):
-                hint = "Q_i is loaded once per block: only K and V are multi-buffered"
-            else:
-                hint = "Q_i (Br x d) once, plus stages buffers of K_j and V_j (Bc x d each)"
-            raise CheckFailure(case, f"shared_bytes: got {smem}, expected {want_smem}", hint)
+        for config in configs:
+            _bc_check(fn, *config)
 
     return run
 
 
-flash_budget.case("Br=64, Bc=64, d=128, 128 threads, fp16, 2 stages")(
-    _budget_case(64, 64, 128, 128, 2, 2)
+flash_budget.case("Br=64, d=64, 128 threads, fp16, 2 stages, 2 blocks: shared memory decides")(
+    _bc_case((64, 64, 128, 2, 2, 2))
 )
-flash_budget.case("Br=128, Bc=64, d=64, 128 threads, fp16, 1 stage")(
-    _budget_case(128, 64, 64, 128, 2, 1)
+flash_budget.case("Br=128, d=64, 128 threads, fp16, 2 stages, 1 block: registers decide")(
+    _bc_case((128, 64, 128, 2, 2, 1))
 )
-flash_budget.case("Br=256 > threads: two rows per thread, 3 stages")(
-    _budget_case(256, 32, 64, 128, 4, 3)
+flash_budget.case("Br=128, d=64, 256 threads, fp16, 2 stages, 3 blocks: allocation rules")(
+    _bc_case((128, 64, 256, 2, 2, 3))
 )
-flash_budget.case("uneven split", hidden=True)(_budget_case(48, 80, 96, 96, 2, 2))
-flash_budget.case("one warp", hidden=True)(_budget_case(16, 16, 64, 32, 4, 1))
-flash_budget.case("fp32, 256 threads", hidden=True)(_budget_case(128, 128, 64, 256, 4, 2))
+flash_budget.case("Br=128, d=256, 128 threads: O alone needs 258 registers -> 0")(
+    _bc_case((128, 256, 128, 2, 2, 1))
+)
+flash_budget.case("fp32, 256 threads, d = 128", hidden=True)(_bc_case((64, 128, 256, 4, 2, 1)))
+flash_budget.case("one warp, 4 blocks", hidden=True)(_bc_case((32, 64, 32, 2, 2, 4)))
+flash_budget.case("4 stages, 3 blocks", hidden=True)(_bc_case((64, 64, 128, 2, 4, 3)))
 
 
 @flash_budget.case("20 random configurations", hidden=True)
-def _budget_random(fn):
+def _bc_random(fn):
     rng = random.Random()
     for _ in range(20):
-        _budget_case(
-            rng.choice([16, 32, 48, 64, 128, 256]),
-            rng.choice([16, 32, 64, 128]),
-            rng.choice([32, 64, 96, 128, 256]),
-            rng.choice([32, 64, 128, 256]),
-            rng.choice([2, 4]),
-            rng.choice([1, 2, 3, 4]),
-        )(fn)
+        _bc_check(fn, rng.choice([16, 32, 48, 64, 128, 256]), rng.choice([32, 64, 96, 128, 256]),
+                  rng.choice([32, 64, 128, 256]), rng.choice([2, 4]), rng.choice([1, 2, 3, 4]),
+                  rng.choice([1, 1, 2, 3]))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- no local memory
@@ -358,5 +460,6 @@ __all__ = [
     "flash_budget",
     "launch_bounds",
     "no_local_memory",
+    "searched_largest_bc",
     "searched_max_registers",
 ]
