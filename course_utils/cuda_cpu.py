@@ -6,8 +6,9 @@ The student's own kernel body is compiled with the host C++ compiler (g++) after
 atomics and ``printf``. Blocks run one after another; the threads of a block are fibers run in
 a fixed order, each until its next ``__syncthreads()``, so a missing barrier reads a slot no
 thread stored yet (shared memory is filled with NaN before each block) or one the next step
-already overwrote. The executable runs as a subprocess with a time limit, so a crash or an
-endless loop in the kernel is a clear error, never a hung caller.
+already overwrote; :func:`launch_twice` runs a launch in two such orders (thread 0 first, the
+last thread first) and calls any difference a race. The executable runs as a subprocess with a
+time limit, so a crash or an endless loop in the kernel is a clear error, never a hung caller.
 
 What it checks besides the values: a ``__syncthreads()`` reached by only part of the block
 (threads that returned early, or wait at another barrier), an access past the end of a buffer
@@ -15,10 +16,12 @@ What it checks besides the values: a ``__syncthreads()`` reached by only part of
 store in front of a buffer (a guard band filled with 0xFF, checked after the run), a thread's
 stack overflow, and a kernel that does not finish.
 
-What it cannot show: speed (nothing here is timed); races that this one fixed order of the
-threads hides; warp-level behaviour (shuffles, votes, ``__syncwarp``, lockstep execution: not
-emulated); the GPU's own rounding (nvcc contracts a * b + c into one FMA, g++ here does not).
-The GPU path compiles and runs the real build.
+What it cannot show: speed (nothing here is timed); races that its two fixed orders hide (a
+GPU interleaves threads in many more ways, and blocks run at the same time there: two blocks
+writing one element are not a race here); warp-level behaviour (shuffles, votes,
+``__syncwarp``, lockstep execution, bank conflicts, coalescing: not emulated); the GPU's own
+rounding (nvcc contracts a * b + c into one FMA, g++ here does not). The GPU path compiles and
+runs the real build. Linux only (ucontext fibers, an ELF section for ``__shared__``).
 
     >>> out = np.full(n, np.nan, np.float32)
     >>> printed = cuda_cpu.launch(source, "vector_add", (blocks,), (256,), x, y, out, n)
@@ -60,7 +63,7 @@ HINTS = {
     "edge of the last tile must not touch memory)",
     "timeout": "a loop whose end condition never becomes true (a step that does not advance, or a "
     "bound read from the wrong variable)",
-    "crash": "look at the thread and line named: a local array too large, or a division by zero",
+    "crash": "look at the thread named: a local array too large, or a division by zero",
     "compile": "the emulation compiles with g++ after a header that defines the CUDA keywords; "
     "use the kernel's own signature and the intrinsics of the lecture",
     "arguments": "keep the kernel's signature as given",
