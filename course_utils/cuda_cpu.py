@@ -257,21 +257,31 @@ def _encode(params: list[Parameter], grid, block, args, shared_bytes: int, timeo
     return b"".join(parts), buffers
 
 
+def _as_array(a):
+    """A CPU torch tensor as the numpy array that shares its memory (results land in it)."""
+    if type(a).__module__.startswith("torch") and hasattr(a, "numpy"):
+        if a.device.type != "cpu":
+            raise EmulationError("arguments", "the CPU emulation needs CPU tensors")
+        return a.detach().numpy()
+    return a
+
+
 def launch(source: str, kernel: str, grid, block, *args, folder=None,
            timeout: float = DEFAULT_TIMEOUT_S, shared_bytes: int = 0, reverse: bool = False,
            stats: dict | None = None) -> str:
     """Run ``kernel<<<grid, block, shared_bytes>>>(*args)`` from ``source`` on the CPU.
 
-    ``args`` are numpy arrays for the pointer parameters (written back in place, const ones
-    too: a kernel that casts away const shows) and numbers for the others. ``folder``: where to
-    build and run (default: a folder under the temporary directory). ``reverse``: run the
-    threads of each block last to first (see :func:`launch_twice`). ``stats``: a dict to fill
-    with ``shared_bytes`` (the kernel's static ``__shared__`` storage, as g++ laid it out) and
-    ``barriers`` (how many ``__syncthreads()`` of the source were reached). Returns what the
-    kernel printed. Raises :class:`EmulationError`.
+    ``args`` are numpy arrays (or CPU torch tensors) for the pointer parameters (written back in
+    place, const ones too: a kernel that casts away const shows) and numbers for the others.
+    ``folder``: where to build and run (default: a folder under the temporary directory).
+    ``reverse``: run the threads of each block last to first (see :func:`launch_twice`).
+    ``stats``: a dict to fill with ``shared_bytes`` (the kernel's static ``__shared__`` storage,
+    as g++ laid it out) and ``barriers`` (how many ``__syncthreads()`` of the source were
+    reached). Returns what the kernel printed. Raises :class:`EmulationError`.
     """
     import numpy as np
 
+    args = [_as_array(a) for a in args]
     exe, params = compile_source(source, kernel, folder=folder)
     payload, buffers = _encode(params, grid, block, args, shared_bytes, timeout, reverse)
     run = Path(tempfile.mkdtemp(prefix="run_", dir=_scratch(folder)))
@@ -323,6 +333,7 @@ def launch_twice(source: str, kernel: str, grid, block, *args, folder=None,
     """
     import numpy as np
 
+    args = [_as_array(a) for a in args]
     copies = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
     printed = launch(source, kernel, grid, block, *args, folder=folder, timeout=timeout,
                      shared_bytes=shared_bytes, stats=stats)  # fmt: skip
