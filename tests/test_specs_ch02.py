@@ -2,15 +2,22 @@
 
 import math
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from numba import cuda, float32
+from spec_helpers import Slip, module_builder, solution_source
 
 from course_utils import grader, runtime
 from course_utils.checks import CheckFailure
 from course_utils.harness.ch02 import THREADS
 from course_utils.specs import ch02
+
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions/02_softmax_stable_and_online.ipynb"
+BASE = solution_source(SOLUTION, lambda s: s.startswith("import math") or "BEGIN SOLUTION" in s)
+BUILD = module_builder(Path(tempfile.mkdtemp(prefix="ch02_slips_")), BASE, "ch02_solution")
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
@@ -30,52 +37,28 @@ def safe(m):
 # ----------------------------------------------------------------------------- stable softmax
 
 
-def stable_softmax(x):
-    m = safe(x.amax(dim=-1, keepdim=True))
-    e = torch.exp(x - m)
-    return e / e.sum(dim=-1, keepdim=True)
+def stable_softmax(x, sink):
+    z = torch.cat([x, sink[:, None]], dim=-1)
+    c = z.amax(dim=-1, keepdim=True)
+    e = torch.exp(z - c)
+    return (e / e.sum(dim=-1, keepdim=True))[:, :-1]
 
 
 def test_stable_softmax_passes_when_right():
     assert grader.check("02.stable_softmax", stable_softmax).status == "passed"
-
-
-def test_stable_softmax_without_the_max_overflows():
-    naive = lambda x: torch.exp(x) / torch.exp(x).sum(dim=-1, keepdim=True)
-    f = failure(ch02.stable_softmax, "logits of magnitude 1e4, 5 x 40", naive)
-    assert "NaN" in f.detail and "each row's own max" in f.hint
-
-
-def test_stable_softmax_with_one_max_for_the_whole_tensor_underflows():
-    global_max = lambda x: torch.exp(x - x.max()) / torch.exp(x - x.max()).sum(-1, keepdim=True)
-    assert grader.check("02.stable_softmax", global_max).status == "failed"
-    f = failure(ch02.stable_softmax, "logits of magnitude 1e4, 5 x 40", global_max)
-    assert "0 / 0" in f.hint
-
-
-def test_stable_softmax_over_the_wrong_dim():
-    wrong_dim = lambda x: stable_softmax(x.T).T
-    f = failure(ch02.stable_softmax, "random logits, 6 x 37", wrong_dim)
-    assert "last dim" in f.hint
-
-
-def test_stable_softmax_that_unmasks_minus_inf():
-    unmasked = lambda x: stable_softmax(torch.nan_to_num(x, neginf=0.0))
-    f = failure(ch02.stable_softmax, "masked entries (-inf), 6 x 33", unmasked)
-    assert "probability 0" in f.hint
+    assert grader.check("02.stable_softmax", BUILD().stable_softmax).status == "passed"
 
 
 def test_stable_softmax_in_place_and_forbidden_and_dtype():
-    def in_place(x):
-        x -= x.amax(dim=-1, keepdim=True)
-        x.exp_()
-        return x / x.sum(dim=-1, keepdim=True)
+    def in_place(x, sink):
+        x -= torch.maximum(x.amax(dim=-1), sink)[:, None]
+        return stable_softmax(x, sink)
 
-    assert "wrote into its input x" in failure(
-        ch02.stable_softmax, "random logits, 6 x 37", in_place).detail  # fmt: skip
-    r = grader.check("02.stable_softmax", lambda x: torch.softmax(x, dim=-1))
+    case = "random logits and sinks, 6 x 37 (row 0 has no sink: sink = -inf)"
+    assert "wrote into its input x" in failure(ch02.stable_softmax, case, in_place).detail
+    r = grader.check("02.stable_softmax", lambda x, s: torch.softmax(x, dim=-1))
     assert r.status == "forbidden"
-    f = failure(ch02.stable_softmax, "random logits, 6 x 37", lambda x: stable_softmax(x.double()))
+    f = failure(ch02.stable_softmax, case, lambda x, s: stable_softmax(x.double(), s))
     assert "dtype" in f.detail
 
 
@@ -162,7 +145,7 @@ def test_merge_missing_rescale_is_named():
     # hand every merge its larger side as b, and then the slip goes unseen)
     for _ in range(5):
         f = failure(ch02.merge_states, TWO_HALVES, lambda a, b: merge(a, b, rescale_b=False))
-        assert "rescale both sides" in f.hint
+        assert "the acc of one side not rescaled" in f.hint
 
 
 def test_merge_of_two_empty_states_must_not_be_nan():
@@ -235,7 +218,7 @@ def test_attention_row_that_reads_every_block_meets_the_nan():
 def test_attention_row_with_an_unmasked_edge_fails(edge):
     case = ("large logits (std 50, one of 150), huge scores just outside the window")
     f = failure(ch02.online_attention_row, case, lambda *a: attention_row(*a, **{edge: False}))
-    assert "S = -inf" in f.hint
+    assert "-inf" in f.hint and {"mask_old": "too old", "mask_future": "the future"}[edge] in f.hint
 
 
 def test_attention_row_without_the_running_max_overflows():
@@ -413,7 +396,7 @@ def test_kernel_of_three_passes_fails_the_read_count_only():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator warns about the NaN
 def test_kernel_merging_empty_states_gives_nan():
     f = failure(ch02.softmax_kernel, "3 rows x 7 (shorter than the block)", log_softmax_unsafe)
-    assert "NaN" in f.detail and "neutral state" in f.hint
+    assert "NaN" in f.detail and "two states of no elements merged into NaN" in f.hint
 
 
 def test_kernel_without_the_stride_loop_leaves_elements_unwritten():
@@ -437,3 +420,112 @@ def test_stub_kernel_is_not_implemented():
     assert grader.check("02.softmax_kernel", stub).status == "not implemented"
     assert [e.points for e in (ch02.stable_softmax, ch02.online_softmax, ch02.merge_states,
                                ch02.online_attention_row, ch02.softmax_kernel)] == [2, 3, 3, 3, 4]
+
+
+# ----------------------------------------------------------------------------- named mistakes
+# Each slip is the solution with one edit (or a small function): grading it must fail a visible
+# case whose hint names it.
+
+
+def edited(name, *edits):
+    """A thunk: the solution notebook's ``name`` with ``edits`` applied."""
+    return lambda: getattr(BUILD(*edits), name)
+
+
+def whole_row_softmax(x, block):
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+SHIFT = "torch.maximum(x.amax(dim=-1), sink)[:, None]"
+SINK_TERM = "torch.exp(sink[:, None] - c)"
+PASS_1 = "for j in range(0, N, block):  # pass 1"
+SAFE = "m_safe = torch.where(m_new == -math.inf, 0.0, m_new)"
+FACTORS = "torch.exp(m_a - m_safe), torch.exp(m_b - m_safe)"
+BLOCKS = "range(lo - lo % Bc, i + 1, Bc)"
+OUTPUT = "out[row, j] = x[row, j] - row_lse"
+
+NAMED_MISTAKES = [
+    Slip("02.stable_softmax", "sink left out",
+         edited("stable_softmax", (f" + {SINK_TERM})", ")")), "the sink left out"),
+    Slip("02.stable_softmax", "sink not shifted",
+         edited("stable_softmax", (SHIFT, "x.amax(dim=-1)[:, None]"),
+                (SINK_TERM, "torch.exp(sink[:, None])")), "exp(sink) added without"),
+    Slip("02.stable_softmax", "shift blind to the sink",
+         edited("stable_softmax", (SHIFT, "x.amax(dim=-1)[:, None]")),
+         "a shift that does not see the sink"),
+    Slip("02.stable_softmax", "one shift for the tensor",
+         edited("stable_softmax", (SHIFT, "torch.maximum(x.max(), sink.max())")),
+         "one shift for the whole tensor"),
+    Slip("02.online_softmax", "whole-row softmax", lambda: whole_row_softmax,
+         "a whole-row softmax", "elements at once"),
+    Slip("02.online_softmax", "no rescale",
+         edited("online_softmax", ("l = l * torch.exp(m - m_safe) + ", "l = l + ")),
+         "l not rescaled"),
+    Slip("02.online_softmax", "rescale inverted",
+         edited("online_softmax", ("torch.exp(m - m_safe)", "torch.exp(m_safe - m)")),
+         "upside down"),
+    Slip("02.online_softmax", "no safe max",
+         edited("online_softmax", (SAFE, "m_safe = m_new")), "exp(-inf - (-inf))"),
+    Slip("02.online_softmax", "partial block skipped in pass 1",
+         edited("online_softmax", (PASS_1, "for j in range(0, N - block + 1, block):  # pass 1")),
+         "the last partial block left out"),
+    Slip("02.merge_states", "one side's acc not rescaled",
+         edited("merge", ("beta[:, None] * acc_b", "acc_b")), "the acc of one side"),
+    Slip("02.merge_states", "acc not rescaled",
+         edited("merge", ("alpha[:, None] * acc_a + beta[:, None] * acc_b", "acc_a + acc_b")),
+         "l rescaled but acc not"),
+    Slip("02.merge_states", "factors inverted",
+         edited("merge", (FACTORS, "torch.exp(m_safe - m_a), torch.exp(m_safe - m_b)")),
+         "upside down"),
+    Slip("02.merge_states", "no safe max",
+         edited("merge", ("m_safe = torch.where(m == -math.inf, 0.0, m)", "m_safe = m")),
+         "exp(-inf - (-inf)) for two states of no keys"),
+    Slip("02.online_attention_row", "loop stops before the block of key i",
+         edited("online_attention_row", (BLOCKS, "range(lo - lo % Bc, i, Bc)")),
+         "key i left out", "i = 48"),
+    Slip("02.online_attention_row", "future keys not masked",
+         edited("online_attention_row",
+                ("stop = min(start + Bc, i + 1)", "stop = min(start + Bc, K.shape[0])")),
+         "keys after i (the future) not masked"),
+    Slip("02.online_attention_row", "old keys not masked",
+         edited("online_attention_row", ("device=q.device) >= lo", "device=q.device) >= 0")),
+         "keys before lo (too old) not masked"),
+    Slip("02.online_attention_row", "window one key too long",
+         edited("online_attention_row",
+                ("lo = max(0, i - window + 1)", "lo = max(0, i - window)")),
+         "window + 1 keys"),
+    Slip("02.online_attention_row", "blocks before the window read",
+         edited("online_attention_row", (BLOCKS, "range(0, i + 1, Bc)")),
+         "blocks outside the window read"),
+    Slip("02.online_attention_row", "lse in base 2",
+         edited("online_attention_row", ("m + torch.log(l)", "m + torch.log2(l)")),
+         "lse in base 2"),
+    Slip("02.online_attention_row", "all scores at once", lambda: attention_row_all_scores,
+         "one block at a time"),
+    Slip("02.softmax_kernel", "three passes", lambda: log_softmax_three_passes,
+         "read 3 times", "merge (m, l) states"),
+    Slip("02.softmax_kernel", "empty states merged into NaN",
+         edited("log_softmax_kernel", ("if m_ab != -math.inf:", "if True:")),
+         "two states of no elements merged into NaN"),
+    Slip("02.softmax_kernel", "lse without m",
+         edited("log_softmax_kernel",
+                ("row_lse = sm_m[0] + math.log(sm_l[0])", "row_lse = math.log(sm_l[0])")),
+         "the max left out"),
+    Slip("02.softmax_kernel", "softmax instead of log-softmax",
+         edited("log_softmax_kernel",
+                (OUTPUT, "out[row, j] = math.exp(x[row, j] - row_lse)")),
+         "the softmax written instead"),
+    Slip("02.softmax_kernel", "one element per thread", lambda: log_softmax_one_element_per_thread,
+         "one element per thread"),
+    Slip("02.softmax_kernel", "log of exp in the output pass",
+         edited("log_softmax_kernel",
+                (OUTPUT, "out[row, j] = math.log(math.exp(x[row, j] - sm_m[0]) / sm_l[0])")),
+         "log(exp(x - m) / l)"),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the simulator warns about NaN and log(0)
+@pytest.mark.parametrize("slip", NAMED_MISTAKES, ids=repr)
+def test_named_mistake(slip):
+    slip.fails()

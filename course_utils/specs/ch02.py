@@ -1,8 +1,14 @@
 """Chapter 02, stable and online softmax: graded exercises.
 
-- ``02.stable_softmax``: ``stable_softmax(x)``, softmax over the last dim of ``(R, N)`` float32.
-- ``02.online_softmax``: ``online_softmax(x, block)``, the same, reading each row in blocks of
-  ``block`` columns while keeping a running max ``m`` and running sum ``l`` per row.
+- ``02.stable_softmax``: ``stable_softmax(x, sink)``, the softmax over the last dim of ``(R, N)``
+  float32 with an attention sink: one more logit per row, ``sink`` ``(R,)``, in the denominator
+  only, ``p_j = exp(x_j) / (exp(sink) + sum_k exp(x_k))``. The student derives the stable shift
+  (the lecture's has no sink); a fully masked row is all zeros, a row with ``sink = -inf`` is the
+  plain softmax.
+- ``02.online_softmax``: ``online_softmax(x, block)``, the plain softmax, reading each row in
+  blocks of ``block`` columns while keeping a running max ``m`` and running sum ``l`` per row.
+  Measured (``harness.ch02.block_widths``): no operator may touch more than one block,
+  ``R x block`` elements, so a whole-row softmax fails however right its values.
 - ``02.merge_states``: ``merge(state_a, state_b)`` of partial softmax states ``(m, l, acc)``,
   property-tested: the states of random key splits are merged along a random binary tree.
 - ``02.online_attention_row``: ``online_attention_row(q, K, V, Bc, scale, i, window) ->
@@ -17,9 +23,16 @@
   memory tracer, running the kernel's Python function in the simulator): at most two per
   element, so a max pass, a sum pass and an output pass (the lecture's softmax) fail.
 
-Conventions: inputs are float32, and every row has at least one finite logit. A row that is
-entirely ``-inf`` (nothing to attend to) is never graded; the reference gives it zeros.
-Every case draws fresh random inputs and checks that the candidate did not write into them.
+Conventions: inputs are float32, and every row has at least one finite logit (or, in
+``02.stable_softmax``, a finite sink). A row that is entirely ``-inf`` (nothing to attend to) is
+never graded; the reference gives it zeros. Every case draws fresh random inputs and checks that
+the candidate did not write into them.
+
+Hints come from the output: each exercise lists the slips students make as ``Mistake`` objects
+with a float64 model of what each computes (``checks.compare(..., mistakes=...)``); a failing
+answer that matches a model gets that slip's hint, the case's own hint otherwise. Every edge a
+hidden case tests (a query at the start of a block, ``block > N``, ``N = 1``, ...) has a visible
+twin.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import torch
 from .. import reference
 from ..checks import (
     CheckFailure,
+    Mistake,
     assert_unchanged,
     brief,
     compare,
@@ -44,7 +58,7 @@ from ..checks import (
 from ..grader import Exercise, invoke
 from ..harness.ch02 import THREADS  # threads per block of 02.softmax_kernel
 from ..runtime import device, kernel_array, pick, synchronize
-from . import require_implemented
+from . import require_implemented, returned_text
 
 SOFTMAX_FORBIDDEN = ("softmax", "log_softmax", "logsumexp")
 
@@ -86,48 +100,139 @@ def _mask_randomly(x, fraction):
 # ----------------------------------------------------------------------------- stable softmax
 
 stable_softmax = Exercise(
-    "02.stable_softmax", "Stable softmax over the last dim", points=2, forbidden=SOFTMAX_FORBIDDEN
+    "02.stable_softmax", "Stable softmax with an attention sink", points=2,
+    forbidden=SOFTMAX_FORBIDDEN,
 )
 
-HINT_PLAIN = (
-    "softmax of each row: exp(x - m) / sum(exp(x - m)) with m = x.amax(dim=-1, keepdim=True); "
-    "reduce over the last dim, with keepdim=True so that (R, 1) broadcasts against (R, N)"
+HINT_SINK = (
+    "p_j = exp(x_j) / (exp(sink) + sum_k exp(x_k)): the sink is one more term of the "
+    "denominator of its row, with no output column of its own (each row sums to less than 1). "
+    "Multiply the numerator and the denominator by the same exp(-c), as the lecture did, and "
+    "choose the constant c of each row so that no exponent can be positive."
 )
-HINT_LARGE = (
-    "exp overflows float32 above 88.7 (inf / inf = NaN) and underflows to 0 below -103.3 "
-    "(0 / 0 = NaN): subtract each row's own max, x.amax(dim=-1, keepdim=True). One max for the "
-    "whole tensor is not enough: rows whose max is far below it underflow to 0 / 0."
+HINT_SINK_LARGE = (
+    "logits of magnitude 1e4: exp overflows float32 above 88.7 and underflows to 0 below "
+    "-103.3. Each row needs its own shift c, and every exponent, the sink's included, must be "
+    "<= 0 after it, with at least one of them exactly 0 (so the denominator is >= 1)."
 )
-HINT_MASKED = (
-    "masked entries are -inf and must get probability 0: exp(-inf - m) = 0 as long as the row "
-    "max m is finite. Do not replace -inf by 0 or by a large negative number."
+HINT_SINK_MASKED = (
+    "masked logits are -inf and get probability 0; a row whose logits are all -inf is not 0/0 "
+    "here: the sink takes all the weight, so the row's softmax is all zeros"
 )
-HINT_LENGTH_ONE = "a row of one element has softmax [1.0]"
+HINT_SINK_ONE = "N = 1: one logit and the sink, p = exp(x) / (exp(sink) + exp(x))"
+
+MISTAKE_SINK_FORGOTTEN = Mistake(
+    "the sink left out of the denominator",
+    "that is the plain softmax, whose rows sum to 1; the sink's exp(sink), shifted like every "
+    "other term, belongs in each row's denominator",
+)
+MISTAKE_SINK_UNSHIFTED = Mistake(
+    "exp(sink) added without the row's shift",
+    "after multiplying numerator and denominator by exp(-c), every term of the denominator is "
+    "shifted by c, the sink's term too: exp(sink - c), not exp(sink)",
+)
+MISTAKE_MAX_WITHOUT_SINK = Mistake(
+    "a shift that does not see the sink",
+    "in a row whose logits are all -inf, their max is -inf and x - max is NaN; with a sink that "
+    "row is well defined (all zeros). The sink is a term of the denominator like the logits: "
+    "the shift must take it into account, so that it stays finite",
+)
+MISTAKE_ONE_SHIFT = Mistake(
+    "one shift for the whole tensor",
+    "rows whose values lie far below the tensor's largest one underflow to 0 / 0 = NaN: each "
+    "row needs its own shift (reduce over the last dim with keepdim=True)",
+)
 
 
-def _softmax_case(case, make_x, hint):
+def _with_sink(x, sink):
+    """``x`` with each row's sink appended as a last column, in float64."""
+    return torch.cat([x.double(), sink.double()[:, None]], dim=-1)
+
+
+def sink_softmax_reference(x, sink):
+    """``exp(x_j) / (exp(sink) + sum_k exp(x_k))`` row by row, in float64: the softmax of the row
+    extended by the sink, without the sink's column."""
+    return reference.softmax(_with_sink(x, sink))[:, :-1]
+
+
+def _sink_mistakes(x, sink):
+    """What the usual slips of 02.stable_softmax compute on ``x`` and ``sink`` (float64)."""
+    x64, s64 = x.double(), sink.double()[:, None]
+    top = x64.amax(dim=-1, keepdim=True)
+
+    def unshifted(c):  # shifted by c, the row's max or the max with the sink, but not the sink
+        def model():
+            e = torch.exp(x64 - c)
+            return e / (e.sum(dim=-1, keepdim=True) + torch.exp(s64))
+
+        return model
+
+    def blind_to_sink():  # right wherever the row has a finite logit, NaN where it has none
+        p = sink_softmax_reference(x, sink)
+        return torch.where(torch.isfinite(top), p, torch.full_like(p, math.nan))
+
+    def one_shift():
+        c = torch.maximum(x64.max(), s64.max())
+        w = torch.exp(_with_sink(x, sink) - c)
+        return (w / w.sum(dim=-1, keepdim=True))[:, :-1]
+
+    return [(MISTAKE_SINK_FORGOTTEN, lambda: reference.softmax(x64)),
+            (MISTAKE_SINK_UNSHIFTED, unshifted(top)),
+            (MISTAKE_SINK_UNSHIFTED, unshifted(torch.maximum(top, s64))),
+            (MISTAKE_MAX_WITHOUT_SINK, blind_to_sink),
+            (MISTAKE_ONE_SHIFT, one_shift)]  # fmt: skip
+
+
+def _sink_case(case, make, hint):
     def run(fn):
-        x = make_x()
-        out = _call(fn, (x,), ["x"], case)
-        compare("softmax", out, reference.softmax(x), case=case, dtype=torch.float32, hint=hint)
+        x, sink = make()
+        out = _call(fn, (x, sink), ["x", "sink"], case)
+        compare("softmax", out, sink_softmax_reference(x, sink), case=case, dtype=torch.float32,
+                hint=hint, mistakes=_sink_mistakes(x, sink))  # fmt: skip
 
     return run
 
 
-_add(stable_softmax, "random logits, 6 x 37", _softmax_case,
-     lambda: _randn(6, 37, std=3.0), HINT_PLAIN)
-_add(stable_softmax, "logits of magnitude 1e4, 5 x 40", _softmax_case,
-     lambda: _rows_of_scale(5, 40, 1e4), HINT_LARGE)
-_add(stable_softmax, "masked entries (-inf), 6 x 33", _softmax_case,
-     lambda: _mask_randomly(_randn(6, 33, std=3.0), 0.4), HINT_MASKED)
-_add(stable_softmax, "length 1 (N = 1), 4 x 1", _softmax_case,
-     lambda: _randn(4, 1, std=3.0), HINT_LENGTH_ONE, hidden=True)
-_add(stable_softmax, "non-power-of-two length, 3 x 1000", _softmax_case,
-     lambda: _randn(3, 1000, std=3.0), HINT_PLAIN, hidden=True)
-_add(stable_softmax, "all logits near -1e4 (exp underflows), 4 x 17", _softmax_case,
-     lambda: _randn(4, 17, std=5.0) - 1e4, HINT_LARGE, hidden=True)
-_add(stable_softmax, "a single row, 1 x 127", _softmax_case,
-     lambda: _randn(1, 127, std=3.0), HINT_PLAIN, hidden=True)
+def _random_sinks(R, N):
+    """Logits of std 3 and sinks near each row's max; row 0 has no sink (sink = -inf)."""
+    x = _randn(R, N, std=3.0)
+    sink = x.amax(dim=-1) + _randn(R, std=2.0)
+    sink[0] = -math.inf
+    return x, sink
+
+
+def _far_apart_rows(R, N):
+    """Rows offset by multiples of 1e4 (no two within 1e4 of each other), sinks near their max."""
+    offsets = 1e4 * (torch.randperm(R, device=device()) - R // 2).float()
+    x = offsets[:, None] + _randn(R, N, std=10.0)
+    return x, x.amax(dim=-1) + _randn(R, std=3.0)
+
+
+def _masked_rows(R, N):
+    """Random -inf entries; rows 1 and 3 entirely -inf (the sink takes all their weight)."""
+    x = _mask_randomly(_randn(R, N, std=3.0), 0.4)
+    x[1], x[3] = -math.inf, -math.inf
+    return x, _randn(R, std=2.0)
+
+
+_add(stable_softmax, "random logits and sinks, 6 x 37 (row 0 has no sink: sink = -inf)",
+     _sink_case, lambda: _random_sinks(6, 37), HINT_SINK)
+_add(stable_softmax, "rows of magnitude 1e4 far apart, sinks near each row's max, 5 x 40",
+     _sink_case, lambda: _far_apart_rows(5, 40), HINT_SINK_LARGE)
+_add(stable_softmax, "masked entries (-inf); rows 1 and 3 fully masked, 6 x 33", _sink_case,
+     lambda: _masked_rows(6, 33), HINT_SINK_MASKED)
+_add(stable_softmax, "length 1 (N = 1), 4 x 1", _sink_case,
+     lambda: (_randn(4, 1, std=3.0), _randn(4, std=3.0)), HINT_SINK_ONE, hidden=True)
+_add(stable_softmax, "non-power-of-two length, 3 x 1000", _sink_case,
+     lambda: _random_sinks(3, 1000), HINT_SINK, hidden=True)
+_add(stable_softmax, "logits and sinks near -1e4 (exp underflows), 4 x 17", _sink_case,
+     lambda: (_randn(4, 17, std=5.0) - 1e4, _randn(4, std=5.0) - 1e4), HINT_SINK_LARGE,
+     hidden=True)
+_add(stable_softmax, "sinks far above the logits (+1e4): every p near 0, 3 x 20", _sink_case,
+     lambda: (_randn(3, 20, std=3.0), _randn(3, std=3.0) + 1e4), HINT_SINK_LARGE, hidden=True)
+_add(stable_softmax, "fully masked rows and large sinks, 5 x 9", _sink_case,
+     lambda: (torch.full((5, 9), -math.inf, device=device()), _randn(5, std=1e3)),
+     HINT_SINK_MASKED, hidden=True)
 
 # ----------------------------------------------------------------------------- online softmax
 
@@ -138,12 +243,12 @@ online_softmax = Exercise(
 
 HINT_ONLINE = (
     "after each block: m_new = max(m, max of the block), l = l * exp(m - m_new) + "
-    "sum(exp(x_block - m_new)), m = m_new; then out = exp(x - m) / l with the row's final m, l"
+    "sum(exp(x_block - m_new)), m = m_new; then out = exp(x - m) / l with the row's final m, l, "
+    "written block by block"
 )
 HINT_RESCALE = (
-    "the max grows from block to block here, so l must be rescaled whenever it does: "
-    "l = l * exp(m_old - m_new) + sum(exp(x_block - m_new)). Without the factor "
-    "exp(m_old - m_new), the terms summed before the max grew are too large."
+    "the max grows from block to block here, so l must be rescaled whenever it does: the sum "
+    "so far is in units of exp(m_old); in units of exp(m_new) it is l * exp(m_old - m_new)"
 )
 HINT_PARTIAL = (
     "block does not divide N: the last block is partial. `for j in range(0, N, block)` with "
@@ -154,13 +259,123 @@ HINT_MASKED_BLOCK = (
     "exp(m_old - m_new) = exp(-inf - (-inf)) = NaN. Compute the exponentials with a safe max, "
     "m_safe = where(m_new == -inf, 0, m_new): then exp(-inf - m_safe) = 0 as it should be."
 )
+HINT_WHOLE_ROW = (
+    "a whole-row softmax (x.amax over the row, exp(x - m) of the whole row) is not online: the "
+    "point is that the row is seen one block at a time, as a kernel whose row does not fit on "
+    "chip sees it. Every operation may touch at most one block, x[:, j:j + block] (R x block "
+    "elements), and the (R,) states m and l; allocate the output once (torch.empty_like(x)) "
+    "and write it one block at a time in the second pass."
+)
+
+MISTAKE_NO_RESCALE = Mistake(
+    "l not rescaled when the max grows",
+    "the terms summed before the max grew are in units of exp(m_old): multiply l by "
+    "exp(m_old - m_new) before adding the block's terms",
+)
+MISTAKE_INVERTED_RESCALE = Mistake(
+    "the rescale factor upside down",
+    "exp(m_new - m_old) is >= 1 and makes the old sum larger; the old terms must shrink, by "
+    "exp(m_old - m_new) <= 1",
+)
+MISTAKE_NAN_MASKED_BLOCK = Mistake(
+    "exp(-inf - (-inf)) after a fully masked block",
+    HINT_MASKED_BLOCK,
+)
+MISTAKE_TAIL_SKIPPED = Mistake(
+    "the last partial block left out of m and l",
+    "the first pass stops before the short last block (range(N // block) blocks, or a bound of "
+    "N - block): its logits are missing from m and l, so the outputs of every column are off. "
+    "range(0, N, block) reaches the last partial block.",
+)
+
+
+def _blocks64(x, block):
+    """``x`` in float64 as ``(R, T, block)``, T = ceil(N / block), padded with -inf."""
+    R, N = x.shape
+    T = -(-N // block)
+    padded = torch.full((R, T * block), -math.inf, dtype=torch.float64, device=x.device)
+    padded[:, :N] = x.double()
+    return padded.view(R, T, block)
+
+
+def _online_mistakes(x, block):
+    """What the usual slips of 02.online_softmax compute on ``x`` (float64, whole-matrix)."""
+    xb = _blocks64(x, block)
+    seen = torch.cummax(xb.amax(dim=-1), dim=1).values  # (R, T): the max after each block
+    x64 = x.double()
+
+    def no_rescale():  # each block's terms kept in the units of the max at that block
+        total = torch.exp(xb - seen[..., None]).sum(dim=(-1, -2))
+        return torch.exp(x64 - seen[:, -1:]) / total[:, None]
+
+    def inverted():  # the sum so far grows by exp(m_new - m_old); at the start 0 * inf = NaN
+        total = torch.zeros_like(seen[:, 0])
+        before = torch.full_like(total, -math.inf)
+        for t in range(seen.shape[1]):
+            total = total * torch.exp(seen[:, t] - before) \
+                + torch.exp(xb[:, t] - seen[:, t, None]).sum(dim=-1)
+            before = seen[:, t]
+        return torch.exp(x64 - seen[:, -1:]) / total[:, None]
+
+    def masked_first():  # NaN in every row whose first block is all -inf
+        p = reference.softmax(x)
+        return torch.where(seen[:, :1] == -math.inf, torch.full_like(p, math.nan), p)
+
+    def tail_skipped():
+        full = x.shape[1] - x.shape[1] % block
+        if full in (0, x.shape[1]):
+            return reference.softmax(x)  # no partial block: the slip changes nothing here
+        head = x64[:, :full]
+        top = head.amax(dim=-1, keepdim=True)
+        return torch.exp(x64 - top) / torch.exp(head - top).sum(dim=-1, keepdim=True)
+
+    return [(MISTAKE_NO_RESCALE, no_rescale), (MISTAKE_INVERTED_RESCALE, inverted),
+            (MISTAKE_NAN_MASKED_BLOCK, masked_first), (MISTAKE_TAIL_SKIPPED, tail_skipped)]
+
+
+def _check_online(out, x, block, case, hint):
+    compare("softmax", out, reference.softmax(x), case=case, dtype=torch.float32, hint=hint,
+            mistakes=_online_mistakes(x, block))  # fmt: skip
 
 
 def _online_case(case, make_x, block, hint):
     def run(fn):
         x = make_x()
         out = _call(fn, (x, block), ["x"], case)
-        compare("softmax", out, reference.softmax(x), case=case, dtype=torch.float32, hint=hint)
+        _check_online(out, x, block, case, hint)
+
+    return run
+
+
+def _online_edges_case(case, shapes):
+    """Several (R, N, block) at once: the edges of the block loop."""
+    def run(fn):
+        for R, N, block in shapes:
+            x = _growing_rows(R, N, 50.0)
+            where = f"{case} [R = {R}, N = {N}, block = {block}]"
+            _check_online(_call(fn, (x, block), ["x"], where), x, block, where, HINT_PARTIAL)
+
+    return run
+
+
+def _measured_online_case(case, make_x, block, hint):
+    """The call runs under ``harness.ch02.block_widths``: no operation may touch more than one
+    block of ``x`` (R x block elements), the output's allocation aside."""
+    def run(candidate):
+        x = make_x()
+        R, N = x.shape
+        where = f"{case} [R = {R}, N = {N}, block = {block}]"
+        snap = snapshot(x, names=["x"])
+        out, widest, op = sequence(
+            invoke(candidate, "course_utils.harness.ch02:block_widths", x, block), 3,
+            what="the measured call", case=where)  # fmt: skip
+        assert_unchanged(snap, case=where)
+        _check_online(out, x, block, where, hint)
+        limit = R * min(block, N)
+        if not isinstance(widest, int) or isinstance(widest, bool) or widest > limit:
+            raise CheckFailure(where, f"an operation ({returned_text(op, 80)}) worked on "
+                               f"{brief(widest)} elements at once; one block of x has R x block "
+                               f"= {limit}, the whole x {R * N}", HINT_WHOLE_ROW)  # fmt: skip
 
     return run
 
@@ -179,22 +394,24 @@ def _masked_first_blocks(R, N, block):
     return x
 
 
-_add(online_softmax, "block = 16, N = 64 (block divides N), 5 rows", _online_case,
-     lambda: _randn(5, 64, std=3.0), 16, HINT_ONLINE)
+_add(online_softmax, "block by block: no operation on more than one block, N = 64, block = 16",
+     _measured_online_case, lambda: _randn(5, 64, std=3.0), 16, HINT_ONLINE)
 _add(online_softmax, "block = 16, N = 50 (last block partial), 5 rows", _online_case,
      lambda: _randn(5, 50, std=3.0), 16, HINT_PARTIAL)
 _add(online_softmax, "logits growing to about 1e4, block = 8, N = 40", _online_case,
      lambda: _growing_rows(4, 40, 1e4), 8, HINT_RESCALE)
 _add(online_softmax, "-inf entries, first blocks of some rows fully masked, block = 8",
      _online_case, lambda: _masked_first_blocks(5, 45, 8), 8, HINT_MASKED_BLOCK)
+_add(online_softmax, "edges of the block loop: block = 1; block > N; N = 1", _online_edges_case,
+     [(3, 9, 1), (4, 13, 16), (2, 1, 4)])
 _add(online_softmax, "block = 1, N = 23", _online_case,
      lambda: _growing_rows(3, 23, 50.0), 1, HINT_RESCALE, hidden=True)
 _add(online_softmax, "block >= N (one block), block = 64, N = 37", _online_case,
      lambda: _randn(4, 37, std=3.0), 64, HINT_PARTIAL, hidden=True)
 _add(online_softmax, "N = 1, block = 4", _online_case,
      lambda: _randn(3, 1, std=3.0), 4, HINT_PARTIAL, hidden=True)
-_add(online_softmax, "logits of magnitude 1e4 in random order, block = 7, N = 100",
-     _online_case, lambda: _rows_of_scale(4, 100, 1e4), 7, HINT_RESCALE, hidden=True)
+_add(online_softmax, "logits of magnitude 1e4 in random order, block = 7, N = 100, measured",
+     _measured_online_case, lambda: _rows_of_scale(4, 100, 1e4), 7, HINT_RESCALE, hidden=True)
 
 # ----------------------------------------------------------------------------- merge states
 
@@ -203,14 +420,29 @@ merge_states = Exercise("02.merge_states", "Merge two softmax states (m, l, acc)
 HINT_MERGE = (
     "rescale both sides to the common max before adding: m = max(m_a, m_b), "
     "l = l_a * exp(m_a - m) + l_b * exp(m_b - m), acc = acc_a * exp(m_a - m)[:, None] + "
-    "acc_b * exp(m_b - m)[:, None]. A missing factor on one side, a factor on l but not on "
-    "acc, or exp(m - m_a) instead of exp(m_a - m) fails here."
+    "acc_b * exp(m_b - m)[:, None]"
 )
 HINT_MERGE_EMPTY = (
     "a state of no keys (an empty or fully masked part) has m = -inf, l = 0, acc = 0. Merging "
     "two of them computes exp(m_a - m) = exp(-inf - (-inf)) = NaN: use a safe max, "
     "m_safe = where(m == -inf, 0, m), in the exponents (exp(-inf - 0) = 0), and keep m = -inf."
 )
+MISTAKE_MERGE_ONE_SIDE = Mistake(
+    "the acc of one side not rescaled",
+    "both accumulators are in units of their own max: each needs its factor exp(m_side - m), "
+    "like its l, whichever side holds the larger max",
+)
+MISTAKE_MERGE_ACC_UNSCALED = Mistake(
+    "l rescaled but acc not",
+    "acc is a sum of the same exp(s_j - m_side) terms as l, each times v_j: it needs the same "
+    "factor as l, on both sides (broadcast over dv with [:, None])",
+)
+MISTAKE_MERGE_INVERTED = Mistake(
+    "the rescale factors upside down",
+    "exp(m - m_side) is >= 1; going from units of exp(m_side) to units of exp(m), the larger "
+    "max, the terms shrink: exp(m_side - m) <= 1",
+)
+MISTAKE_MERGE_NAN = Mistake("exp(-inf - (-inf)) for two states of no keys", HINT_MERGE_EMPTY)
 STATE_NAMES = ("m", "l", "acc")
 
 
@@ -259,19 +491,23 @@ def _check_no_nan(merged, a, b, case):
             empty = [r for r in rows if a[0][r] == -math.inf and b[0][r] == -math.inf]
             why = f"; in {len(empty)} of these rows both states had m = -inf" if empty else ""
             raise CheckFailure(case, f"merge returned NaN in {name}, rows {rows[:8]}{why}",
-                               HINT_MERGE_EMPTY if empty else HINT_MERGE)  # fmt: skip
+                               MISTAKE_MERGE_NAN.hint_for("merged state") if empty
+                               else HINT_MERGE)  # fmt: skip
 
 
-def merge_randomly(merge, states, rng, case=""):
+def merge_randomly(merge, states, rng, case="", log=None):
     """Merge ``states`` along a random binary tree: two random states at a time, random order.
 
     Every call of ``merge`` is checked: its inputs unchanged, three tensors of the input shapes
-    returned, no NaN created.
+    returned, no NaN created. The tree's picks are appended to ``log`` (a list) if it is given,
+    so that :func:`merge_along` can merge other states along the same tree.
     """
     pool = list(states)
     shapes = tuple(tuple(t.shape) for t in pool[0])
     while len(pool) > 1:
         i, j = rng.sample(range(len(pool)), 2)
+        if log is not None:
+            log.append((i, j))
         a, b = pool[i], pool[j]
         pool = [s for k, s in enumerate(pool) if k not in (i, j)]
         names = [f"{n}_a" for n in STATE_NAMES] + [f"{n}_b" for n in STATE_NAMES]
@@ -279,6 +515,70 @@ def merge_randomly(merge, states, rng, case=""):
         _check_no_nan(merged, a, b, case)
         pool.append(merged)
     return pool[0]
+
+
+def merge_along(merge, states, picks):
+    """``states`` merged with ``merge`` along the tree of ``picks`` (from :func:`merge_randomly`),
+    unchecked: for the models of the usual slips."""
+    pool = list(states)
+    for i, j in picks:
+        a, b = pool[i], pool[j]
+        pool = [s for k, s in enumerate(pool) if k not in (i, j)]
+        pool.append(merge(a, b))
+    return pool[0]
+
+
+def _weights(m_side, m):
+    """exp(m_side - m) in float64, 0 where the side has no key."""
+    return torch.where(m_side == -math.inf, torch.zeros_like(m), torch.exp(m_side - m))
+
+
+def _one_side_unscaled(a, b):  # acc_b added as it is
+    m = torch.maximum(a[0], b[0])
+    w_a, w_b = _weights(a[0], m), _weights(b[0], m)
+    return m, w_a * a[1] + w_b * b[1], w_a[:, None] * a[2] + b[2]
+
+
+def _other_side_unscaled(a, b):  # acc_a added as it is
+    return _one_side_unscaled(b, a)
+
+
+def _acc_unscaled(a, b):
+    m = torch.maximum(a[0], b[0])
+    return m, _weights(a[0], m) * a[1] + _weights(b[0], m) * b[1], a[2] + b[2]
+
+
+def _inverted(a, b):
+    m = torch.maximum(a[0], b[0])
+    up_a = torch.where(a[0] == -math.inf, torch.zeros_like(m), torch.exp(m - a[0]))
+    up_b = torch.where(b[0] == -math.inf, torch.zeros_like(m), torch.exp(m - b[0]))
+    return m, up_a * a[1] + up_b * b[1], up_a[:, None] * a[2] + up_b[:, None] * b[2]
+
+
+MERGE_SLIPS = ((MISTAKE_MERGE_ONE_SIDE, _one_side_unscaled),
+               (MISTAKE_MERGE_ONE_SIDE, _other_side_unscaled),
+               (MISTAKE_MERGE_ACC_UNSCALED, _acc_unscaled), (MISTAKE_MERGE_INVERTED, _inverted))
+
+
+def _merge_mistakes(trees):
+    """For each usual slip, thunks of the O and LSE it gives along the same trees. ``trees`` is
+    a list of ``(states, picks, into)``: the states merged along picks, their result appended
+    to the states of the tree ``into`` (None for the last tree)."""
+    def outcome(slip):
+        pending = {}
+        for k, (states, picks, into) in enumerate(trees):
+            st = [tuple(t.double() for t in s) for s in states] + pending.pop(k, [])
+            merged = merge_along(slip, st, picks)
+            if into is None:
+                return merged[2] / merged[1][:, None], merged[0] + torch.log(merged[1])
+            pending.setdefault(into, []).append(merged)
+        raise ValueError("no final tree")
+
+    found_o, found_lse = [], []
+    for mistake, slip in MERGE_SLIPS:
+        found_o.append((mistake, lambda slip=slip: outcome(slip)[0]))
+        found_lse.append((mistake, lambda slip=slip: outcome(slip)[1]))
+    return found_o, found_lse
 
 
 def _merge_case(case, R, N, dv, k, *, std=3.0, empty_parts=False, masked_parts=0,
@@ -299,18 +599,24 @@ def _merge_case(case, R, N, dv, k, *, std=3.0, empty_parts=False, masked_parts=0
         unseen = ~torch.isfinite(s).any(dim=-1)
         s[unseen, rng.randrange(N)] = 1.0  # every row sees at least one key in the end
         states = [state_of(s[:, lo:hi], v[lo:hi]) for lo, hi in bounds]
+        trees = []
         if empties_first:  # two states of no keys merged with each other
             nothing = state_of(s[:, :0], v[:0])
-            states.append(merge_randomly(merge, [nothing, nothing], rng, case))
-        m, l, acc = merge_randomly(merge, states, rng, case)
+            picks = []
+            states.append(merge_randomly(merge, [nothing, nothing], rng, case, log=picks))
+            trees.append(([nothing, nothing], picks, 1))
+        picks = []
+        m, l, acc = merge_randomly(merge, states, rng, case, log=picks)
+        trees.append((states[:len(bounds)], picks, None))
+        slips_o, slips_lse = _merge_mistakes(trees)
 
         O = acc.double() / l.double()[:, None]
         LSE = m.double() + torch.log(l.double())
         atol, rtol = tolerance(torch.float32, float(s[torch.isfinite(s)].abs().max()))
         compare("O = acc / l", O, reference.softmax(s) @ v.double(), case=case, atol=atol,
-                rtol=rtol, hint=HINT_MERGE)  # fmt: skip
+                rtol=rtol, hint=HINT_MERGE, mistakes=slips_o)  # fmt: skip
         compare("LSE = m + log(l)", LSE, reference.logsumexp(s), case=case, atol=atol,
-                rtol=rtol, hint=HINT_MERGE)  # fmt: skip
+                rtol=rtol, hint=HINT_MERGE, mistakes=slips_lse)  # fmt: skip
 
     return run
 
@@ -369,13 +675,75 @@ HINT_LSE = (
     "scaled scores of the window's keys"
 )
 
+MISTAKE_ROW_KEY_I = Mistake(
+    "key i left out",
+    "query i sees itself: the window is lo <= j <= i, i included. A loop over the blocks that "
+    "stops before i (range(..., i, Bc)) misses the block that starts at key i, and a mask "
+    "j < i drops key i from its block; both need i + 1 as the end",
+)
+MISTAKE_ROW_FUTURE = Mistake(
+    "keys after i (the future) not masked",
+    "the block holding key i also holds keys i + 1, i + 2, ...: give them S = -inf (or slice "
+    "the block to stop at i + 1) before the block's max",
+)
+MISTAKE_ROW_OLD = Mistake(
+    "keys before lo (too old) not masked",
+    "the first block of the window starts at a multiple of Bc, before lo = max(0, i - window + "
+    "1): give its keys j < lo the score -inf before the block's max",
+)
+MISTAKE_ROW_ONE_MORE = Mistake(
+    "a window of window + 1 keys (lo = i - window)",
+    "the window holds `window` keys, i included: lo = i - window + 1 (and not below 0)",
+)
+MISTAKE_ROW_READS_ALL = Mistake(
+    "blocks outside the window read",
+    HINT_ROW_SKIP,
+)
+MISTAKE_ROW_LOG2 = Mistake(
+    "lse in base 2",
+    "lse is the natural log: m + log(l), where m is the max of the scaled scores (not log2, "
+    "and not m * log2(e))",
+)
+
+
+def _row_mistakes(q, K, V, scale, i, window, Bc):
+    """(mistakes for o, mistakes for lse): what the usual slips of 02.online_attention_row give
+    on these inputs, in float64, from the keys each slip attends to."""
+    N = K.shape[0]
+    lo, hi = window_bounds(i, window)
+
+    def over(first, last):  # attention over keys first..last (clipped to the row), in float64
+        first, last = max(0, first), min(N - 1, last)
+        if first > last:
+            raise ValueError("no key")
+        return reference.attention(q[None], K[first:last + 1], V[first:last + 1], scale=scale)
+
+    def nan_o():
+        return torch.full_like(q, math.nan, dtype=torch.float64)
+
+    ranges = [(MISTAKE_ROW_KEY_I, (lo, hi - 1)),
+              (MISTAKE_ROW_FUTURE, (lo, (hi // Bc + 1) * Bc - 1)),
+              (MISTAKE_ROW_OLD, (lo - lo % Bc, hi)),
+              (MISTAKE_ROW_ONE_MORE, (i - window, hi))]  # fmt: skip
+    found_o = [(MISTAKE_ROW_READS_ALL, nan_o)]  # first: a window one key too long may read one
+    found_o += [(mk, lambda r=r: over(*r)[0][0]) for mk, r in ranges]
+    found_lse = [(mk, lambda r=r: over(*r)[1][0]) for mk, r in ranges]
+
+    def base2():
+        S = scale * (K[lo:hi + 1].double() @ q.double())
+        top = S.max()
+        return top + torch.log2(torch.exp(S - top).sum())
+
+    found_lse.append((MISTAKE_ROW_LOG2, base2))
+    return found_o, found_lse
+
 
 def window_bounds(i, window):
     """The keys query ``i`` sees: ``lo <= j <= i``."""
     return max(0, i - window + 1), i
 
 
-def _row_inputs(N, d, Bc, i, window, *, std, scale, peak, trap):
+def _row_inputs(N, d, Bc, i, window, *, std, scale, peak, trap, own=None):
     """q, K, V with NaN in the blocks outside the window, and the trap / peak scores set."""
     root = math.sqrt(std)  # scores scale * q.k then have a standard deviation of about std
     q, K, V = _randn(d, std=root), _randn(N, d, std=root), _randn(N, d)
@@ -386,6 +754,8 @@ def _row_inputs(N, d, Bc, i, window, *, std, scale, peak, trap):
 
     if peak is not None:  # one key of the window, at a random place, gets the score `peak`
         set_score(random.randint(lo, hi), peak)
+    if own is not None:  # the query's own key gets the score `own`
+        set_score(i, own)
     if trap is not None:  # keys just outside the window, in the blocks that are read
         for j in (lo - 1, hi + 1):
             if 0 <= j < N and (j // Bc in (lo // Bc, hi // Bc)):
@@ -397,7 +767,7 @@ def _row_inputs(N, d, Bc, i, window, *, std, scale, peak, trap):
     return q, K, V
 
 
-def _check_row(result, q, K, V, scale, i, window, case, hint):
+def _check_row(result, q, K, V, scale, i, window, case, hint, Bc):
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise CheckFailure(case, "online_attention_row must return the pair (o, lse)",
                            "return o, lse")  # fmt: skip
@@ -412,18 +782,21 @@ def _check_row(result, q, K, V, scale, i, window, case, hint):
             hint = HINT_ROW_SKIP
         elif hint is HINT_ROW_EDGES:
             hint = f"NaN has two usual causes here. (1) {HINT_ROW_SKIP} (2) {HINT_ROW_EDGES}"
-    compare("o", o, O_ref[0], case=case, atol=atol, rtol=rtol, hint=hint)
-    compare("lse", lse, LSE_ref[0], case=case, atol=atol, rtol=rtol, hint=HINT_LSE)
+    slips_o, slips_lse = _row_mistakes(q, K, V, scale, i, window, Bc)
+    compare("o", o, O_ref[0], case=case, atol=atol, rtol=rtol, hint=hint, mistakes=slips_o)
+    compare("lse", lse, LSE_ref[0], case=case, atol=atol, rtol=rtol, hint=HINT_LSE,
+            mistakes=slips_lse)
 
 
 def _row_case(case, N, d, Bc, i, window, *, std=1.0, scale=None, peak=None, trap=None,
-              hint=HINT_ROW):  # fmt: skip
+              own=None, hint=HINT_ROW):  # fmt: skip
     def run(fn):
         s = 1.0 / math.sqrt(d) if scale is None else scale
-        q, K, V = _row_inputs(N, d, Bc, i, window, std=std, scale=s, peak=peak, trap=trap)
+        q, K, V = _row_inputs(N, d, Bc, i, window, std=std, scale=s, peak=peak, trap=trap,
+                              own=own)
         where = f"{case} [query i = {i}, window = {window}, N = {N}, Bc = {Bc}, d = {d}]"
         result = _call(fn, (q, K, V, Bc, s, i, window), ["q", "K", "V"], where)
-        _check_row(result, q, K, V, s, i, window, where, hint)
+        _check_row(result, q, K, V, s, i, window, where, hint, Bc)
 
     return run
 
@@ -438,7 +811,7 @@ def _stream_case(case, N, d, Bc, i, window):
             invoke(candidate, "course_utils.harness.ch02:largest_fresh_tensor", q, K, V, Bc, s,
                    i, window), 2, what="the measured call", case=where)
         assert_unchanged(snap, case=where)
-        _check_row(result, q, K, V, s, i, window, where, HINT_ROW)
+        _check_row(result, q, K, V, s, i, window, where, HINT_ROW, Bc)
         limit = Bc * d  # one block of K
         if not isinstance(largest, int) or largest > limit:
             raise CheckFailure(where, f"a tensor of {brief(largest)} elements was created during "
@@ -457,6 +830,24 @@ _add(online_attention_row, "large logits (std 50, one of 150), huge scores just 
      hint=HINT_ROW_EDGES)
 _add(online_attention_row, "streams: no tensor bigger than one block of K", _stream_case,
      256, 8, 8, 230, 200)
+
+
+def _rows_case(case, rows):
+    """Several rows, each ``(N, d, Bc, i, window, keywords)``: the edges of the block loop."""
+    def run(fn):
+        for N, d, Bc, i, window, kw in rows:
+            _row_case(case, N, d, Bc, i, window, **kw)(fn)
+
+    return run
+
+
+_add(online_attention_row, "query at a block start (i = 48, Bc = 16), window starting on a "
+     "block edge (lo = 32), key i scoring high, a huge score just after i", _rows_case,
+     [(64, 16, 16, 48, 17, {"std": 4.0, "trap": 80.0, "own": 12.0, "hint": HINT_ROW_EDGES})])
+_add(online_attention_row, "tile edges: first query i = 0; window = 1 at a block start; Bc = 1; "
+     "Bc > N", _rows_case,
+     [(24, 8, 8, 0, 4, {}), (40, 8, 8, 24, 1, {"std": 4.0, "trap": 80.0}),
+      (20, 8, 1, 13, 6, {"std": 4.0}), (20, 16, 32, 19, 7, {})])
 _add(online_attention_row, "window = 1 (only key i)", _row_case, 40, 8, 8, 21, 1,
      hidden=True)
 _add(online_attention_row, "first query, i = 0", _row_case, 30, 8, 8, 0, 5, hidden=True)
@@ -534,12 +925,80 @@ def _kernel_outputs(x):
     return poisoned(x.shape, device=x.device), poisoned(x.shape[:1], device=x.device)
 
 
+MISTAKE_KERNEL_NAN = Mistake(
+    "two states of no elements merged into NaN",
+    "with N < THREADS, some threads have no element and keep (m, l) = (-inf, 0); a tree level "
+    "that merges two of them computes exp(-inf - (-inf)) = NaN, and the NaN reaches the row's "
+    "state. Leave such a pair at (-inf, 0): test whether the merged max is -inf first",
+)
+MISTAKE_KERNEL_LSE_NO_M = Mistake(
+    "lse = log(l), the max left out",
+    "l is a sum of exp(x - m), in units of exp(m): log(l) is the logsumexp minus m. "
+    "lse = m + log(l), with the row's merged m",
+)
+MISTAKE_KERNEL_SOFTMAX = Mistake(
+    "the softmax written instead of the log-softmax",
+    "out is the log of the softmax, x - lse: no exp in the output pass",
+)
+MISTAKE_KERNEL_NO_STRIDE = Mistake(
+    "one element per thread (no loop over the row)",
+    HINT_KERNEL_LONG,
+)
+MISTAKE_KERNEL_LOG_EXP = Mistake(
+    "log(exp(x - m) / l) in the output pass",
+    "exp(x - m) underflows to 0 for logits far below the max, and log(0) = -inf; "
+    "x - (m + log(l)) needs no exp and stays finite",
+)
+
+
+def _kernel_mistakes(x):
+    """(mistakes for out, mistakes for lse): what the usual slips of 02.softmax_kernel write."""
+    R, N = x.shape
+    x64 = x.double()
+    lse = reference.logsumexp(x)  # (R,)
+    top = x64.amax(dim=-1)
+
+    def all_nan(shape):
+        def model():
+            if N >= THREADS // 2:
+                raise ValueError("every pair of a tree level holds an element")
+            return torch.full(shape, math.nan, dtype=torch.float64, device=x.device)
+
+        return model
+
+    def first_block():  # only the first THREADS columns, the rest never written
+        head = reference.logsumexp(x[:, :THREADS])
+        out = torch.full_like(x64, math.nan)
+        out[:, :THREADS] = x64[:, :THREADS] - head[:, None]
+        return out, head
+
+    def log_of_exp(dtype):  # exp underflows below -103 in float32 (a GPU), -745 in float64
+        def model():  # (the simulator runs math.exp in float64)
+            shifted = (x64 - top[:, None]).to(dtype)
+            return torch.log(torch.exp(shifted) / (lse - top).exp().to(dtype)[:, None]).double()
+
+        return model
+
+    found_out = [(MISTAKE_KERNEL_NAN, all_nan((R, N))),
+                 (MISTAKE_KERNEL_LSE_NO_M, lambda: x64 - (lse - top)[:, None]),
+                 (MISTAKE_KERNEL_SOFTMAX, lambda: torch.exp(x64 - lse[:, None])),
+                 (MISTAKE_KERNEL_NO_STRIDE, lambda: first_block()[0]),
+                 (MISTAKE_KERNEL_LOG_EXP, log_of_exp(torch.float32)),
+                 (MISTAKE_KERNEL_LOG_EXP, log_of_exp(torch.float64))]  # fmt: skip
+    found_lse = [(MISTAKE_KERNEL_NAN, all_nan((R,))),
+                 (MISTAKE_KERNEL_LSE_NO_M, lambda: lse - top),
+                 (MISTAKE_KERNEL_NO_STRIDE, lambda: first_block()[1])]  # fmt: skip
+    return found_out, found_lse
+
+
 def _compare_kernel(x, out, lse, where, hint):
     atol, rtol = tolerance(torch.float32, float(x.abs().max()))
+    slips_out, slips_lse = _kernel_mistakes(x)
     compare("out", out, log_softmax_reference(x), case=where, atol=atol, rtol=rtol, hint=hint,
-            poisoned=True)  # fmt: skip
+            poisoned=True, mistakes=slips_out)  # fmt: skip
     compare("lse", lse, reference.logsumexp(x), case=where, atol=atol, rtol=rtol,
-            hint=hint if hint is not HINT_KERNEL else HINT_KERNEL_LSE, poisoned=True)
+            hint=hint if hint is not HINT_KERNEL else HINT_KERNEL_LSE, poisoned=True,
+            mistakes=slips_lse)  # fmt: skip
 
 
 def _kernel_case(case, R, N, *, std=3.0, hint=HINT_KERNEL):
@@ -555,6 +1014,12 @@ def _kernel_case(case, R, N, *, std=3.0, hint=HINT_KERNEL):
         except IndexError as exc:  # the simulator checks every index; a GPU would not
             raise CheckFailure(where, f"a thread indexed out of bounds: {exc}",
                                HINT_KERNEL_SHORT) from None  # fmt: skip
+        except ValueError as exc:  # the simulator's math.log(0); a GPU gives -inf
+            if "math domain error" not in str(exc):
+                raise
+            raise CheckFailure(where, f"a thread took the log of 0 (the simulator's {exc}; a "
+                               "GPU would write -inf)", MISTAKE_KERNEL_LOG_EXP.hint_for("out")
+                               ) from None  # fmt: skip
         assert_unchanged(snap, case=where)
         _compare_kernel(x, out, lse, where, hint)
 
@@ -621,11 +1086,15 @@ _add(softmax_kernel, "3 rows x 7 (shorter than the block)", _kernel_case, 3, 7,
      hint=HINT_KERNEL_SHORT)
 _add(softmax_kernel, "each x[row, j] read at most twice (counted), 2 rows x 70", _reads_case,
      2, 70)
+_add(softmax_kernel, "2 rows x 40, logits of std 1000", _kernel_case, 2, 40, std=1000.0,
+     hint=HINT_KERNEL_LARGE)
+_add(softmax_kernel, "2 rows x 32 (exactly one block)", _kernel_case, 2, 32)
+_add(softmax_kernel, "2 rows x 1 (length 1)", _kernel_case, 2, 1, hint=HINT_KERNEL_ONE)
 _add(softmax_kernel, "3 rows x 1 (length 1)", _kernel_case, 3, 1, hint=HINT_KERNEL_ONE,
      hidden=True)
 _add(softmax_kernel, "2 rows x 100, logits of std 1000", _kernel_case, 2, 100, std=1000.0,
      hint=HINT_KERNEL_LARGE, hidden=True)
-_add(softmax_kernel, "2 rows x 32 (exactly one block)", _kernel_case, 2, 32, hidden=True)
+_add(softmax_kernel, "3 rows x 32 (exactly one block)", _kernel_case, 3, 32, hidden=True)
 _add(softmax_kernel, "rows much longer than the block", _kernel_case,
      *pick(gpu=(300, 5003), cpu=(2, 131)), hint=HINT_KERNEL_LONG, hidden=True)
 _add(softmax_kernel, "read at most twice, rows shorter than the block (counted)", _reads_case,
@@ -635,10 +1104,12 @@ __all__ = [
     "THREADS",
     "access_counts",
     "log_softmax_reference",
+    "merge_along",
     "merge_randomly",
     "merge_states",
     "online_attention_row",
     "online_softmax",
+    "sink_softmax_reference",
     "softmax_kernel",
     "stable_softmax",
     "state_of",
