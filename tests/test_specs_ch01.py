@@ -7,6 +7,7 @@ import torch
 from spec_helpers import Slip
 
 from course_utils import grader, reference
+from course_utils.harness.ch01 import measured_peak_bytes
 from course_utils.specs import ch01
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
@@ -335,14 +336,14 @@ def test_peak_is_measured_not_computed():
     for shape in [(1, 2, 33, 7, 16, 8), (2, 1, 5, 64, 8, 64), (1, 1, 1, 9, 4, 1),
                   (3, 2, 100, 70, 16, 32)]:  # fmt: skip
         for dtype, b in ((torch.float32, 4), (torch.bfloat16, 2)):
-            assert ch01.measured_peak_bytes(*shape, dtype) == peak_right(*shape, b)
-        assert ch01.measured_peak_bytes(*shape, device="cpu") == peak_right(*shape, 4)
+            assert measured_peak_bytes(*shape, dtype) == peak_right(*shape, b)
+        assert measured_peak_bytes(*shape, device="cpu") == peak_right(*shape, 4)
 
 
 def test_peak_prediction_may_not_run_the_code():
     def run_it(B, H, Nq, Nk, d, Br, b):
         dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[b]
-        return ch01.measured_peak_bytes(B, H, Nq, Nk, d, Br, dtype)
+        return measured_peak_bytes(B, H, Nq, Nk, d, Br, dtype)
 
     assert grader.check("01.memory_formula", run_it).status == "forbidden"
 
