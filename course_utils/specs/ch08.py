@@ -392,9 +392,9 @@ torch_backward = Exercise(
 
 SLIP_B_REBOUND = Mistake(
     "a rebound name instead of an in-place add into the view",
-    "`dK_j = dK_j + ...` (or dV_j) builds a new tensor and points the name at it; the view into "
-    "dK (dV) that the loop gave you is never written, so the result stays 0. Add into the view "
-    "itself: `dK_j += ...` writes through to dK")
+    "`dK_j = dK_j + ...` or `dV_j = dV_j + ...` builds a new tensor and points the name at it; "
+    "the view into dK or dV that the loop gave you is never written, so that gradient stays 0. "
+    "Add into the view itself: `+=` on the view writes through to dK, dV")
 SLIP_B_MEAN = Mistake(
     "the G query heads averaged instead of summed",
     "a K/V head used by G query heads gets the SUM of their contributions (a tensor used several "
