@@ -16,9 +16,9 @@ needs_compiler = pytest.mark.skipif(
 
 
 def _max_registers(threads, min_blocks, shared_bytes, *, quarters=True, unit=256, reserve=1024,
-                   smem_unit=128, cap=255):  # fmt: skip
+                   smem_unit=128, cap=255, partial_warp=True):  # fmt: skip
     """The closed form, with the parts a student may forget as switches."""
-    warps = math.ceil(threads / 32)
+    warps = math.ceil(threads / 32) if partial_warp else max(1, threads // 32)
     smem = math.ceil((shared_bytes + reserve) / smem_unit) * smem_unit
     if (
         threads > 1024
@@ -196,6 +196,8 @@ NAMED_MISTAKES = [
          lambda: lambda t, b, s: _max_registers(t, b, s, reserve=0), "1 KiB"),
     Slip("06.launch_bounds", "shared not rounded to 128 B",
          lambda: lambda t, b, s: _max_registers(t, b, s, smem_unit=1), "45666", "128 B"),
+    Slip("06.launch_bounds", "partial warp dropped",
+         lambda: lambda t, b, s: _max_registers(t, b, s, partial_warp=False), "a partial warp"),
     Slip("06.launch_bounds", "no 255 cap",
          lambda: lambda t, b, s: _max_registers(t, b, s, cap=65536), "at most 255"),
     Slip("06.flash_budget", "no S tile", _slip(s_tile=False), "the S tile left out"),

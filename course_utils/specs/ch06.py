@@ -79,6 +79,12 @@ def _bounds_hint(got, threads, min_blocks, shared_bytes, expected):
             "and shared memory: each block takes shared_bytes + 1 KiB reserved, rounded up to "
             "128 B, out of 228 KiB"
         )
+    floor_warps = min_blocks * (threads // 32) or 1
+    if threads % 32 and got == min(255, (16384 // math.ceil(floor_warps / 4)) // 256 * 256 // 32):
+        return (
+            f"{threads} threads are {warps} warps, the last one partial: a partial warp takes a "
+            "whole warp slot and a whole warp's registers (ceil(threads / 32))"
+        )
     if got == min(255, 65536 // (threads * min_blocks)):
         return (
             "65536 / (threads * blocks) ignores how registers are handed out: per warp, in units "
@@ -138,7 +144,8 @@ launch_bounds.case("shared rounded up to 128 B: 5 blocks of 45666 B cannot fit")
 launch_bounds.case("shared rounded up to 128 B, more sizes", hidden=True)(
     _bounds_case((128, 5, 45500), (64, 3, 75000))
 )
-launch_bounds.case("partial warps", hidden=True)(_bounds_case((100, 3, 0), (33, 7, 0)))
+launch_bounds.case("a partial warp: 33 threads x 7 blocks")(_bounds_case((33, 7, 0)))
+launch_bounds.case("partial warps", hidden=True)(_bounds_case((100, 3, 0), (65, 9, 0)))
 launch_bounds.case("FlashAttention-like: 256 threads, 2 blocks, 85 KB", hidden=True)(
     _bounds_case((256, 2, 84992), (256, 3, 70000))
 )
@@ -345,7 +352,10 @@ flash_budget.case("Br=128, d=64, 256 threads, fp16, 2 stages, 3 blocks: allocati
 flash_budget.case("Br=128, d=256, 128 threads: O alone needs 258 registers -> 0")(
     _bc_case((128, 256, 128, 2, 2, 1))
 )
-flash_budget.case("fp32, 256 threads, d = 128", hidden=True)(_bc_case((64, 128, 256, 4, 2, 1)))
+flash_budget.case("fp32 inputs: Br=64, d=128, 256 threads, 2 stages, 1 block")(
+    _bc_case((64, 128, 256, 4, 2, 1))
+)
+flash_budget.case("fp32, 128 threads, d = 64", hidden=True)(_bc_case((128, 64, 128, 4, 3, 1)))
 flash_budget.case("one warp, 4 blocks", hidden=True)(_bc_case((32, 64, 32, 2, 2, 4)))
 flash_budget.case("4 stages, 3 blocks", hidden=True)(_bc_case((64, 64, 128, 2, 4, 3)))
 
