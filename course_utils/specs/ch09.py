@@ -689,6 +689,13 @@ gqa_dkdv.case("float16, causal, multi-query (4 query heads, 1 K/V head), Nq=Nk=4
     _gqa_case((C(f"causal, H_Q=4, H_KV=1, Nq=Nk=40, d={D32}", 1, 4, 40, 40, D32, causal=True,
                  hint=_HG["causal"]), 1, LOW))
 )
+gqa_dkdv.case("causal, Nq=40 > Nk=13 and Nq=7 < Nk=50, scale 0.5; and Nq=Nk=1")(
+    _gqa_case((C(f"causal, scale=0.5, H_Q=2, H_KV=1, Nq=40, Nk=13, d={D16}", 1, 2, 40, 13, D16,
+                 causal=True, scale=0.5, hint=_HG["causal"]), 1, F32),
+              (C(f"causal, H_Q=4, H_KV=2, Nq=7, Nk=50, d={D16}", 1, 4, 7, 50, D16, causal=True,
+                 hint=_HG["causal"]), 2, F32),
+              (C(f"H_Q=4, H_KV=2, Nq=Nk=1, d={D16}", 1, 4, 1, 1, D16, hint=_HG["ragged"]), 2, F32))
+)
 gqa_dkdv.case("causal, Nq=50 > Nk=21 and Nq=9 < Nk=60, GROUP=2", hidden=True)(
     _gqa_case((C(f"causal, H_Q=2, H_KV=1, Nq=50, Nk=21, d={D16}", 1, 2, 50, 21, D16,
                  causal=True, hint=_HG["causal"]), 1, F32),
