@@ -999,7 +999,7 @@ cuda_tiled_qk.case("100 x 77 x 45: partial tiles in Nq, Nk and d")(_cuda_case(10
 cuda_tiled_qk.case("33 x 40 x 5: d < TILE, one k step")(_cuda_case(33, 40, 5))
 cuda_tiled_qk.case("1 x 1 x 1", hidden=True)(_cuda_case(1, 1, 1))
 cuda_tiled_qk.case("larger, not multiples", hidden=True)(
-    _cuda_case(*pick(gpu=(1025, 513, 1000), cpu=(300, 200, 100)))
+    _cuda_case(*pick(gpu=(1025, 513, 1000), cpu=(200, 150, 70)))
 )
 cuda_tiled_qk.case("4099 queries, 3 keys, d = 17", hidden=True)(_cuda_case(4099, 3, 17))
 
