@@ -221,6 +221,8 @@ _add(stable_softmax, "rows of magnitude 1e4 far apart, sinks near each row's max
      _sink_case, lambda: _far_apart_rows(5, 40), HINT_SINK_LARGE)
 _add(stable_softmax, "masked entries (-inf); rows 1 and 3 fully masked, 6 x 33", _sink_case,
      lambda: _masked_rows(6, 33), HINT_SINK_MASKED)
+_add(stable_softmax, "length 1 (N = 1), 3 x 1", _sink_case,
+     lambda: (_randn(3, 1, std=3.0), _randn(3, std=3.0)), HINT_SINK_ONE)
 _add(stable_softmax, "length 1 (N = 1), 4 x 1", _sink_case,
      lambda: (_randn(4, 1, std=3.0), _randn(4, std=3.0)), HINT_SINK_ONE, hidden=True)
 _add(stable_softmax, "non-power-of-two length, 3 x 1000", _sink_case,
@@ -626,6 +628,7 @@ _add(merge_states, "two halves, 4 rows, each half holding the max of 2 rows", _m
 _add(merge_states, "5 parts merged along a random tree", _merge_case, 4, 50, 8, 5)
 _add(merge_states, "empty and fully masked parts (m = -inf)", _merge_case, 3, 40, 4, 6,
      empty_parts=True, masked_parts=2, empties_first=True)
+_add(merge_states, "one key per part, dv = 1, 6 parts", _merge_case, 3, 6, 1, 6)
 _add(merge_states, "16 parts, some empty, random tree", _merge_case, 3, 30, 4, 16,
      empty_parts=True, hidden=True)
 _add(merge_states, "large scores (std 100)", _merge_case, 4, 64, 8, 6, std=100.0, hidden=True)
@@ -699,6 +702,10 @@ MISTAKE_ROW_READS_ALL = Mistake(
     "blocks outside the window read",
     HINT_ROW_SKIP,
 )
+MISTAKE_ROW_SCALE = Mistake(
+    "the scale hard-coded as 1/sqrt(d)",
+    HINT_ROW_SCALE,
+)
 MISTAKE_ROW_LOG2 = Mistake(
     "lse in base 2",
     "lse is the natural log: m + log(l), where m is the max of the scaled scores (not log2, "
@@ -728,6 +735,13 @@ def _row_mistakes(q, K, V, scale, i, window, Bc):
     found_o = [(MISTAKE_ROW_READS_ALL, nan_o)]  # first: a window one key too long may read one
     found_o += [(mk, lambda r=r: over(*r)[0][0]) for mk, r in ranges]
     found_lse = [(mk, lambda r=r: over(*r)[1][0]) for mk, r in ranges]
+
+    def default_scale():
+        d = q.shape[0]
+        return reference.attention(q[None], K[lo:hi + 1], V[lo:hi + 1], scale=d ** -0.5)
+
+    found_o.append((MISTAKE_ROW_SCALE, lambda: default_scale()[0][0]))
+    found_lse.append((MISTAKE_ROW_SCALE, lambda: default_scale()[1][0]))
 
     def base2():
         S = scale * (K[lo:hi + 1].double() @ q.double())
@@ -844,6 +858,8 @@ def _rows_case(case, rows):
 _add(online_attention_row, "query at a block start (i = 48, Bc = 16), window starting on a "
      "block edge (lo = 32), key i scoring high, a huge score just after i", _rows_case,
      [(64, 16, 16, 48, 17, {"std": 4.0, "trap": 80.0, "own": 12.0, "hint": HINT_ROW_EDGES})])
+_add(online_attention_row, "scale = 0.5 (not 1/sqrt(d))", _row_case, 48, 16, 16, 40, 20,
+     scale=0.5, hint=HINT_ROW_SCALE)
 _add(online_attention_row, "tile edges: first query i = 0; window = 1 at a block start; Bc = 1; "
      "Bc > N", _rows_case,
      [(24, 8, 8, 0, 4, {}), (40, 8, 8, 24, 1, {"std": 4.0, "trap": 80.0}),
@@ -1086,6 +1102,8 @@ _add(softmax_kernel, "3 rows x 7 (shorter than the block)", _kernel_case, 3, 7,
      hint=HINT_KERNEL_SHORT)
 _add(softmax_kernel, "each x[row, j] read at most twice (counted), 2 rows x 70", _reads_case,
      2, 70)
+_add(softmax_kernel, "read at most twice, 2 rows x 9 (shorter than the block, counted)",
+     _reads_case, 2, 9)
 _add(softmax_kernel, "2 rows x 40, logits of std 1000", _kernel_case, 2, 40, std=1000.0,
      hint=HINT_KERNEL_LARGE)
 _add(softmax_kernel, "2 rows x 32 (exactly one block)", _kernel_case, 2, 32)
