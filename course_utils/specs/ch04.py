@@ -9,7 +9,10 @@ K's rows, not its columns, and the inner product reads it transposed.
   ``qk_tiled_kernel[grid, (TILE, TILE)](Q, K, S)``, ``grid = (ceil(Nk / TILE), ceil(Nq / TILE))``
   (x -> columns of S, i.e. keys; y -> rows, queries). In the simulator a traced launch
   (``harness.ch04:traced_qk``, in the student's process) also checks that every warp load of Q
-  and of K is coalesced: K's tile is loaded along d, as K is stored.
+  and of K is coalesced: K's tile is loaded along d, as K is stored. A wrong S is explained:
+  in the simulator, threads of a block that passed different numbers of barriers (an early
+  return, counted by ``harness.ch04:barrier_counts`` in a second launch); otherwise the float64
+  models of the lecture's read of the tile, a skipped partial k step and stale tiles.
 - ``04.global_reads``: ``global_reads(Nq, Nk, d, Br, Bc)``, the elements of Q and K loaded from
   global memory by a tiled kernel whose blocks each compute a Br x Bc tile of S (guarded loads
   outside the matrices read nothing). The reference enumerates every block and every k step.
