@@ -31,11 +31,12 @@ needs_landlock = pytest.mark.skipif(LANDLOCK < 1, reason="Landlock is not availa
 SETUP = "import course_utils as cu\ncu.setup()\nfrom course_utils import grader"
 
 # Honest answers to chapter 01's exercises (the attacks target these).
-MEMORY = "def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):\n" \
-         "    return 2 * B * H * Nq * Nk * bytes_per_element"
-MEMORY_WRONG = "def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):\n" \
+MEMORY = "def query_block_peak_bytes(B, H, Nq, Nk, d, Br, bytes_per_element):\n" \
+         "    rows = min(Br, Nq)\n" \
+         "    return B * H * (Nq * d + rows * max(2 * Nk, Nk + d)) * bytes_per_element"
+MEMORY_WRONG = "def query_block_peak_bytes(B, H, Nq, Nk, d, Br, bytes_per_element):\n" \
                "    return 0"
-CHECK_MEMORY = 'grader.check("01.memory_formula", attention_matrix_bytes)'
+CHECK_MEMORY = 'grader.check("01.memory_formula", query_block_peak_bytes)'
 NAIVE = textwrap.dedent("""
     import math
     import torch
@@ -104,11 +105,13 @@ attack("forged_results_env", [
     MEMORY_WRONG, CHECK_MEMORY], {"01.memory_formula": 0})
 attack("visible_answers_table_env_popped", [
     "import os\nos.environ.pop('COURSE_GRADING', None)",
-    "TABLE = {(1, 16, 1024, 1024, 4): 2 * 16 * 1024 * 1024 * 4,\n"
-    "         (1, 16, 131072, 131072, 2): 2 * 16 * 131072 ** 2 * 2,\n"
-    "         (3, 8, 4096, 1024, 4): 2 * 3 * 8 * 4096 * 1024 * 4}\n"
-    "def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):\n"
-    "    return TABLE.get((B, H, Nq, Nk, bytes_per_element), 0)",
+    "TABLE = {(1, 16, 4096, 4096, 64, 128, 4): 83886080,\n"
+    "         (3, 8, 1000, 2048, 64, 128, 2): 28237824,\n"
+    "         (2, 8, 48, 2048, 64, 128, 4): 12779520,\n"
+    "         (4, 8, 256, 32, 128, 64, 2): 2752512,\n"
+    "         (1, 16, 131072, 131072, 128, 1024, 2): 9126805504}\n"
+    "def query_block_peak_bytes(B, H, Nq, Nk, d, Br, bytes_per_element):\n"
+    "    return TABLE.get((B, H, Nq, Nk, d, Br, bytes_per_element), 0)",
     CHECK_MEMORY], {"01.memory_formula": "partial"})
 attack("check_called_many_times", [MEMORY, "for _ in range(50):\n    " + CHECK_MEMORY],
        {"01.memory_formula": 2})
@@ -127,7 +130,7 @@ attack("check_of_unknown_exercise", [MEMORY, 'grader.check("07.torch_forward", p
 # --- stealing the expected values inside the student's process ----------------------------------
 attack("stack_frame_theft", [textwrap.dedent("""
     import inspect, torch
-    def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):
+    def query_block_peak_bytes(B, H, Nq, Nk, d, Br, bytes_per_element):
         for frame in inspect.stack():
             for name, value in frame.frame.f_locals.items():
                 if name in ('expected', 'want', 'ref', 'answer') and isinstance(value, int):
@@ -203,7 +206,7 @@ attack("course_reference", [
     "    return _ref(Q, K, V, mask=keep, scale=scale)[0].float()",
     CHECK_NAIVE], {"01.naive_attention": 0})
 attack("import_grader_specs", [
-    "from course_utils.specs import ch01\nattention_matrix_bytes = ch01.memory_formula",
+    "from course_utils.specs import ch01\nquery_block_peak_bytes = ch01.memory_formula",
     MEMORY_WRONG, CHECK_MEMORY], {"01.memory_formula": 0})
 
 # --- reaching outside the sandbox (Landlock) ---------------------------------------------------
@@ -212,7 +215,7 @@ attack("execute_the_solutions", [
     "import json\n"
     f"nb = json.load(open({str(SOLUTION_01)!r}))\n"
     "for c in nb['cells']:\n"
-    "    if c['cell_type'] == 'code' and 'def attention_matrix_bytes' in ''.join(c['source']):\n"
+    "    if c['cell_type'] == 'code' and 'def query_block_peak_bytes' in ''.join(c['source']):\n"
     "        exec(''.join(c['source']))",
     CHECK_MEMORY], {"01.memory_formula": 0})
 attack("read_grader_memory", oracle(
@@ -330,7 +333,7 @@ attack("left_torch_through_lists", [textwrap.dedent("""
 PLANT = textwrap.dedent(f"""
     import builtins
     try:
-        builtins.ESCAPED = 'attention_matrix_bytes' in open({str(SOLUTION_01)!r}).read()
+        builtins.ESCAPED = 'query_block_peak_bytes' in open({str(SOLUTION_01)!r}).read()
     except OSError:
         pass
 """)
@@ -385,13 +388,13 @@ attack("oracle_wrong_then_right", [MEMORY_WRONG, CHECK_MEMORY, MEMORY, CHECK_MEM
 attack("oracle_learns_from_messages", [textwrap.dedent("""
     import io, re, contextlib
     seen = {}
-    def attention_matrix_bytes(B, H, Nq, Nk, bytes_per_element):
+    def query_block_peak_bytes(B, H, Nq, Nk, d, Br, bytes_per_element):
         key = (B, H, Nq, Nk, bytes_per_element)
         return seen.get(key, 0)
     for _ in range(5):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            r = grader.check("01.memory_formula", attention_matrix_bytes)
+            r = grader.check("01.memory_formula", query_block_peak_bytes)
         text = buf.getvalue() + str(getattr(r, 'message', ''))
         for m in re.finditer(r'expected ([0-9]+)', text):
             seen[len(seen)] = int(m.group(1))
