@@ -108,6 +108,12 @@ def test_online_softmax_forgets_the_partial_block():
     assert "partial" in f.hint
 
 
+def test_online_softmax_over_the_whole_row_scores_nothing():
+    r = grader.check("02.online_softmax", whole_row_softmax)
+    assert r.status == "failed" and r.passed == 2, r.message  # the 2 hidden cases of one block
+    assert "amax" in r.message and "a whole-row softmax" in r.message
+
+
 def test_online_softmax_may_not_call_softmax():
     assert grader.check("02.online_softmax", lambda x, b: x.softmax(-1)).status == "forbidden"
 

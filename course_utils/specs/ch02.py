@@ -7,8 +7,9 @@
   plain softmax.
 - ``02.online_softmax``: ``online_softmax(x, block)``, the plain softmax, reading each row in
   blocks of ``block`` columns while keeping a running max ``m`` and running sum ``l`` per row.
-  Measured (``harness.ch02.block_widths``): no operator may touch more than one block,
-  ``R x block`` elements, so a whole-row softmax fails however right its values.
+  Every case is measured (``harness.ch02.block_widths``): no operator may touch more than one
+  block, ``R x block`` elements, so a whole-row softmax fails every case however right its
+  values.
 - ``02.merge_states``: ``merge(state_a, state_b)`` of partial softmax states ``(m, l, acc)``,
   property-tested: the states of random key splits are merged along a random binary tree.
 - ``02.online_attention_row``: ``online_attention_row(q, K, V, Bc, scale, i, window) ->
@@ -335,49 +336,40 @@ def _online_mistakes(x, block):
             (MISTAKE_NAN_MASKED_BLOCK, masked_first), (MISTAKE_TAIL_SKIPPED, tail_skipped)]
 
 
-def _check_online(out, x, block, case, hint):
+def _run_online(candidate, x, block, case, hint):
+    """Run the candidate under ``harness.ch02.block_widths`` and check its output, then its
+    widest operation: none may touch more than one block of ``x`` (R x block elements), the
+    output's allocation aside. Values first, so that a wrong answer gets its diagnosis."""
+    R, N = x.shape
+    snap = snapshot(x, names=["x"])
+    out, widest, op = sequence(
+        invoke(candidate, "course_utils.harness.ch02:block_widths", x, block), 3,
+        what="the measured call", case=case)  # fmt: skip
+    assert_unchanged(snap, case=case)
     compare("softmax", out, reference.softmax(x), case=case, dtype=torch.float32, hint=hint,
             mistakes=_online_mistakes(x, block))  # fmt: skip
+    limit = R * min(block, N)
+    if not isinstance(widest, int) or isinstance(widest, bool) or widest > limit:
+        raise CheckFailure(case, f"an operation ({returned_text(op, 80)}) worked on "
+                           f"{brief(widest)} elements at once; one block of x has R x block = "
+                           f"{limit}, the whole x {R * N}", HINT_WHOLE_ROW)  # fmt: skip
 
 
 def _online_case(case, make_x, block, hint):
-    def run(fn):
+    """One call, measured (every case is: a whole-row softmax is not the exercise)."""
+    def run(candidate):
         x = make_x()
-        out = _call(fn, (x, block), ["x"], case)
-        _check_online(out, x, block, case, hint)
+        _run_online(candidate, x, block, f"{case} [R = {x.shape[0]}, measured]", hint)
 
     return run
 
 
 def _online_edges_case(case, shapes):
     """Several (R, N, block) at once: the edges of the block loop."""
-    def run(fn):
-        for R, N, block in shapes:
-            x = _growing_rows(R, N, 50.0)
-            where = f"{case} [R = {R}, N = {N}, block = {block}]"
-            _check_online(_call(fn, (x, block), ["x"], where), x, block, where, HINT_PARTIAL)
-
-    return run
-
-
-def _measured_online_case(case, make_x, block, hint):
-    """The call runs under ``harness.ch02.block_widths``: no operation may touch more than one
-    block of ``x`` (R x block elements), the output's allocation aside."""
     def run(candidate):
-        x = make_x()
-        R, N = x.shape
-        where = f"{case} [R = {R}, N = {N}, block = {block}]"
-        snap = snapshot(x, names=["x"])
-        out, widest, op = sequence(
-            invoke(candidate, "course_utils.harness.ch02:block_widths", x, block), 3,
-            what="the measured call", case=where)  # fmt: skip
-        assert_unchanged(snap, case=where)
-        _check_online(out, x, block, where, hint)
-        limit = R * min(block, N)
-        if not isinstance(widest, int) or isinstance(widest, bool) or widest > limit:
-            raise CheckFailure(where, f"an operation ({returned_text(op, 80)}) worked on "
-                               f"{brief(widest)} elements at once; one block of x has R x block "
-                               f"= {limit}, the whole x {R * N}", HINT_WHOLE_ROW)  # fmt: skip
+        for R, N, block in shapes:
+            where = f"{case} [R = {R}, N = {N}, block = {block}, measured]"
+            _run_online(candidate, _growing_rows(R, N, 50.0), block, where, HINT_PARTIAL)
 
     return run
 
@@ -396,8 +388,8 @@ def _masked_first_blocks(R, N, block):
     return x
 
 
-_add(online_softmax, "block by block: no operation on more than one block, N = 64, block = 16",
-     _measured_online_case, lambda: _randn(5, 64, std=3.0), 16, HINT_ONLINE)
+_add(online_softmax, "block = 16, N = 64 (block divides N): no operation on more than one "
+     "block", _online_case, lambda: _randn(5, 64, std=3.0), 16, HINT_ONLINE)
 _add(online_softmax, "block = 16, N = 50 (last block partial), 5 rows", _online_case,
      lambda: _randn(5, 50, std=3.0), 16, HINT_PARTIAL)
 _add(online_softmax, "logits growing to about 1e4, block = 8, N = 40", _online_case,
@@ -412,8 +404,8 @@ _add(online_softmax, "block >= N (one block), block = 64, N = 37", _online_case,
      lambda: _randn(4, 37, std=3.0), 64, HINT_PARTIAL, hidden=True)
 _add(online_softmax, "N = 1, block = 4", _online_case,
      lambda: _randn(3, 1, std=3.0), 4, HINT_PARTIAL, hidden=True)
-_add(online_softmax, "logits of magnitude 1e4 in random order, block = 7, N = 100, measured",
-     _measured_online_case, lambda: _rows_of_scale(4, 100, 1e4), 7, HINT_RESCALE, hidden=True)
+_add(online_softmax, "logits of magnitude 1e4 in random order, block = 7, N = 100",
+     _online_case, lambda: _rows_of_scale(4, 100, 1e4), 7, HINT_RESCALE, hidden=True)
 
 # ----------------------------------------------------------------------------- merge states
 
