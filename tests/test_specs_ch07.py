@@ -1,11 +1,19 @@
-"""Chapter 07's graded cases catch the bugs students make, with advice that names the fix."""
+"""Chapter 07's graded cases catch the bugs students make, with advice that names the fix.
+
+The right answers are the solution notebook's own cells (written to a module); each named slip
+(``NAMED_MISTAKES``) is that code with one edit, and must fail a *visible* case whose hint names
+it: a student sees the diagnosis in the notebook, not after handing in.
+"""
 
 import math
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from numba import cuda, float32
+from numba import cuda
+from spec_helpers import Slip, module_builder, solution_source
 
 from course_utils import grader
 from course_utils.harness import ch07 as harness
@@ -13,8 +21,109 @@ from course_utils.specs import ch07
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
-D, BR, BC = harness.ONLINE_D, harness.ONLINE_BR, harness.ONLINE_BC
-NEG_INF = float32(-math.inf)
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "07_flash_attention_forward.ipynb"
+_build = module_builder(
+    Path(tempfile.mkdtemp(prefix="ch07_")),
+    solution_source(SOLUTION, lambda s: "cu.setup()" not in s and "grader.check(" not in s),
+    "ch07",
+)
+_modules = {}
+
+
+def build(*edits):
+    """The solution's module with ``(old, new)`` edits (each must match), built once."""
+    if edits not in _modules:
+        _modules[edits] = _build(*edits)
+    return _modules[edits]
+
+
+def forward(*edits):
+    return build(*edits).flash_attention_forward
+
+
+def online(*edits):
+    return build(*edits).online_kernel
+
+
+def tile_range(*edits):
+    return build(*edits).kv_tile_range
+
+
+# ----------------------------------------------------------------------------- named slips
+
+F, O, R = "07.torch_forward", "07.online_update", "07.causal_skip"
+
+
+def _every_tile():  # the mask does all the work: no tile is skipped
+    return forward(("for c0 in range(lo // Bc * Bc, hi + 1, Bc):",
+                    "for c0 in range(0, Nk, Bc):"))
+
+
+NAMED_MISTAKES = [
+    # 07.torch_forward
+    Slip(F, "no rescale", lambda: forward(("l = l * alpha +", "l = l +"),
+                                          ("acc = acc * alpha +", "acc = acc +")),
+         "no rescale by alpha"),
+    Slip(F, "exp2 in place of exp", lambda: forward(("alpha = torch.exp(", "alpha = torch.exp2("),
+                                                    ("P = torch.exp(", "P = torch.exp2(")),
+         "exp2 where exp belongs"),
+    Slip(F, "missing -inf guard", lambda: forward(
+        ("base = m_next.nan_to_num(neginf=0.0)", "base = m_next"),
+        ("torch.where(seen, acc / torch.where(seen, l, 1.0), 0.0)", "acc / l"),
+        ("torch.where(seen, m + torch.log(l), -math.inf)", "(m + torch.log(l))")),
+         "missing -inf guard"),
+    Slip(F, "top-left alignment", lambda: forward(("shift = Nk - Nq", "shift = 0")),
+         "top-left alignment"),
+    Slip(F, "window ignored", lambda: forward(
+        ("hidden = hidden | (keys <= pos - window)", "pass"),
+        ("lo = 0 if window is None else max(r0 + shift - window + 1, 0)", "lo = 0")),
+         "window ignored"),
+    Slip(F, "window off by one", lambda: forward(("keys <= pos - window", "keys < pos - window"),
+                                                 ("- window + 1, 0)", "- window, 0)")),
+         "window off by one"),
+    Slip(F, "range stops one tile early", lambda: forward(
+        ("range(lo // Bc * Bc, hi + 1, Bc)", "range(lo // Bc * Bc, hi, Bc)")),
+         "Nq=Nk=33", "last K/V tile skipped"),
+    Slip(F, "m = the guarded max", lambda: forward(("m = m_next", "m = base")),
+         "scores near -120", "the running max must stay the max"),
+    Slip(F, "every tile visited", _every_tile, "NaN outside tiles", "visit only the tiles"),
+    # 07.online_update
+    Slip(O, "old o not reweighted", lambda: online(("o[k] *= share", "o[k] *= 1.0")),
+         "old o not reweighted"),
+    Slip(O, "new terms weighted by exp(s - max)", lambda: online(
+        ("w = math.exp(s[c] - lse_new)", "w = math.exp(s[c] - top)")),
+         "new terms not normalised"),
+    Slip(O, "lse of the tile alone", lambda: online(
+        ("total = math.exp(lse - top)", "total = 0.0")), "lse of the tile alone"),
+    Slip(O, "no -inf guard", lambda: online(("if top != NEG_INF:", "if True:")),
+         "Nq=30, Nk=12", "missing -inf guard"),
+    # 07.causal_skip
+    Slip(R, "top-left alignment", lambda: tile_range(("shift = Nk - Nq", "shift = 0")),
+         "top-left alignment"),
+    Slip(R, "window ignored", lambda: tile_range(
+        ("lo = 0 if window is None else max(p_first - window + 1, 0)", "lo = 0")),
+         "left of the first row's window"),
+    Slip(R, "inclusive end", lambda: tile_range(("hi // Bc + 1", "hi // Bc")),
+         "one past the last"),
+    Slip(R, "window start off by one", lambda: tile_range(
+        ("p_first - window + 1", "p_first - window")), "window off by one"),
+    Slip(R, "window start not clipped at 0", lambda: tile_range(
+        ("max(p_first - window + 1, 0)", "p_first - window + 1")), "clipped at 0"),
+    Slip(R, "empty range not empty", lambda: tile_range(("return 0, 0", "return 0, 1")),
+         "empty range"),
+]
+
+
+@pytest.mark.parametrize("slip", NAMED_MISTAKES, ids=repr)
+def test_named_mistake(slip):
+    slip.fails()
+
+
+@pytest.mark.parametrize(("exercise_id", "candidate"), [(F, forward), (O, online),
+                                                         (R, tile_range)])
+def test_solution_passes_with_hidden_cases(exercise_id, candidate):
+    r = grader.check(exercise_id, candidate())
+    assert r.status == "passed" and r.hidden_run and r.score == r.points, r.message
 
 
 # ----------------------------------------------------------------------------- the mask
@@ -32,71 +141,37 @@ def test_window_keep_matches_its_picture():
 # ----------------------------------------------------------------------------- torch forward
 
 
-def torch_forward(Q, K, V, window=None, scale=None, Br=64, Bc=64, bug=None):
-    B, H, Nq, d = Q.shape
-    Nk = K.shape[2]
-    dev = Q.device
-    shift = 0 if bug == "top-left" else Nk - Nq
-    scale = 1 / math.sqrt(d) if scale is None else scale
-    if bug == "full mask":  # a whole (Nq, Nk) mask, built once
-        rows = torch.arange(Nq, device=dev)[:, None] + shift
-        cols = torch.arange(Nk, device=dev)[None, :]
-        full = (cols > rows) | ((cols <= rows - window) if window else False)
-    O = torch.zeros_like(Q)
-    LSE = torch.full((B, H, Nq), -math.inf, device=dev)
-    for r0 in range(0, Nq, Br):
-        r1 = min(r0 + Br, Nq)
-        pos = torch.arange(r0, r1, device=dev)[:, None] + shift
-        m = torch.full((B, H, r1 - r0, 1), -math.inf, device=dev)
-        l = torch.zeros_like(m)
-        acc = torch.zeros(B, H, r1 - r0, d, device=dev)
-        for c0 in range(0, Nk, Bc):
-            c1 = min(c0 + Bc, Nk)
-            S = scale * Q[:, :, r0:r1] @ K[:, :, c0:c1].transpose(-2, -1)
-            keys = torch.arange(c0, c1, device=dev)[None, :]
-            if bug == "full mask":
-                masked = full[r0:r1, c0:c1]
-            else:
-                masked = keys > pos
-                if window is not None and bug != "no window":
-                    masked = masked | (keys <= pos - window)
-            S = S.masked_fill(masked, -math.inf)
-            m_new = torch.maximum(m, S.amax(-1, keepdim=True))
-            m_use = m_new if bug == "nan" else torch.where(m_new == -math.inf, 0.0, m_new)
-            alpha = torch.exp(m - m_use) if bug != "no rescale" else torch.ones_like(m)
-            P = torch.exp(S - m_use)
-            l = alpha * l + P.sum(-1, keepdim=True)
-            acc = alpha * acc + P @ V[:, :, c0:c1]
-            m = m_new
-        if bug == "nan":
-            O[:, :, r0:r1] = acc / l
-            LSE[:, :, r0:r1] = (m + torch.log(l)).squeeze(-1)
-        else:
-            O[:, :, r0:r1] = torch.where(l > 0, acc / torch.where(l > 0, l, 1.0), 0.0)
-            LSE[:, :, r0:r1] = torch.where(l > 0, m + torch.log(l), -math.inf).squeeze(-1)
-    return O, LSE
-
-
-def _with(bug):
-    return lambda *a, **k: torch_forward(*a, bug=bug, **k)
-
-
-def test_torch_forward_passes_when_right():
-    r = grader.check("07.torch_forward", torch_forward)
-    assert r.status == "passed" and r.hidden_run, r.message
-
-
-@pytest.mark.parametrize(("bug", "case", "words"), [
-    ("no rescale", "Nq=Nk=100", "exp(m_old - m_new)"),  # a visible case: tiles of 16
-    ("top-left", "Nq=3, Nk=200", "bottom-right"),
-    ("nan", "Nq=90, Nk=37", "LSE = -inf"),
-    ("no window", "window=24", "p - window < c <= p"),
-    ("full mask", "Nq=Nk=512", "never holds a tensor"),
-])  # fmt: skip
-def test_torch_forward_bugs_fail_visibly(monkeypatch, bug, case, words):
+def test_torch_forward_full_mask_is_caught(monkeypatch):
     monkeypatch.delenv(grader.GRADING_ENV)  # the visible cases alone must catch it
-    r = grader.check("07.torch_forward", _with(bug))
-    assert r.status == "failed" and case in r.message and words in r.message, r.message
+    r = grader.check(F, _materialising)
+    assert r.status == "failed" and "never holds a tensor" in r.message, r.message
+
+
+def _materialising(Q, K, V, window=None, scale=None, Br=64, Bc=64):
+    """The right answer, plus a whole (Nq, Nk) mask built once (and not even used)."""
+    Nq, Nk = Q.shape[2], K.shape[2]
+    full = torch.ones(Nq, Nk, dtype=torch.bool, device=Q.device)
+    O, LSE = forward()(Q, K, V, window=window, scale=scale, Br=Br, Bc=Bc)
+    return O + 0 * full.sum(), LSE
+
+
+def test_guarded_max_trap_scores_are_very_negative():
+    case = ch07.C("trap", 1, 1, 64, 64, 16)
+    q, k, _ = ch07.very_negative_scores(case)
+    S = (q.double() @ k.double().transpose(-2, -1)) / 4
+    assert S.max() < -104 and S.min() > -140  # exp(S) underflows float32; exp(S - max) does not
+
+
+def test_slip_models_differ_from_the_answer():
+    """Each model gives a wrong answer on the visible cases that name it (else it names nothing)."""
+    case = ch07.C("m", 1, 1, 33, 33, 16)
+    q, k, v = ch07.random_qkv(case)
+    models = ch07.forward_mistakes(q, k, v, 1, 0.25, 8, 8)
+    want = ch07.reference.attention(q, k, v, scale=0.25, mask=ch07.window_keep(33, 33, 1))
+    names = {slip.name for slip, wrong in models["O"]
+             if not torch.allclose(wrong(), want[0], equal_nan=False)}
+    assert {"last K/V tile skipped (off by one at the tile edge)", "window off by one",
+            "window ignored"} <= names, names  # top-left: the same mask when Nq = Nk
 
 
 def test_torch_forward_softmax_is_forbidden():
@@ -104,7 +179,7 @@ def test_torch_forward_softmax_is_forbidden():
         S = Q @ K.transpose(-2, -1)
         return torch.softmax(S, -1) @ V, torch.zeros(Q.shape[:3], device=Q.device)
 
-    assert grader.check("07.torch_forward", with_softmax).status == "forbidden"
+    assert grader.check(F, with_softmax).status == "forbidden"
 
 
 def test_torch_forward_numpy_is_forbidden():
@@ -112,35 +187,21 @@ def test_torch_forward_numpy_is_forbidden():
         S = np.asarray(Q) @ np.asarray(K).swapaxes(-1, -2)
         return torch.from_numpy(S) @ V, torch.zeros(Q.shape[:3])
 
-    assert grader.check("07.torch_forward", with_numpy).status == "forbidden"
+    assert grader.check(F, with_numpy).status == "forbidden"
 
 
 def test_torch_forward_stub_is_not_implemented():
     def stub(Q, K, V, window=None, scale=None, Br=64, Bc=64):
         raise NotImplementedError("replace this line with your code")
 
-    assert grader.check("07.torch_forward", stub).status == "not implemented"
+    assert grader.check(F, stub).status == "not implemented"
 
 
 # ----------------------------------------------------------------------------- causal skip
 
 
-def kv_tile_range(i, Br, Bc, Nq, Nk, window, bug=None):
-    shift = 0 if bug == "top-left" else Nk - Nq
-    first_row, last_row = i * Br, min((i + 1) * Br, Nq) - 1
-    lo = 0 if window is None or bug == "no window" else max(first_row + shift - window + 1, 0)
-    hi = min(last_row + shift, Nk - 1)
-    if hi < lo:
-        return (0, 0)
-    return (lo // Bc, hi // Bc + (0 if bug == "inclusive end" else 1))
-
-
-def test_causal_skip_passes_when_right():
-    r = grader.check("07.causal_skip", kv_tile_range)
-    assert r.status == "passed" and r.hidden_run, r.message
-
-
 def test_causal_skip_brute_force_agrees_with_the_closed_form():
+    kv_tile_range = tile_range()
     g = torch.Generator().manual_seed(3)
     for _ in range(200):
         Br, Bc = (int(x) for x in torch.randint(1, 6, (2,), generator=g) * 4)
@@ -152,87 +213,12 @@ def test_causal_skip_brute_force_agrees_with_the_closed_form():
             assert list(range(first, end)) == want
 
 
-@pytest.mark.parametrize(("bug", "words"), [("top-left", "top-left"),
-                                            ("no window", "left of the first row's window"),
-                                            ("inclusive end", "one past the last")])
-def test_causal_skip_bugs_are_named(bug, words):
-    r = grader.check("07.causal_skip", lambda *a: kv_tile_range(*a, bug=bug))
-    assert r.status == "failed" and words in r.message, r.message
-
-
 def test_causal_skip_wants_a_pair():
-    r = grader.check("07.causal_skip", lambda *a: 3)
+    r = grader.check(R, lambda *a: 3)
     assert r.status == "failed" and "pair of ints" in r.message
 
 
 # ----------------------------------------------------------------------------- online update
-
-
-def _online_kernel(rescale=True, add_m=True):
-    @cuda.jit
-    def kernel(Q, K, V, O, LSE, scale, causal):
-        H, Nq, Nk = Q.shape[1], Q.shape[2], K.shape[2]
-        t = cuda.threadIdx.x
-        b_, h_ = cuda.blockIdx.y // H, cuda.blockIdx.y % H
-        r = cuda.blockIdx.x * BR + t
-        Ks = cuda.shared.array((BC, D), float32)
-        Vs = cuda.shared.array((BC, D), float32)
-        q = cuda.local.array(D, float32)
-        o = cuda.local.array(D, float32)
-        s = cuda.local.array(BC, float32)
-        for k in range(D):
-            q[k] = Q[b_, h_, r, k] * scale if r < Nq else float32(0.0)
-            o[k] = float32(0.0)
-        m = NEG_INF
-        l = float32(0.0)
-        for j in range((Nk + BC - 1) // BC):
-            c0 = j * BC
-            for e in range(t, BC * D, BR):
-                c, k = e // D, e % D
-                Ks[c, k] = K[b_, h_, c0 + c, k] if c0 + c < Nk else float32(0.0)
-                Vs[c, k] = V[b_, h_, c0 + c, k] if c0 + c < Nk else float32(0.0)
-            cuda.syncthreads()
-            for c in range(BC):
-                acc = float32(0.0)
-                for k in range(D):
-                    acc += q[k] * Ks[c, k]
-                s[c] = NEG_INF if c0 + c >= Nk or (causal and c0 + c > r) else acc
-            m_new = m
-            for c in range(BC):
-                m_new = max(m_new, s[c])
-            m_use = m_new if m_new != NEG_INF else float32(0.0)
-            alpha = math.exp(m - m_use) if rescale else float32(1.0)
-            l *= alpha
-            for k in range(D):
-                o[k] *= alpha
-            for c in range(BC):
-                p = math.exp(s[c] - m_use)
-                l += p
-                for k in range(D):
-                    o[k] += p * Vs[c, k]
-            m = m_new
-            cuda.syncthreads()
-        if r < Nq:
-            for k in range(D):
-                O[b_, h_, r, k] = o[k] / l
-            LSE[b_, h_, r] = m + math.log(l) if add_m else math.log(l)
-
-    return kernel
-
-
-def test_online_update_passes_when_right():
-    r = grader.check("07.online_update", _online_kernel())
-    assert r.status == "passed" and r.hidden_run
-
-
-def test_online_update_missing_rescale_is_named():
-    r = grader.check("07.online_update", _online_kernel(rescale=False))
-    assert r.status == "failed" and "alpha = exp(m_old - m_new)" in r.message
-
-
-def test_online_update_lse_without_m_is_named():
-    r = grader.check("07.online_update", _online_kernel(add_m=False))
-    assert r.status == "failed" and "LSE = m + log(l)" in r.message
 
 
 def test_online_update_stub_is_not_implemented():
@@ -240,7 +226,27 @@ def test_online_update_stub_is_not_implemented():
     def stub(Q, K, V, O, LSE, scale, causal):
         raise NotImplementedError("replace this line with your code")
 
-    assert grader.check("07.online_update", stub).status == "not implemented"
+    assert grader.check(O, stub).status == "not implemented"
+
+
+def test_online_models_agree_with_the_slips_they_name():
+    """The float64 models of 07.online_update's slips are what the edited kernels compute."""
+    case = ch07.C("m", 1, 1, 24, 24, harness.ONLINE_D)
+    q, k, v = ch07.random_qkv(case)
+    keep = torch.ones(24, 24, dtype=torch.bool)
+    models = dict((slip.name, wrong) for slip, wrong in
+                  ch07.online_mistakes(q, k, v, keep, 0.25, harness.ONLINE_BC)["O"])
+    slips = {s.name: s for s in NAMED_MISTAKES if s.exercise_id == O}
+    for name, slip in (("old o not reweighted", "old o not reweighted"),
+                       ("new terms not normalised", "new terms weighted by exp(s - max)"),
+                       ("lse of the tile alone", "lse of the tile alone")):
+        kernel = slips[slip].make()
+        out, lse = torch.full_like(q, math.nan), torch.full(q.shape[:3], math.nan)
+        args = [ch07.kernel_array(x) for x in (q, k, v, out, lse)]
+        kernel[(math.ceil(24 / harness.ONLINE_BR), 1), harness.ONLINE_BR](
+            *args, np.float32(0.25), False)
+        ch07.synchronize()
+        assert torch.allclose(out.double().cpu(), models[name]().cpu(), atol=1e-4), name
 
 
 # ----------------------------------------------------------------------------- split-KV combine
