@@ -299,12 +299,10 @@ def grader_tolerance(max_score):
     return ch07.tolerance(torch.float32, max_score)
 
 
-def test_combine_needs_a_gpu_to_score():
+def test_combine_scores_on_either_machine():
+    """On a GPU the real build runs; on a CPU the same body under the thread-model emulation."""
     r = grader.check("07.combine_splits", COMBINE)
-    if ch07.on_gpu():
-        assert r.status == "passed", r.message
-    else:
-        assert r.status == "needs gpu" and r.score == 0, r.message
+    assert r.status == "passed" and r.score == r.points, r.message
 
 
 def test_combine_compile_error_is_shown():
@@ -323,7 +321,8 @@ def test_combine_placeholder_is_not_implemented():
     assert r.status == "not implemented"
 
 
-def test_combine_without_a_compiler_needs_a_gpu(monkeypatch):
+def test_combine_without_a_cuda_compiler_still_scores_on_a_cpu(monkeypatch):
+    """No nvcc or NVRTC: the CPU emulation (g++) still decides the values."""
     if ch07.on_gpu():
         pytest.skip("on a GPU the kernel is compiled and run by NVRTC")
 
@@ -332,7 +331,7 @@ def test_combine_without_a_compiler_needs_a_gpu(monkeypatch):
 
     monkeypatch.setattr(ch07, "compiled_resources", no_compiler)
     r = grader.check("07.combine_splits", COMBINE + "\n// no compiler\n")
-    assert r.status == "needs gpu" and "not compiled" in r.message, r.message
+    assert r.status == "passed", r.message
 
 
 def _emulated_gpu(monkeypatch, bug=None):
