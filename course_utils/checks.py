@@ -735,9 +735,10 @@ class Mistake:
     """A wrong answer students write, recognised by what it computes.
 
     ``name`` says what was done, in a few words ("no rescale by alpha"); ``hint`` says what to
-    change. The hint reads "your O matches a known slip, no rescale by alpha: ...". A case gives a mistake with the result it produces on the case's inputs (a model
-    of the wrong code, computed in float64); when a failing answer matches that result,
-    :func:`compare` shows this mistake's hint instead of the case's generic one.
+    change. A case gives a mistake with the result it produces on the case's inputs (a model of
+    the wrong code, computed in float64); when a failing answer matches that result,
+    :func:`compare` shows this mistake's hint instead of the case's generic one, as "your O
+    matches a known slip, no rescale by alpha: ...".
     """
 
     name: str
