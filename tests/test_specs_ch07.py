@@ -233,7 +233,7 @@ def test_online_models_agree_with_the_slips_they_name():
     """The float64 models of 07.online_update's slips are what the edited kernels compute."""
     case = ch07.C("m", 1, 1, 24, 24, harness.ONLINE_D)
     q, k, v = ch07.random_qkv(case)
-    keep = torch.ones(24, 24, dtype=torch.bool)
+    keep = torch.ones(24, 24, dtype=torch.bool, device=q.device)
     models = dict((slip.name, wrong) for slip, wrong in
                   ch07.online_mistakes(q, k, v, keep, 0.25, harness.ONLINE_BC)["O"])
     slips = {s.name: s for s in NAMED_MISTAKES if s.exercise_id == O}
@@ -241,7 +241,7 @@ def test_online_models_agree_with_the_slips_they_name():
                        ("new terms not normalised", "new terms weighted by exp(s - max)"),
                        ("lse of the tile alone", "lse of the tile alone")):
         kernel = slips[slip].make()
-        out, lse = torch.full_like(q, math.nan), torch.full(q.shape[:3], math.nan)
+        out, lse = torch.full_like(q, math.nan), torch.full(q.shape[:3], math.nan, device=q.device)
         args = [ch07.kernel_array(x) for x in (q, k, v, out, lse)]
         kernel[(math.ceil(24 / harness.ONLINE_BR), 1), harness.ONLINE_BR](
             *args, np.float32(0.25), False)

@@ -220,6 +220,34 @@ def _one_side_swizzle_model(src: torch.Tensor) -> torch.Tensor:
     return torch.gather(src.double(), 1, cols.expand(M, N)).T
 
 
+M_SAME_OFFSETS = Mistake(
+    "the block offsets not swapped",
+    "block (by, bx) reads the tile at rows by·TILE, columns bx·TILE of src, so its transpose "
+    "belongs at rows bx·TILE, columns by·TILE of dst: the offsets trade places along with the "
+    "indices inside the tile. Written at the block's own offsets, a whole tile is right only on "
+    "the diagonal (the 32 x 32 case passes) and the other tiles land elsewhere or nowhere",
+)
+
+
+def _same_offsets_model(src: torch.Tensor) -> torch.Tensor:
+    """What a transpose that swaps the indices inside a tile but keeps the block's own offsets
+    writes: dst[r0 + a, c0 + b] = src[r0 + b, c0 + a] for the block at (r0, c0) of src, where
+    that element lies inside dst; NaN (never written) elsewhere. Defined only where every such
+    read lies inside src (otherwise the tile slot was never stored)."""
+    M, N = src.shape
+    out = torch.full((N, M), float("nan"), dtype=torch.float64, device=src.device)
+    for r0 in range(0, M, TILE):
+        for c0 in range(0, N, TILE):
+            rows = min(TILE, N - r0)  # dst rows r0 .. r0 + rows - 1 exist (dst has N rows)
+            cols = min(TILE, M - c0)
+            if rows <= 0 or cols <= 0:
+                continue
+            if r0 + cols > M or c0 + rows > N:
+                raise ValueError("a read of this slip falls outside src")
+            out[r0:r0 + rows, c0:c0 + cols] = src[r0:r0 + cols, c0:c0 + rows].double().T
+    return out
+
+
 def _launch(kernel, src, dst):
     M, N = src.shape
     grid = (math.ceil(N / TILE), math.ceil(M / TILE))
@@ -247,7 +275,8 @@ def _transpose_case(M, N):
             hint = check_nan_cause(dst, lambda t: _launch(kernel, src, t), name="dst", case=case,
                                    hint_unwritten=HINT_UNWRITTEN, hint_values=HINT_VALUES)
         compare("dst", dst, src.T.contiguous(), case=case, atol=0, rtol=0, poisoned=True,
-                hint=hint, mistakes=[(M_ONE_SIDE_SWIZZLE, lambda: _one_side_swizzle_model(src))])
+                hint=hint, mistakes=[(M_ONE_SIDE_SWIZZLE, lambda: _one_side_swizzle_model(src)),
+                                     (M_SAME_OFFSETS, lambda: _same_offsets_model(src))])
 
     return run
 

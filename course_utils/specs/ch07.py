@@ -201,7 +201,7 @@ HINT_SKIP = (
 
 def _masked_scores(q, k, keep, scale):
     S = scale * (q.double() @ k.double().transpose(-2, -1))
-    return S.masked_fill(~keep, -math.inf)
+    return S.masked_fill(~keep.to(S.device), -math.inf)
 
 
 def _attention_from_weights(W, v, shift):
