@@ -113,6 +113,26 @@ r = cc.resource_usage("__global__ void k(float* x) { x[threadIdx.x] *= 2.0f; }",
 print(f"{path}: compiled for sm_90 (compile-only), {r.registers} registers")
 """
 
+_CUDA_CPU = """
+import tempfile
+import numpy as np
+from course_utils import cuda_cpu
+src = '''
+__global__ void add_one(float* x, int n) {
+    __shared__ float tile[32];
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    tile[threadIdx.x] = i < n ? x[i] : 0.0f;
+    __syncthreads();
+    if (i < n) x[i] = tile[threadIdx.x] + 1.0f;
+}
+'''
+x = np.zeros(40, dtype=np.float32)
+with tempfile.TemporaryDirectory() as tmp:
+    cuda_cpu.launch(src, "add_one", (2,), (32,), x, 40, folder=tmp)
+assert float(x.sum()) == 40, x
+print("g++ ran a CUDA kernel under the thread-model emulation (2 blocks of 32 fibers)")
+"""
+
 _NVRTC = """
 import course_utils as cu
 cu.setup(verbose=False)
@@ -212,6 +232,11 @@ def rows() -> list[Row]:
     out.append(Row("nvcc (compile-only)", OK if ok else WARN, text, "" if ok else
                    "install the CUDA toolkit, or: conda install -c nvidia cuda-nvcc "
                    "(only register reports and CPU compile checks need it)"))
+    ok, text = _probe(_CUDA_CPU, cpu=True)
+    out.append(Row("CUDA C++ on the CPU (cuda_cpu)", OK if ok else (WARN if gpu else FAIL), text,
+                   "" if ok else "install g++ 10 or newer (apt install g++, or conda install "
+                   "gxx): without a GPU, the CUDA C++ exercises run on this emulation",
+                   critical=not gpu))
     ok, text = _probe(_NVRTC, cpu=not gpu)
     out.append(Row("NVRTC via cuda.core", OK if ok else WARN, text, "" if ok else
                    "pip install cuda-core cuda-bindings nvidia-cuda-nvrtc"))
