@@ -56,6 +56,17 @@ def solution_source(path, keep) -> str:
     return _MARKERS.sub("", "\n\n".join(s for s in sources if keep(s)))
 
 
+def solution_kernel(path, name) -> str:
+    """The CUDA source (markers kept: they are comments) of the solution notebook's cell at
+    ``path`` that defines ``__global__ void name``."""
+    for cell in json.loads(Path(path).read_text())["cells"]:
+        text = "".join(cell["source"])
+        if f"void {name}(" in text and "BEGIN SOLUTION" in text:
+            quote = "r'''" if "r'''" in text else 'r"""'
+            return text.split(quote, 1)[1].split(quote[1:], 1)[0]
+    raise LookupError(f"no solution cell of {path} defines {name}")
+
+
 def poison_free_cuda_memory(nbytes=1 << 26):
     """Fill a block of the CUDA caching allocator with NaN and hand it back: the next tensors
     a kernel allocates itself start as NaN, so an element it forgets to write shows."""

@@ -6,12 +6,12 @@ RAW or WAR barrier (the result changes with the order of the threads), an access
 buffer, a kernel that never ends, a compile error (with the student's line).
 """
 
-import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from spec_helpers import solution_kernel
 
 from course_utils import cuda_cpu
 
@@ -21,13 +21,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
 def _solution_kernel(notebook: str, name: str) -> str:
-    """The CUDA source of the solution cell that defines ``__global__ void name``."""
-    for cell in json.loads((ROOT / "solutions" / notebook).read_text())["cells"]:
-        text = "".join(cell["source"])
-        if f"void {name}(" in text and "BEGIN SOLUTION" in text:
-            quote = "r'''" if "r'''" in text else 'r"""'
-            return text.split(quote, 1)[1].split(quote[1:], 1)[0]
-    raise LookupError(name)
+    return solution_kernel(ROOT / "solutions" / notebook, name)
 
 
 QK = _solution_kernel("04_tiled_matmul.ipynb", "qk_tiled_kernel")

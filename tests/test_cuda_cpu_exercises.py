@@ -6,11 +6,10 @@ one, the real build. The slips the emulation finds by its thread order (a missin
 early return before a barrier) are checked on the CPU only: a GPU may well run them right.
 """
 
-import json
 from pathlib import Path
 
 import pytest
-from spec_helpers import Slip
+from spec_helpers import Slip, solution_kernel
 
 from course_utils.runtime import on_gpu
 
@@ -19,13 +18,7 @@ pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/c
 
 
 def _solution_kernel(notebook: str, name: str) -> str:
-    """The CUDA source of the solution cell that defines ``__global__ void name``."""
-    for cell in json.loads((ROOT / "solutions" / notebook).read_text())["cells"]:
-        text = "".join(cell["source"])
-        if f"void {name}(" in text and "BEGIN SOLUTION" in text:
-            quote = "r'''" if "r'''" in text else 'r"""'
-            return text.split(quote, 1)[1].split(quote[1:], 1)[0]
-    raise LookupError(name)
+    return solution_kernel(ROOT / "solutions" / notebook, name)
 
 
 def _edited(notebook, name, *edits):
