@@ -629,12 +629,11 @@ def _compare_values(name, a, e, *, case, atol, rtol, hint, dtype, poisoned):
         atol = default_atol if atol is None else atol
         rtol = default_rtol if rtol is None else rtol
     try:
-        _compare_finite(name, a, e, case=case, atol=atol, rtol=rtol, hint=hint,
-                        poisoned=poisoned)
+        return _compare_finite(name, a, e, case=case, atol=atol, rtol=rtol, hint=hint,
+                               poisoned=poisoned)
     except CheckFailure as failure:
         failure.atol, failure.rtol = atol, rtol
         raise
-    return _worst(a, e, atol, rtol)
 
 
 def _compare_finite(name, a, e, *, case, atol, rtol, hint, poisoned):
@@ -709,17 +708,8 @@ def _compare_finite(name, a, e, *, case, atol, rtol, hint, poisoned):
                 detail += f" ({a[idx].item()} is the poison value: that element was never written)"
         raise CheckFailure(case, detail, hint, worst_error=err[idx].item())
 
-
-def _worst(a, e, atol, rtol):
-    """(error, allowed) at the element closest to failing, of a comparison that passed."""
-    a64 = a.detach().to(torch.float64)
-    e64 = e.detach().to(torch.float64)
-    finite = torch.isfinite(e64)
     if not finite.any():
         return 0.0, float(atol)
-    zero = torch.zeros((), dtype=torch.float64, device=a64.device)
-    err = torch.where(finite, (a64 - e64).abs(), zero)
-    allowed = atol + rtol * torch.where(finite, e64.abs(), zero)
     ratio = torch.where(finite, err / allowed.clamp_min(1e-300), zero)
     idx = _unravel(int(torch.argmax(ratio)), ratio.shape)
     return err[idx].item(), allowed[idx].item()
@@ -783,6 +773,7 @@ def diagnose(actual, expected, mistakes, *, atol=None, rtol=None):
         atol = default_atol if atol is None else atol
         rtol = default_rtol if rtol is None else rtol
     atol, rtol = 10 * atol, 10 * rtol
+    a, e = (x.detach().to(torch.float64).cpu() for x in (a, e))  # once, not per mistake
     for mistake, wrong in mistakes:
         try:
             w = torch.as_tensor(wrong() if callable(wrong) else wrong)
