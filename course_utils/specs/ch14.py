@@ -166,3 +166,6 @@ for _stages, _n, _consumers, _policy, _hidden in [
 ]:
     ring_parity.case(f"{_stages} stage(s), {_n} tiles, {_consumers} consumer(s), {_policy}",
                      hidden=_hidden)(_case(_stages, _n, _consumers, _policy))
+
+# The consumer-loop exercise lives in its own module (a chapter-14 spec of its own size).
+from .ch14_overlap import *  # noqa: E402, F403
