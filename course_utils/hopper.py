@@ -14,20 +14,34 @@ same chunk of 8 consecutive rows then sit in 8 different 16-byte bank groups: re
 from each of 8 rows has no bank conflict. A tile wider than 64 columns is copied as
 ``cols / 64`` boxes, one **panel** after the other.
 
-**The matrix descriptor** (PTX ISA, "Matrix Descriptor Format"): bits 0-13 the start address,
-16-29 the *leading* byte offset (LBO), 32-45 the *stride* byte offset (SBO), each divided by 16;
-bits 62-63 the swizzle mode (1 = 128 bytes). What LBO and SBO mean depends on which dimension of
-the operand runs along the 128-byte rows:
+**The matrix descriptor** (PTX ISA, "Matrix Descriptor Format" of the asynchronous warpgroup
+matrix instructions): bits 0-13 the start address, 16-29 the *leading* byte offset (LBO), 32-45
+the *stride* byte offset (SBO), each divided by 16; bits 49-51 a base offset (0 when every tile
+starts on a boundary of its swizzle pattern, as here); bits 62-63 the swizzle mode: 0 none,
+1 = 128 bytes, 2 = 64 bytes, 3 = 32 bytes (the PTX ISA's table; the same in CUTLASS's
+``GmmaDescriptor`` and Mojo's ``WGMMADescriptor``). The other bits are reserved (0).
+
+**The narrower swizzles.** TMA can also write rows of 64 or 32 bytes (a box of 32 or 16 bf16
+columns: ``CU_TENSOR_MAP_SWIZZLE_64B`` / ``_32B``). The XOR then takes fewer bits: with the
+64-byte swizzle, bits 4-5 of the offset XOR bits 7-8; with the 32-byte one, bit 4 XORs bit 7
+(CUTLASS's ``Swizzle<2,4,3>`` and ``Swizzle<1,4,3>``; ``Swizzle<3,4,3>`` is the 128-byte one).
+The pattern repeats every 8 rows, 8 x the row: 1024, 512 or 256 bytes, which is where a tile
+must start. A tile wider than one row is copied as panels of ``rows x (row bytes / 2)``
+columns, one after the other, as for the 128-byte swizzle. :func:`swizzle` and
+:func:`tile_addresses` take the row width ``swizzle=128, 64 or 32``.
+
+What LBO and SBO mean depends on which dimension of the operand runs along the rows (CUTLASS,
+``make_gmma_desc``'s canonical layouts, for 16-bit types, ``row`` the swizzle's bytes):
 
 * **K-major** (the reduction dimension K is contiguous; e.g. Q and K in ``S = Q K^T``): element
-  ``(mn, k)`` of the 64 x 16 or N x 16 operand is at ``start + (mn % 8) * 128 + (mn // 8) * SBO +
-  2 k`` before the swizzle. SBO is the distance between groups of 8 rows (1024 bytes when the
-  rows are packed); LBO is unused. The next 16 columns of K: ``start + 32`` bytes.
+  ``(mn, k)`` of the 64 x 16 or N x 16 operand is at ``start + (mn % 8) * row + (mn // 8) * SBO +
+  2 k`` before the swizzle. SBO is the distance between groups of 8 rows; LBO is unused.
 * **MN-major** (M or N contiguous; e.g. V in ``O = P V``, whose rows are keys, the K dimension):
-  element ``(mn, k)`` is at ``start + 2 (mn % 64) + (mn // 64) * LBO + (k % 8) * 128 + (k // 8) *
-  SBO``: LBO jumps from one 64-column panel to the next, SBO from one group of 8 rows to the next.
+  element ``(mn, k)`` is at ``start + 2 (mn % W) + (mn // W) * LBO + (k % 8) * row + (k // 8) *
+  SBO``, ``W = row / 2`` elements a row: LBO jumps from one panel of W columns to the next, SBO
+  from one group of 8 rows to the next.
 
-The swizzle is applied to the final address, which is why tiles start on 1024-byte boundaries.
+The swizzle is applied to the final address, which is why tiles start on a pattern boundary.
 """
 
 from __future__ import annotations
@@ -39,6 +53,10 @@ ROW_BYTES = 128  # one row of a 128-byte-swizzled panel: 64 bf16
 PANEL_COLS = ROW_BYTES // ELEMENT_BYTES
 ATOM_BYTES = 8 * ROW_BYTES  # 8 rows: the unit the swizzle repeats over
 SWIZZLE_128B = 1  # the descriptor's code for the 128-byte swizzle
+# The descriptor's swizzle codes by row width in bytes (PTX ISA, "Matrix Descriptor Format",
+# bits 62-63; also CUTLASS's GMMA::LayoutType and Mojo's WGMMADescriptor docs)
+SWIZZLE_CODE = {128: 1, 64: 2, 32: 3}
+SWIZZLE_BYTES = {code: row for row, code in SWIZZLE_CODE.items()}
 
 __all__ = [
     "ATOM_BYTES",
@@ -49,8 +67,11 @@ __all__ = [
     "operand_addresses",
     "SCHEDULES",
     "schedule",
+    "SWIZZLE_CODE",
+    "swizzle",
     "swizzle128",
     "tile_addresses",
+    "unswizzled_addresses",
 ]
 
 
@@ -60,24 +81,46 @@ def swizzle128(offset):
     return offset ^ (((offset >> 7) & 7) << 4)
 
 
-def tile_addresses(rows: int, cols: int, base: int = 0) -> np.ndarray:
-    """Byte address of every element of a ``rows x cols`` bf16 tile that TMA wrote, swizzled.
+def swizzle(offset, row: int = ROW_BYTES):
+    """The swizzle of rows of ``row`` = 128, 64 or 32 bytes: the 16-byte chunk bits (4-6, 4-5
+    or 4) XOR the bits just above a row of the 8-row pattern (7-9, 7-8 or 7)."""
+    if row not in SWIZZLE_CODE:
+        raise ValueError(f"row={row}: TMA's swizzles have rows of 128, 64 or 32 bytes")
+    mask = row // 16 - 1  # 7, 3 or 1: the chunk bits the XOR touches
+    offset = np.asarray(offset, dtype=np.int64)
+    return offset ^ (((offset >> 7) & mask) << 4)
 
-    The tile is ``cols / 64`` panels of ``rows x 64`` (what one TMA box of 64 columns delivers),
-    panel after panel from ``base``, which must be a multiple of 1024. Returns an int64 array
-    of shape ``(rows, cols)``.
-    """
-    if base % ATOM_BYTES:
-        raise ValueError(f"base={base}: a swizzled tile must start on a multiple of {ATOM_BYTES} "
+
+_xor = swizzle  # tile_addresses' argument `swizzle` hides the function's name
+
+
+def unswizzled_addresses(rows: int, cols: int, base: int = 0, row: int = ROW_BYTES) -> np.ndarray:
+    """Where TMA puts element (r, c) of a tile before the swizzle (the address a descriptor's
+    fields compute): panels of ``row / 2`` columns, each ``rows x row`` bytes."""
+    if row not in SWIZZLE_CODE:
+        raise ValueError(f"swizzle={row}: TMA's swizzles have rows of 128, 64 or 32 bytes")
+    width = row // ELEMENT_BYTES
+    if base % (8 * row):
+        raise ValueError(f"base={base}: a swizzled tile must start on a multiple of {8 * row} "
                          "bytes, or the XOR pattern shifts against the rows")
-    if cols % PANEL_COLS or rows % 8:
+    if cols % width or rows % 8:
         raise ValueError(f"a {rows} x {cols} tile: rows must be a multiple of 8 and cols of "
-                         f"{PANEL_COLS} (one 128-byte row of bf16 per panel row)")
+                         f"{width} (one {row}-byte row of bf16 per panel row)")
     r = np.arange(rows)[:, None]
     c = np.arange(cols)[None, :]
-    panel, inner = c // PANEL_COLS, c % PANEL_COLS
-    plain = base + panel * rows * ROW_BYTES + r * ROW_BYTES + inner * ELEMENT_BYTES
-    return swizzle128(plain)
+    panel, inner = c // width, c % width
+    return base + panel * rows * row + r * row + inner * ELEMENT_BYTES
+
+
+def tile_addresses(rows: int, cols: int, base: int = 0, swizzle: int = ROW_BYTES) -> np.ndarray:
+    """Byte address of every element of a ``rows x cols`` bf16 tile that TMA wrote, swizzled.
+
+    The tile is ``cols / W`` panels of ``rows x W`` (what one TMA box of W columns delivers,
+    ``W = swizzle / 2``: 64 columns for the 128-byte swizzle, 32 for 64, 16 for 32), panel
+    after panel from ``base``, which must be a multiple of ``8 * swizzle`` (1024 for 128
+    bytes). Returns an int64 array of shape ``(rows, cols)``.
+    """
+    return _xor(unswizzled_addresses(rows, cols, base, swizzle), swizzle)
 
 
 def encode_descriptor(start: int, lbo: int, sbo: int, swizzle: int = SWIZZLE_128B) -> int:
@@ -108,24 +151,28 @@ def decode_descriptor(desc: int) -> dict:
 def operand_addresses(desc: int, mn: int, major: str, k: int = 16) -> np.ndarray:
     """The byte addresses one ``wgmma`` reads for its ``mn x k`` operand, element ``(i, kk)``.
 
-    ``major="K"``: the operand's K dimension runs along the 128-byte rows (A of ``S = Q K^T`` is
-    Q, B is K: both store d contiguously). ``major="MN"``: M or N runs along them (B of ``O = P V``
-    is V, whose rows are keys, the K dimension of that product). Only the 128-byte swizzle is
-    modelled.
+    ``major="K"``: the operand's K dimension runs along the rows (A of ``S = Q K^T`` is Q, B is
+    K: both store d contiguously). ``major="MN"``: M or N runs along them (B of ``O = P V`` is V,
+    whose rows are keys, the K dimension of that product). The swizzles of 128, 64 and 32 bytes
+    (modes 1, 2, 3) are modelled, not mode 0 (no swizzle: another layout of 8 x 16-byte core
+    matrices) nor a nonzero base offset (bits 49-51).
     """
     f = decode_descriptor(desc)
-    if f["swizzle"] != SWIZZLE_128B:
-        raise ValueError(f"only the 128-byte swizzle (mode 1) is modelled, got mode {f['swizzle']}")
+    if f["swizzle"] not in SWIZZLE_BYTES:
+        raise ValueError(f"swizzle mode {f['swizzle']} (no swizzle) is not modelled: only the "
+                         "128-, 64- and 32-byte swizzles (modes 1, 2, 3)")
+    row = SWIZZLE_BYTES[f["swizzle"]]
+    width = row // ELEMENT_BYTES
     i = np.arange(mn)[:, None]
     kk = np.arange(k)[None, :]
     if major == "K":
-        plain = f["start"] + (i % 8) * ROW_BYTES + (i // 8) * f["sbo"] + kk * ELEMENT_BYTES
+        plain = f["start"] + (i % 8) * row + (i // 8) * f["sbo"] + kk * ELEMENT_BYTES
     elif major == "MN":
-        plain = (f["start"] + (i % PANEL_COLS) * ELEMENT_BYTES + (i // PANEL_COLS) * f["lbo"]
-                 + (kk % 8) * ROW_BYTES + (kk // 8) * f["sbo"])
+        plain = (f["start"] + (i % width) * ELEMENT_BYTES + (i // width) * f["lbo"]
+                 + (kk % 8) * row + (kk // 8) * f["sbo"])
     else:
         raise ValueError(f'major must be "K" or "MN", got {major!r}')
-    return swizzle128(plain)
+    return swizzle(plain, row)
 
 
 # ---------------------------------------------------------------------------------------------
