@@ -1,15 +1,14 @@
 """Chapter 13's graded cases catch the slips students make, in a visible case, saying why.
 
-The right answers are the solution notebook's own cells (written to a module); each slip is that
-code with one line changed.
+The right answers are the solution notebook's own cells (written to a module); each slip
+(``NAMED_MISTAKES``) is that code with one edit. The ring's slips run in the grader's rank
+processes (``course_utils.ranks``), a few seconds per case.
 """
 
-import math
 from pathlib import Path
 
 import pytest
-import torch
-from spec_helpers import fails_visibly, module_builder, solution_source, stub
+from spec_helpers import Slip, fails_visibly, module_builder, solution_source, stub
 
 from course_utils import grader
 from course_utils.checks import CheckFailure
@@ -18,17 +17,30 @@ from course_utils.specs import ch13
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "13_ring_attention.ipynb"
-IDS = ["13.zigzag_chunks", "13.ring_merge", "13.causal_schedule"]
+IDS = ["13.zigzag_chunks", "13.causal_schedule", "13.ring_forward"]
 
 
 def _solution_source() -> str:
     return solution_source(SOLUTION, lambda s: "cu.setup()" not in s and "grader.check(" not in s)
 
 
+def _builder(stem, keep):
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=f"{stem}-"))
+    return module_builder(folder, solution_source(SOLUTION, keep), stem)
+
+
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     """``build(*edits)``: the solution's module with ``(old, new)`` edits (each must match)."""
     return module_builder(tmp_path_factory.mktemp("ch13"), _solution_source(), "ch13")
+
+
+# The ring's cell alone: the ranks run the file that defines the function, as they run the cell.
+_ring = _builder("ch13_ring", lambda s: "def ring_forward_gqa" in s)
+_zigzag = _builder("ch13_zigzag", lambda s: "def zigzag_layout" in s)
+_schedule = _builder("ch13_schedule", lambda s: "def causal_schedule" in s)
 
 
 @pytest.mark.parametrize("exercise_id", IDS)
@@ -38,7 +50,7 @@ def test_stub_is_not_implemented(exercise_id):
 
 def test_solutions_pass_with_hidden_cases(build):
     m = build()
-    for exercise_id, fn in zip(IDS, (m.zigzag_layout, m.merge_step, m.causal_schedule),
+    for exercise_id, fn in zip(IDS, (m.zigzag_layout, m.causal_schedule, m.ring_forward_gqa),
                                strict=True):
         r = grader.check(exercise_id, fn)
         assert r.status == "passed" and r.hidden_run, (exercise_id, r.message)
@@ -55,77 +67,10 @@ def test_zigzag_brute_examples():
     assert ch13.zigzag_brute(4, 1)[0] == [[0, 1, 2, 3]]
 
 
-@pytest.mark.parametrize("edit, words", [
-    (("(2 * R - 1 - r) * C + offs], dim=1)", "(R + r) * C + offs], dim=1)"),
-     ["three ranks", "chunks r and R + r", "2R - 1 - r"]),
-    (("torch.cat([r * C + offs, (2 * R - 1 - r) * C + offs], dim=1)",
-      "torch.cat([(2 * R - 1 - r) * C + offs, r * C + offs], dim=1)"),
-     ["one rank", "wrong local order"]),
-    (("torch.cat([r * C + offs, (2 * R - 1 - r) * C + offs], dim=1)",
-      "torch.arange(N).view(R, 2 * C)"), ["three ranks", "naive contiguous split"]),
-    (("local[index] = torch.arange(2 * C).expand(R, 2 * C)",
-      "local[index] = (torch.arange(2 * C) % C).expand(R, 2 * C)"),
-     ["one rank", "local[", "second chunk starts at local position C"]),
-    (("rank[index] = r.expand(R, 2 * C)", "rank[index] = torch.arange(N).view(R, 2 * C) // C"),
-     ["three ranks", "rank[", "2R - 1 - c"]),
-    (("if R < 1 or N % (2 * R):", "if R < 1:"),
-     ["N not a multiple of 2R", "instead of raising a ValueError"]),
-    (("raise ValueError(f\"N={N} tokens", "raise ValueError(\"N tokens"),
-     ["N not a multiple of 2R", "should name", "missing: 20, 6"]),
-    (("return index, rank, local", "return index.float(), rank, local"),
-     ["one rank", "integer torch.Tensor"]),
-], ids=["strided", "chunks swapped", "contiguous", "local in chunk", "rank of chunk",
-        "no error", "vague error", "float index"])
-def test_zigzag_slips_are_named(build, edit, words):
-    m = build(edit)
-    fails_visibly("13.zigzag_chunks", m.zigzag_layout, *words)
-
-
 def test_zigzag_wrong_exception_type_is_named(build):
     m = build(("if R < 1 or N % (2 * R):\n        raise ValueError(",
                "if R < 1 or N % (2 * R):\n        raise TypeError("))
     fails_visibly("13.zigzag_chunks", m.zigzag_layout, "raised TypeError", "expected a ValueError")
-
-
-# ----------------------------------------------------------------------------- ring merge
-
-
-def test_softmax_over_gives_zero_and_minus_inf_for_rows_that_see_nothing():
-    S = torch.randn(3, 5, dtype=torch.float64)
-    keep = torch.ones(3, 5, dtype=torch.bool)
-    keep[1] = False
-    O, LSE = ch13.softmax_over(S, keep, torch.randn(5, 2, dtype=torch.float64))
-    assert LSE[1] == -math.inf and torch.equal(O[1], torch.zeros(2, dtype=torch.float64))
-    assert torch.isfinite(O).all()
-    assert torch.allclose(LSE[0], torch.logsumexp(S[0], 0))
-
-
-@pytest.mark.parametrize("edit, words", [
-    (("LSE_blk = LSE_blk * LN2", "LSE_blk = LSE_blk"), ["Triton blocks", "base 2", "ln 2"]),
-    (("LSE_blk = LSE_blk * LN2", "LSE_blk = LSE_blk / LN2"), ["Triton blocks", "ln 2"]),
-    (("top = torch.where(top == -math.inf, torch.zeros_like(top), top)", "pass"),
-     ["causal rows", "NaN", "exp(-inf - (-inf))"]),
-    (("part_blk = torch.where((w_blk > 0)[..., None], O_blk * (w_blk / denom)[..., None], 0.0)",
-      "part_blk = O_blk * (w_blk / denom)[..., None]"),
-     ["hold NaN in O_blk", "0 * NaN"]),
-    (("top = torch.maximum(LSE, LSE_blk)", "top = torch.zeros_like(LSE)"),
-     ["large logits", "overflows float32"]),
-    (("O, LSE, O_blk, LSE_blk = O.float(), LSE.float(), O_blk.float(), LSE_blk.float()",
-      "O, LSE, LSE_blk = O.to(O_blk.dtype), LSE.float(), LSE_blk.float()"),
-     ["bfloat16 O_blk", "float32"]),
-    (("O * (w_run / denom)[..., None]", "O * w_run[..., None]"),
-     ["two blocks, in order", "after step 2", "exp(LSE - LSE_new) O"]),
-    (("LSE_new = top + torch.log(denom)", "LSE_new = torch.maximum(LSE, LSE_blk)"),
-     ["two blocks, in order", "O is right but LSE is not"]),
-], ids=["base 2 ignored", "base 2 divided", "no finite stand-in", "0 * NaN", "exp(LSE)",
-        "bfloat16 state", "no rescale", "LSE as max"])
-def test_ring_merge_slips_are_named(build, edit, words):
-    m = build(edit)
-    fails_visibly("13.ring_merge", m.merge_step, *words)
-
-
-def test_ring_merge_must_return_a_pair():
-    fails_visibly("13.ring_merge", lambda O, LSE, O_blk, LSE_blk, **kw: O, "expected the tuple")
 
 
 # ----------------------------------------------------------------------------- causal schedule
@@ -140,24 +85,6 @@ def test_schedule_brute_examples():
     for R in (2, 3, 5):
         totals = [sum(ch13.schedule_brute(R, s, 3, 8)[1][r] for s in range(R)) for r in range(R)]
         assert len(set(totals)) == 1
-
-
-@pytest.mark.parametrize("edit, words", [
-    (("src = (r - s) % R", "src = (r + s) % R"), ["steps 1 and 2", "the other way", "(r - s)"]),
-    (('"diagonal": C * (C + 1) // 2', '"diagonal": C * C'), ["one rank", "flops[0]",
-                                                            "C (C + 1) / 2 of them"]),
-    (('"diagonal": C * (C + 1) // 2', '"diagonal": C * (C - 1) // 2'),
-     ["one rank", "the diagonal itself is seen"]),
-    (("flops.append(4 * d *", "flops.append(2 * d *"), ["one rank", "4 d per kept pair"]),
-    (('return "full" if kc < qc', 'return "full" if kc > qc'),
-     ["one rank", "wholly after", "'skip'"]),
-    (("for qc in (r, 2 * R - 1 - r)]", "for qc in (r, R + r)]"),
-     ["three ranks, step 0", "query chunk 5"]),
-], ids=["ring direction", "diagonal as C*C", "diagonal without i = j", "2 d per pair",
-        "mask reversed", "strided queries"])
-def test_causal_schedule_slips_are_named(build, edit, words):
-    m = build(edit)
-    fails_visibly("13.causal_schedule", m.causal_schedule, *words)
 
 
 def test_causal_schedule_wrong_forms_are_named():
@@ -185,13 +112,126 @@ def test_balance_case_rejects_the_naive_split():
         case.run(grader.as_candidate(_naive_flops))
 
 
-def test_the_packages_own_merge_cannot_stand_in():
-    # course_utils.serving.merge_partials computes the answer: it is forbidden while grading
-    from course_utils import serving
+# ----------------------------------------------------------------------------- named slips
 
-    def merge_step(O, LSE, O_blk, LSE_blk, *, lse_blk_base2=False):
-        LSE_blk = LSE_blk * math.log(2) if lse_blk_base2 else LSE_blk
-        return serving.merge_partials(torch.stack([O, O_blk.float()]), torch.stack([LSE, LSE_blk]))
+NAMED_MISTAKES = [
+    Slip("13.zigzag_chunks", "strided",
+         lambda: _zigzag((
+             '(2 * R - 1 - r) * C + offs], dim=1)',
+             '(R + r) * C + offs], dim=1)')).zigzag_layout,
+         'three ranks', 'chunks r and R + r', '2R - 1 - r'),
+    Slip("13.zigzag_chunks", "chunks swapped",
+         lambda: _zigzag((
+             'torch.cat([r * C + offs, (2 * R - 1 - r) * C + offs], dim=1)',
+             'torch.cat([(2 * R - 1 - r) * C + offs, r * C + offs], dim=1)')).zigzag_layout,
+         'one rank', 'wrong local order'),
+    Slip("13.zigzag_chunks", "contiguous",
+         lambda: _zigzag((
+             'torch.cat([r * C + offs, (2 * R - 1 - r) * C + offs], dim=1)',
+             'torch.arange(N).view(R, 2 * C)')).zigzag_layout,
+         'three ranks', 'naive contiguous split'),
+    Slip("13.zigzag_chunks", "local in chunk",
+         lambda: _zigzag((
+             'local[index] = torch.arange(2 * C).expand(R, 2 * C)',
+             'local[index] = (torch.arange(2 * C) % C).expand(R, 2 * C)')).zigzag_layout,
+         'one rank', 'local[', 'second chunk starts at local position C'),
+    Slip("13.zigzag_chunks", "rank of chunk",
+         lambda: _zigzag((
+             'rank[index] = r.expand(R, 2 * C)',
+             'rank[index] = torch.arange(N).view(R, 2 * C) // C')).zigzag_layout,
+         'three ranks', 'rank[', '2R - 1 - c'),
+    Slip("13.zigzag_chunks", "no error",
+         lambda: _zigzag((
+             'if R < 1 or N % (2 * R):',
+             'if R < 1:')).zigzag_layout,
+         'N not a multiple of 2R', 'instead of raising a ValueError'),
+    Slip("13.zigzag_chunks", "vague error",
+         lambda: _zigzag((
+             'raise ValueError(f"N={N} tokens',
+             'raise ValueError("N tokens')).zigzag_layout,
+         'N not a multiple of 2R', 'should name', 'missing: 20, 6'),
+    Slip("13.zigzag_chunks", "float index",
+         lambda: _zigzag((
+             'return index, rank, local',
+             'return index.float(), rank, local')).zigzag_layout,
+         'one rank', 'integer torch.Tensor'),
+    Slip("13.causal_schedule", "ring direction",
+         lambda: _schedule((
+             'src = (r - s) % R',
+             'src = (r + s) % R')).causal_schedule,
+         'steps 1 and 2', 'the other way', '(r - s)'),
+    Slip("13.causal_schedule", "diagonal as C*C",
+         lambda: _schedule((
+             '"diagonal": C * (C + 1) // 2',
+             '"diagonal": C * C')).causal_schedule,
+         'one rank', 'flops[0]', 'C (C + 1) / 2 of them'),
+    Slip("13.causal_schedule", "diagonal without i = j",
+         lambda: _schedule((
+             '"diagonal": C * (C + 1) // 2',
+             '"diagonal": C * (C - 1) // 2')).causal_schedule,
+         'one rank', 'the diagonal itself is seen'),
+    Slip("13.causal_schedule", "2 d per pair",
+         lambda: _schedule((
+             'flops.append(4 * d *',
+             'flops.append(2 * d *')).causal_schedule,
+         'one rank', '4 d per kept pair'),
+    Slip("13.causal_schedule", "mask reversed",
+         lambda: _schedule((
+             'return "full" if kc < qc',
+             'return "full" if kc > qc')).causal_schedule,
+         'one rank', 'wholly after', "'skip'"),
+    Slip("13.causal_schedule", "strided queries",
+         lambda: _schedule((
+             'for qc in (r, 2 * R - 1 - r)]',
+             'for qc in (r, R + r)]')).causal_schedule,
+         'three ranks, step 0', 'query chunk 5'),
+]
 
-    r = grader.check("13.ring_merge", merge_step)
-    assert r.status == "forbidden" and "merge_partials" in r.message, (r.status, r.message)
+# The ring's slips, each one edit of the solution's cell.
+_POST = ("            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, current, "
+         "(r + 1) % R),\n"
+         "                                            dist.P2POp(dist.irecv, incoming, "
+         "(r - 1) % R)])\n")
+RING_SLIPS = [
+    Slip("13.ring_forward", "send posted after the compute (no overlap)",
+         lambda: _ring(("if s < R - 1:  # start moving", "if s < -1:  # start moving"),
+                       ("        for work in works:\n",
+                        "        if s < R - 1:\n" + _POST + "        for work in works:\n")
+                       ).ring_forward_gqa,
+         "rank 0, step 0", "posted after the compute"),
+    Slip("13.ring_forward", "receives into the buffer it sends (no double buffer)",
+         lambda: _ring(("dist.P2POp(dist.irecv, incoming,", "dist.P2POp(dist.irecv, current,")
+                       ).ring_forward_gqa,
+         "rank 0", "no double buffer"),
+    Slip("13.ring_forward", "merge without the LSE weighting",
+         lambda: _ring(("O = (torch.exp(LSE - LSE_new)[..., None] * O\n"
+                        "                 + torch.exp(LSE_blk - LSE_new)[..., None] * O_blk)",
+                        "O = O + O_blk")).ring_forward_gqa,
+         "merge without the LSE weighting"),
+    Slip("13.ring_forward", "sends to r - 1 (the wrong peer)",
+         lambda: _ring(("dist.P2POp(dist.isend, current, (r + 1) % R)",
+                        "dist.P2POp(dist.isend, current, (r - 1) % R)"),
+                       ("dist.P2POp(dist.irecv, incoming, (r - 1) % R)",
+                        "dist.P2POp(dist.irecv, incoming, (r + 1) % R)")).ring_forward_gqa,
+         "rank 0, step 0", "wrong peer"),
+    Slip("13.ring_forward", "GQA heads expanded before sending",
+         lambda: _ring(("current = torch.stack([k, v])",
+                        "current = torch.stack([k.repeat_interleave(group_size, dim=1), "
+                        "v.repeat_interleave(group_size, dim=1)])"),
+                       ("repeat_interleave(group_size, dim=1).to(acc)", "to(acc)")
+                       ).ring_forward_gqa,
+         "rank 0, step 0", "GQA heads expanded before sending"),
+    Slip("13.ring_forward", "no wait() before the swap",
+         lambda: _ring(("        for work in works:\n            work.wait()\n", "")
+                       ).ring_forward_gqa,
+         "never waited", "missing wait()"),
+    Slip("13.ring_forward", "a block from the future computed, not skipped",
+         lambda: _ring(("if not (causal and owner > r):", "if True:")).ring_forward_gqa,
+         "wholly in the future"),
+]
+NAMED_MISTAKES += RING_SLIPS
+
+
+@pytest.mark.parametrize("slip", NAMED_MISTAKES, ids=repr)
+def test_named_mistake(slip):
+    slip.fails()

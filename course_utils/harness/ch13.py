@@ -1,19 +1,21 @@
 """Chapter 13's student-side helpers: the constants its exercise notebook imports and two text
 pictures drawn from the student's own answers.
 
-The exercises of chapter 13 are plain functions (no process group), called directly by the
-grader's cases (``course_utils.specs.ch13``), so nothing here runs a candidate for grading:
-
 - ``13.zigzag_chunks``: :func:`show_layout` prints which rank holds which token, from the
   ``index`` table the student's ``zigzag_layout`` returns;
-- ``13.ring_merge``: :data:`LN2` converts a base-2 LSE (a Triton kernel's) to natural log;
 - ``13.causal_schedule``: :func:`show_schedule` draws the per-rank timeline of the student's
-  ``causal_schedule`` over the R ring steps, one letter per (query chunk, key chunk) pair.
+  ``causal_schedule`` over the R ring steps, one letter per (query chunk, key chunk) pair;
+- ``13.ring_forward`` and ``13.ring_backward`` run in R rank processes that the grader starts
+  (:mod:`course_utils.ranks`): :func:`defining_cell` hands the grader the source of the cell
+  that defines the student's function (the ranks run that cell alone). Importing it here also
+  puts ``ranks`` in the worker's copy of the package, from which the ranks start.
 """
 
 from __future__ import annotations
 
 import math
+
+from ..ranks import defining_cell
 
 LN2 = math.log(2.0)  # log_e(2): LSE_natural = LSE_base2 * LN2
 KINDS = ("full", "diagonal", "skip")
@@ -54,4 +56,4 @@ def show_schedule(causal_schedule, R: int, C: int = 4, d: int = 64) -> str:
     return text
 
 
-__all__ = ["KINDS", "LN2", "show_layout", "show_schedule"]
+__all__ = ["KINDS", "LN2", "defining_cell", "show_layout", "show_schedule"]

@@ -32,7 +32,7 @@ import random
 
 import torch
 
-from ..checks import CheckFailure, brief, compare, tolerance, validated
+from ..checks import CheckFailure, Mistake, brief, compare, tolerance, validated
 from ..grader import Exercise
 from ..watch import ForbiddenCall
 
@@ -201,177 +201,247 @@ _add(zigzag_chunks, "fresh N not a multiple of 2R", _zigzag_error_case, _fresh_b
      hidden=True)
 
 
-# ============================================================================= ring merge
+# ============================================================================= the ring, run
 
-ring_merge = Exercise(
-    "13.ring_merge", "One ring step's LSE merge, in float32 (base-2 blocks, empty rows)",
-    points=3, torch_only=True,
+ring_forward = Exercise(
+    "13.ring_forward", "The GQA ring forward in R processes: double-buffered, K/V heads only "
+    "on the wire", points=6,
 )  # fmt: skip
 
-
-def softmax_over(S, keep, V):
-    """float64 ``(O, LSE)`` of the rows of S ``(..., n, m)`` over the keys ``keep`` marks, V
-    ``(..., m, d)``: a row that keeps no key gives O = 0 and LSE = -inf."""
-    S = S.double().masked_fill(~keep, -math.inf)
-    LSE = torch.logsumexp(S, dim=-1)
-    finite = torch.where(torch.isfinite(LSE), LSE, torch.zeros_like(LSE))
-    P = torch.where(keep, torch.exp(S - finite[..., None]), torch.zeros_like(S))
-    return P @ V.double(), LSE
-
-
-def ring_problem(lead, n, d, block_sizes, *, causal=False, offsets=None, seed=None):
-    """Scores, mask and values of a ring merge case, float64.
-
-    ``lead`` are the leading dims (heads, ...), ``n`` query rows, keys cut into consecutive
-    blocks of ``block_sizes`` (0 allowed). ``causal``: row i sits at a random position p_i in
-    -1 .. Nk - 1 and keeps the keys j <= p_i (p_i = -1 sees none). ``offsets`` ``(lo, hi)``: each
-    (row, block) pair's scores get a random constant in that range (large LSE, large
-    differences between blocks). Returns ``(S, keep, V, blocks)``, blocks a list of slices.
-    """
-    g = torch.Generator().manual_seed(random.randrange(2**31) if seed is None else seed)
-    Nk = sum(block_sizes)
-    S = torch.randn(*lead, n, Nk, generator=g, dtype=torch.float64)
-    V = torch.randn(*lead, Nk, d, generator=g, dtype=torch.float64)
-    blocks, start = [], 0
-    for size in block_sizes:
-        blocks.append(slice(start, start + size))
-        start += size
-    if offsets is not None:
-        lo, hi = offsets
-        for blk in blocks:
-            shift = lo + (hi - lo) * torch.rand(*lead, n, 1, generator=g, dtype=torch.float64)
-            S[..., blk] += shift
-    keep = torch.ones(*lead, n, Nk, dtype=torch.bool)
-    if causal:
-        p = torch.randint(-1, Nk, (n, 1), generator=g)
-        p[0, 0] = -1  # one row sees no key at all
-        keep &= torch.arange(Nk)[None, :] <= p
-    return S, keep, V, blocks
+_HR = {
+    "wrong peer": "the ring sends to rank (r + 1) % R and receives from rank (r - 1) % R, so "
+    "that at step s rank r holds the K/V block of rank (r - s) % R (the wrong peer: sending to "
+    "r - 1 turns the ring around, and the blocks no longer match the step's mask).",
+    "expanded": "GQA heads expanded before sending: the ring must carry only the Hkv K/V heads "
+    "(that is the point of GQA: H / Hkv times fewer bytes); expand to the H query heads "
+    "locally, on the block you compute with, after it has arrived.",
+    "no overlap": "the send was posted after the compute (no overlap): post the next block's "
+    "dist.batch_isend_irecv first, compute on the current block while it travels, then wait().",
+    "buffer": "no double buffer: a receive writes into its tensor at any moment until wait() "
+    "returns (the ranks fill it with NaN until then). Receive the next block into a second "
+    "buffer, compute on the current one, and swap the two after wait().",
+    "sent written": "a tensor was written while it was being sent: until wait() returns, the "
+    "send may still be reading it. Write the block you received into the other buffer.",
+    "missing wait": "missing wait(): call wait() on every work batch_isend_irecv returned before "
+    "you use the received block (and before you return); until then its contents are undefined.",
+    "count": "one dist.batch_isend_irecv per step but the last (R - 1 in all): step s posts the "
+    "transfer of the block for step s + 1; the last step has nothing left to receive.",
+    "merge": "merge without the LSE weighting: each block's O_blk is normalised by its own "
+    "denominator; weigh it by exp(LSE_blk - LSE_new), the running O by exp(LSE - LSE_new), "
+    "with LSE_new = logaddexp(LSE, LSE_blk).",
+    "future": "a block wholly in the future: under the causal mask, rank r sees no key of a "
+    "rank src > r (its rows come later). Skip that step's compute (still pass the block on), "
+    "or make sure such a block weighs exactly 0 (no NaN from exp(-inf - (-inf))).",
+    "generic": "O = softmax over every key of the sequence (global positions: rank r holds rows "
+    "r n .. r n + n - 1), query head h reads K/V head h // (H // Hkv); LSE natural log.",
+}
 
 
-def _merge_hint(O, LSE, default, nan_blocks):
-    O, LSE = O.double(), LSE.double()
-    if (torch.isinf(LSE) & (LSE > 0)).any() or torch.isinf(O).any():
-        return ("inf: exp(LSE) overflows float32 above 88.7. Never form exp(LSE) itself: weigh "
-                "each side by exp(LSE_side - LSE_new), which is at most 1.")
-    if torch.isnan(O).any() or torch.isnan(LSE).any():
-        if nan_blocks:
-            return ("NaN: a row this block does not see has LSE_blk = -inf and an O_blk that "
-                    "means nothing (NaN here, as an unguarded kernel's 0 / 0 leaves it): its "
-                    "weight exp(LSE_blk - LSE) is 0, but 0 * NaN is NaN. Select, do not multiply: "
-                    "torch.where(weight > 0, ...).")
-        return ("NaN: a row that no key has reached yet has LSE = -inf on both sides, and "
-                "exp(-inf - (-inf)) = exp(NaN). Subtract a finite stand-in (0 where the max of "
-                "the two LSE is -inf) so that such a row keeps O = 0 and LSE = -inf.")
-    return default
+def _gqa_attention(Q, K, V, causal):
+    """float64 ``(O, LSE)`` of the whole sequence, written as a per-KV-head loop (not as the
+    ranks do it): the G query heads of KV head j attend to K[:, j], V[:, j]."""
+    B, H, N, d = Q.shape
+    G = H // K.shape[1]
+    O = torch.empty(B, H, N, d, dtype=torch.float64)
+    LSE = torch.empty(B, H, N, dtype=torch.float64)
+    keep = torch.ones(N, N, dtype=torch.bool).tril() if causal else torch.ones(N, N, dtype=bool)
+    for h in range(H):
+        S = Q[:, h].double() @ K[:, h // G].double().transpose(-1, -2) / math.sqrt(d)
+        S = S.masked_fill(~keep, -math.inf)
+        LSE[:, h] = torch.logsumexp(S, dim=-1)
+        O[:, h] = torch.softmax(S, dim=-1) @ V[:, h // G].double()
+    return O, LSE
 
 
-def _merge_case(name, lead, n, d, block_sizes, hint, *, causal=False, offsets=None,
-                base2=False, nan_empty=False, blk_dtype=torch.float32, order="random"):
+def _slip_merges(Q, K, V, causal, R):
+    """float64 models of the merges students write instead of the LSE-weighted one: each
+    block's normalised O_blk summed, and averaged pairwise ``(O + O_blk) / 2``."""
+    B, H, N, d = Q.shape
+    n, G = N // R, H // K.shape[1]
+    total = torch.zeros(B, H, N, d, dtype=torch.float64)
+    halves = torch.zeros(B, H, N, d, dtype=torch.float64)
+    for r in range(R):
+        rows = slice(r * n, r * n + n)
+        first = True
+        for s in range(R):
+            src = (r - s) % R
+            if causal and src > r:
+                continue
+            cols = slice(src * n, src * n + n)
+            Kx = K[:, :, cols].double().repeat_interleave(G, dim=1)
+            Vx = V[:, :, cols].double().repeat_interleave(G, dim=1)
+            S = Q[:, :, rows].double() @ Kx.transpose(-1, -2) / math.sqrt(d)
+            if causal and src == r:
+                S = S.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+            O_blk = torch.softmax(S, dim=-1) @ Vx
+            total[:, :, rows] += O_blk
+            halves[:, :, rows] = O_blk if first else (halves[:, :, rows] + O_blk) / 2
+            first = False
+    return total, halves
+
+
+def _cell_of(candidate, label):
+    """The source of the cell that defines the candidate, and the function's name."""
+    from ..grader import invoke
+
+    why = invoke(candidate, "course_utils.harness:stub_reason")
+    if why:
+        raise NotImplementedError(why)
+    got = invoke(candidate, "course_utils.harness.ch13:defining_cell")
+    if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(x, str)
+                                                                      for x in got)):
+        raise CheckFailure(label, "could not read the cell that defines your function",
+                           "hand in the function defined by a def in its own cell")
+    source, name = got
+    if len(source) > 200_000 or not name.isidentifier():
+        raise CheckFailure(label, "the defining cell is too long (over 200,000 characters)",
+                           "keep the function and its helpers in one cell of normal size")
+    return source, name
+
+
+def _run_ranks(source, name, shards, kwargs, label):
+    """Every rank's ``(output, log)``; a crash, hang or error fails this case only."""
+    from .. import ranks
+
+    try:
+        return ranks.run(source, name, shards, kwargs)
+    except ranks.RankFailure as failure:
+        if failure.status == "not implemented":
+            raise NotImplementedError(failure.reason) from None
+        if failure.status == "forbidden":
+            raise ForbiddenCall(f"{label}: {failure.reason}") from None
+        hint = ("every rank runs the same function on its own shard; a rank that raises or "
+                "waits for a message its peer never sends stops the whole ring")
+        if failure.status == "timed out":
+            hint = ("a deadlock (a receive whose send is never posted, or posted in another "
+                    "order on the peer) or an endless loop: every rank must post the same "
+                    "transfers at the same step")
+        raise CheckFailure(label, f"{failure.status}: {failure}", hint) from None
+
+
+def _events(log, r, label):
+    if not isinstance(log, list) or not all(isinstance(e, dict) for e in log):
+        raise CheckFailure(label, f"rank {r}: its record of the transfers is unreadable",
+                           "leave torch.distributed as the ranks set it up")
+    return log
+
+
+def _judge_log(log, r, R, label, *, kv_bytes, ratio, computes):
+    """The rank's transfers: hazards, waits, peers, bytes on the wire, overlap."""
+    log = _events(log, r, label)
+    end = next((e for e in reversed(log) if e.get("ev") == "end"), {})
+    pending = end.get("pending") if isinstance(end.get("pending"), list) else []
+    for e in log:
+        if e.get("ev") != "hazard":
+            continue
+        b, what = e.get("batch"), str(e.get("what"))
+        where = f"rank {r}, the transfer posted at step {b}"
+        if b in pending:
+            raise CheckFailure(label, f"{where} was never waited for, and {what}",
+                               _HR["missing wait"])
+        key = "sent written" if "written" in what else "buffer"
+        raise CheckFailure(label, f"{where}: {what}", _HR[key])
+    if pending:
+        raise CheckFailure(label, f"rank {r}: the transfer posted at step {pending[0]} was "
+                           "never waited for", _HR["missing wait"])
+    posts = [i for i, e in enumerate(log) if e.get("ev") == "post"]
+    if len(posts) != R - 1:
+        raise CheckFailure(label, f"rank {r} called dist.batch_isend_irecv {len(posts)} times, "
+                           f"expected R - 1 = {R - 1}", _HR["count"])
+    for s, i in enumerate(posts):
+        e = log[i]
+        sends = e.get("sends") if isinstance(e.get("sends"), list) else []
+        recvs = e.get("recvs") if isinstance(e.get("recvs"), list) else []
+        nxt, prv = (r + 1) % R, (r - 1) % R
+        bad = [p for p, _ in sends if p != nxt] + [p for p, _ in recvs if p != prv]
+        if bad or not sends or not recvs:
+            raise CheckFailure(label, f"rank {r}, step {s}: sends to rank(s) "
+                               f"{[p for p, _ in sends]} and receives from rank(s) "
+                               f"{[p for p, _ in recvs]}; expected to send to rank {nxt} and "
+                               f"receive from rank {prv}", _HR["wrong peer"])
+        sent = sum(int(b) for _, b in sends)
+        if sent != kv_bytes:
+            if ratio > 1 and sent == kv_bytes * ratio:
+                raise CheckFailure(label, f"rank {r}, step {s}: {sent} bytes sent, {ratio} times "
+                                   f"the {kv_bytes} bytes of the Hkv K/V heads", _HR["expanded"])
+            raise CheckFailure(label, f"rank {r}, step {s}: {sent} bytes sent, expected "
+                               f"{kv_bytes} (this rank's K/V block: 2 x B x Hkv x n x d "
+                               "elements)", "send the K and V block, nothing more, nothing less")
+        waited = next((j for j in range(i + 1, len(log)) if log[j].get("ev") == "wait"
+                       and log[j].get("batch") == e.get("batch")), None)
+        ops = sum(int(log[j].get("ops", 0)) for j in range(i + 1, (waited or i) + 1))
+        if computes(s) and ops == 0:
+            raise CheckFailure(label, f"rank {r}, step {s}: nothing was computed between "
+                               "posting the transfer of the next block and waiting for it",
+                               _HR["no overlap"])
+
+
+def _fresh_ring():
+    """Fresh sizes ``(R, B, H, Hkv, n, d)``: 2 or 3 ranks, 1 or 2 K/V heads of 1 to 3 query
+    heads each, odd or even rows per rank."""
+    Hkv = random.choice([1, 2])
+    return (random.choice([2, 3]), random.choice([1, 2]), Hkv * random.choice([1, 2, 3]), Hkv,
+            random.randint(2, 5), random.choice([4, 8]))
+
+
+def _forward_case(name, *sizes, causal=False, dtype=torch.float32, logits=1.0):
     def run(candidate):
-        S, keep, V, blocks = ring_problem(lead, n, d, block_sizes, causal=causal,
-                                          offsets=offsets)
-        steps = list(range(len(blocks)))
-        if order == "random":
-            random.shuffle(steps)
-        extra = ", LSE_blk base 2" if base2 else ""
-        if blk_dtype != torch.float32:
-            extra += ", O_blk " + str(blk_dtype).replace("torch.", "")
-        label = (f"{name} [rows {(*lead, n)}, d={d}, blocks of {list(block_sizes)} keys folded "
-                 f"in the order {steps}{extra}]")
-        O = torch.zeros(*lead, n, d, dtype=torch.float32)
-        LSE = torch.full((*lead, n), -math.inf, dtype=torch.float32)
-        folded = torch.zeros(S.shape[-1], dtype=torch.bool)
-        arrived = []  # (LSE_b, O_blk) of the blocks folded so far, float64
-        for k, b in enumerate(steps):
-            blk = blocks[b]
-            O_b, LSE_b = softmax_over(S[..., blk], keep[..., blk], V[..., blk, :])
-            if nan_empty:
-                O_b = torch.where(torch.isinf(LSE_b)[..., None], math.nan, O_b)
-            O_blk = O_b.to(blk_dtype)
-            LSE_blk = (LSE_b / LN2 if base2 else LSE_b).float()
-            flag = {"lse_blk_base2": True} if base2 else {}  # else the default, False
-            result = candidate(O, LSE, O_blk, LSE_blk, **flag)
-            O, LSE = _tuple(result, label, ("O", "LSE"))
-            folded[blk] = True
-            O_ref, LSE_ref = softmax_over(S, keep & folded, V)
-            arrived.append((LSE_b, O_blk.double()))
-            if blk_dtype != torch.float32:
-                # O_blk was rounded to blk_dtype on the way: the exact merge of the blocks as
-                # they arrived, each weighed by exp(LSE_b - LSE) (0 for a row it does not reach),
-                # so that a running state rounded to blk_dtype shows at float32's tolerance
-                O_ref = torch.zeros_like(O_ref)
-                for LSE_a, O_a in arrived:
-                    w = torch.exp(LSE_a - torch.where(torch.isinf(LSE_ref), 0.0, LSE_ref))
-                    O_ref += torch.where((w > 0)[..., None], w[..., None] * O_a, 0.0)
-            step = (f"{label}, after step {k + 1} of {len(steps)} (block {b}: keys "
-                    f"{blk.start}..{blk.stop - 1})")
-            for what, got in (("O", O), ("LSE", LSE)):
-                if not isinstance(got, torch.Tensor):
-                    raise CheckFailure(step, f"{what} is a {type(got).__name__}, expected a "
-                                       "torch.Tensor", "return the new (O, LSE)")
-            O = validated(O, O_ref.shape, what="O", case=step)  # before the hint reads them
-            LSE = validated(LSE, LSE_ref.shape, what="LSE", case=step)
-            finite = LSE_ref[torch.isfinite(LSE_ref)]
-            max_score = float(finite.abs().max()) if finite.numel() else 0.0
-            atol, rtol = tolerance(torch.float32, max_score)
-            why = _merge_hint(O, LSE, hint, nan_empty)
-            compare("O", O, O_ref, case=step, atol=atol, rtol=rtol, hint=why,
-                    dtype=torch.float32)
-            if why == hint:
-                why = ("O is right but LSE is not (LSE_new = m + log(exp(LSE - m) + "
-                       f"exp(LSE_blk - m)), m the larger of the two, natural log). Here: {hint}")
-            compare("LSE", LSE, LSE_ref, case=step, atol=atol, rtol=rtol, hint=why,
-                    dtype=torch.float32)
+        R, B, H, Hkv, n, d = sizes if sizes else _fresh_ring()
+        N = R * n
+        label = (f"{name} [R={R} ranks, B={B}, H={H} query heads, Hkv={Hkv} K/V heads, n={n} "
+                 f"rows per rank, d={d}, {'causal' if causal else 'not causal'}, "
+                 f"{str(dtype).replace('torch.', '')}]")
+        source, fname = _cell_of(candidate, label)
+        g = torch.Generator().manual_seed(random.randrange(2**31))
+        Q = torch.randn(B, H, N, d, generator=g, dtype=torch.float64) * logits
+        K = torch.randn(B, Hkv, N, d, generator=g, dtype=torch.float64) * logits
+        V = torch.randn(B, Hkv, N, d, generator=g, dtype=torch.float64)
+        Q, K, V = (t.to(dtype) for t in (Q, K, V))  # the reference sees the rounded inputs
+        shards = [tuple(t[:, :, r * n:(r + 1) * n].contiguous() for t in (Q, K, V))
+                  for r in range(R)]
+        replies = _run_ranks(source, fname, shards, {"causal": causal}, label)
+        kv_bytes = 2 * B * Hkv * n * d * torch.empty((), dtype=dtype).element_size()
+        for r, (_, log) in enumerate(replies):
+            _judge_log(log, r, R, label, kv_bytes=kv_bytes, ratio=H // Hkv,
+                       computes=lambda s, r=r: not causal or (r - s) % R <= r)
+        O_ref, LSE_ref = _gqa_attention(Q, K, V, causal)
+        total, halves = _slip_merges(Q, K, V, causal, R)
+        finite = LSE_ref[torch.isfinite(LSE_ref)]
+        atol, rtol = tolerance(dtype, float(finite.abs().max()))
+        for r, (out, _) in enumerate(replies):
+            at = f"{label}, rank {r} (rows {r * n} .. {r * n + n - 1})"
+            O, LSE = _tuple(out, at, ("O", "LSE"))
+            O = validated(O, (B, H, n, d), what="O", case=at)
+            LSE = validated(LSE, (B, H, n), what="LSE", case=at)
+            rows = slice(r * n, r * n + n)
+            hint = _HR["future"] if causal and bool(torch.isnan(O).any()) else _HR["generic"]
+            mistakes = [(Mistake("merge without the LSE weighting", _HR["merge"]),
+                         total[:, :, rows]),
+                        (Mistake("merge without the LSE weighting (averaged)", _HR["merge"]),
+                         halves[:, :, rows])]
+            compare("O", O, O_ref[:, :, rows], case=at, atol=atol, rtol=rtol, hint=hint,
+                    dtype=dtype, mistakes=mistakes)
+            compare("LSE", LSE, LSE_ref[:, :, rows], case=at, atol=atol, rtol=rtol,
+                    hint="LSE = log of the softmax's denominator over every key this rank's rows "
+                    "see, natural log: merge it with logaddexp",
+                    dtype=torch.promote_types(dtype, torch.float32))
 
     return run
 
 
-_HM = {
-    "two": "the running state holds exp(LSE) of the softmax's denominator: LSE_new = "
-    "logaddexp(LSE, LSE_blk) and O_new = exp(LSE - LSE_new) O + exp(LSE_blk - LSE_new) O_blk.",
-    "causal": "before the first step and for rows a block does not reach, LSE = -inf: such a side "
-    "weighs 0, and a row that no key has reached yet stays O = 0, LSE = -inf.",
-    "empty": "an empty block (0 keys) has LSE_blk = -inf everywhere: the running state must come "
-    "out unchanged, with no NaN.",
-    "base2": "with lse_blk_base2=True, LSE_blk is log2 of the block's denominator (the Triton "
-    "kernel works with exp2): multiply it by ln 2 (= 0.6931) to get the natural log before the "
-    "merge. The running LSE stays natural.",
-    "large": "LSE near 250 overflows exp in float32 (above 88.7): weigh each side by "
-    "exp(LSE_side - LSE_new) or exp(LSE_side - max), never exp(LSE_side) alone.",
-    "nan": "a row a block does not see has LSE_blk = -inf and an O_blk that means nothing (NaN "
-    "here): select the other side instead of multiplying NaN by 0.",
-    "bf16": "O_blk arrives in bfloat16: compute in float32 and return O and LSE as float32 (the "
-    "ring adds R partials: keep the accumulator in float32).",
-}
-
-_add(ring_merge, "two blocks, in order", _merge_case, (2,), 5, 8, [6, 7], _HM["two"],
-     order="in order")
-_add(ring_merge, "four ring steps in random order, causal rows", _merge_case, (2,), 6, 8,
-     [5, 5, 5, 5], _HM["causal"], causal=True)
-_add(ring_merge, "an empty block and rows that see no key", _merge_case, (3,), 5, 4, [4, 0, 6],
-     _HM["empty"], causal=True)
-_add(ring_merge, "Triton blocks: LSE_blk in base 2", _merge_case, (2,), 5, 8, [8, 8, 8],
-     _HM["base2"], base2=True)
-_add(ring_merge, "large logits: LSE up to 250, differences up to 300", _merge_case, (2,), 6, 8,
-     [7, 5, 6], _HM["large"], offsets=(-50.0, 250.0))
-_add(ring_merge, "a block's empty rows hold NaN in O_blk", _merge_case, (2,), 6, 8, [5, 6, 4],
-     _HM["nan"], causal=True, nan_empty=True)
-_add(ring_merge, "bfloat16 O_blk, float32 running state", _merge_case, (2,), 5, 16, [6, 5, 7, 4],
-     _HM["bf16"], blk_dtype=torch.bfloat16)
-_add(ring_merge, "six steps, base 2, causal, NaN rows", _merge_case, (3,), 9, 8,
-     [4, 7, 1, 5, 0, 6], _HM["base2"], causal=True, base2=True, nan_empty=True, hidden=True)
-_add(ring_merge, "large logits in base 2, batch and heads", _merge_case, (2, 3), 4, 8,
-     [6, 6, 6, 6], _HM["large"], offsets=(-100.0, 240.0), base2=True, hidden=True)
-_add(ring_merge, "one row, one key per block", _merge_case, (1,), 1, 4, [1] * 8, _HM["two"],
-     hidden=True)
+_add(ring_forward, "three ranks, GQA (H=6, Hkv=2), causal: future blocks skipped",
+     _forward_case, 3, 2, 6, 2, 4, 8, causal=True)
+_add(ring_forward, "two ranks, one K/V head (MQA), not causal, logits up to ~100",
+     _forward_case, 2, 1, 4, 1, 5, 16, logits=3.0)
+_add(ring_forward, "fresh ranks and heads, float64, causal", _forward_case, causal=True,
+     dtype=torch.float64, hidden=True)
 
 
 # ============================================================================= causal schedule
 
 causal_schedule = Exercise(
     "13.causal_schedule", "The causal zig-zag ring: which blocks each step computes, and its FLOPs",
-    points=4,
+    points=2,
 )  # fmt: skip
 
 
@@ -545,10 +615,8 @@ _add(causal_schedule, "balance on a fresh R", _balance_case,
 
 __all__ = [
     "causal_schedule",
-    "ring_merge",
-    "ring_problem",
+    "ring_forward",
     "schedule_brute",
-    "softmax_over",
     "zigzag_brute",
     "zigzag_chunks",
 ]

@@ -1,0 +1,614 @@
+"""Rank processes for graded ring code (chapter 13): the grader starts them, they run one cell.
+
+A ring exercise hands in a function that must run in R processes joined in one
+``torch.distributed`` group. The grading process (or, when a student checks locally, the
+student's kernel) starts those R processes itself, per case, with :func:`run`::
+
+    grading process                                  rank r (R of them, fresh per case)
+    ---------------                                  ----------------------------------
+    private folder: FileStore, R scratch folders     joins the gloo (or NCCL) group through
+                                                     the FileStore, passes one warm-up block
+                                                     around the ring, then locks itself in:
+                                                     Landlock (like the notebook's worker),
+                                                     rlimits, no new socket (seccomp)
+                                       <- "ready"
+    -> rank r's shard only, the cell's source        runs the cell (untrusted text), calls the
+                                                     function with its shard, every
+                                                     batch_isend_irecv recorded
+                              <- outputs + the log
+    compares the gathered outputs with float64,      (killed with everything it started)
+    judges the log
+
+**Why this order.** gloo connects its full mesh of TCP sockets when the group is created (lazy
+init off: ``TORCH_GLOO_LAZY_INIT`` is removed from the ranks' environment), and NCCL creates its
+point-to-point communicators at the first exchange (hence the warm-up). After that no rank
+needs a new socket: sends and receives use the sockets already open, which the seccomp filter
+leaves working, while ``socket()``/``connect()`` are refused, so no rank can reach another
+notebook's ranks (or anything else). The store is a file in a folder of this case's alone, made
+unreadable by the lock before the student's code runs; each rank gets its inputs over its own
+pipe, so no rank can read another's shard (not in a file, not through ``/proc``: Landlock
+forbids ptrace across domains, each rank is locked in its own).
+
+**What a rank records.** ``dist.batch_isend_irecv`` is replaced, in the rank, by a recorder: each
+call is logged (peers, bytes, the compute operations run since the last event), a receive lands
+in a private buffer and is copied into the student's tensor only by ``wait()`` (the student's
+tensor holds NaN until then, as undefined memory may), and a sent tensor written before its
+``wait()`` is noticed. A ``TorchFunctionMode`` counts the compute (matmul, exp, softmax, ...)
+between the events and notices compute that reads a buffer still being received into. The
+log is data the grader judges (it never trusts a verdict from a rank); the outputs are compared
+in the grading process. Collectives (``all_gather``, ``broadcast``, ...) and blocking
+``send``/``recv`` raise ``ForbiddenCall`` in a rank: a ring passes blocks with
+``batch_isend_irecv``.
+
+**Cleanup.** A case has a deadline (start, run and the replies); past it, or when a rank
+crashes or raises, every rank's process tree is killed (:func:`course_utils.sandbox.kill_tree`),
+also every process started in a rank's session, and the case's folder (store included) is
+deleted. A deadlock, a hang or a crash costs that case.
+
+**GPUs.** Where ``torch.cuda.device_count() >= R`` the ranks use NCCL, one GPU each, with
+:data:`NCCL_ENV` (no NVLink multicast) set before the communicator exists.
+``COURSE_RANKS_NCCL_SECCOMP=0`` leaves the socket filter off for NCCL ranks (Landlock and the
+rest stay), should a driver need a new socket after the warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import sandbox
+
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}  # as course_utils.ring.NCCL_ENV
+CASE_SECONDS = 90.0  # one case: start R processes, join, run, reply
+GROUP_SECONDS = 20  # torch.distributed's own timeout inside the ranks (a wrong peer errors)
+REPLY_MB = 256
+# Collectives a ring exercise may not use (the ring passes blocks with batch_isend_irecv).
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+               "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
+               "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "scatter", "scatter_object_list", "send", "recv", "barrier")
+# Functions counted as compute between the transfer events (by __name__).
+COMPUTE = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "einsum", "baddbmm",
+                     "addmm", "softmax", "_softmax", "exp", "exp_", "exp2", "logsumexp",
+                     "scaled_dot_product_attention", "log_softmax"})
+
+__all__ = ["CASE_SECONDS", "RankFailure", "backend_for", "defining_cell", "run"]
+
+
+class RankFailure(Exception):
+    """A case's ranks did not all reply: ``status`` (crashed, timed out, error, forbidden,
+    not implemented), the rank (or None) and why."""
+
+    def __init__(self, status: str, rank, reason: str, exc=None):
+        super().__init__(f"rank {rank}: {reason}" if rank is not None else reason)
+        self.status, self.rank, self.reason, self.exc = status, rank, reason, exc
+
+
+# ============================================================================ student's side
+
+
+def defining_cell(fn) -> tuple[str, str]:
+    """``(source, name)``: the whole cell (or file) that defines ``fn``, and its name.
+
+    Runs next to the candidate (``grader.invoke``); the text is untrusted and is executed only
+    inside the locked-in ranks.
+    """
+    import linecache
+
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__name__", None)
+    if code is None or not isinstance(name, str):
+        raise TypeError("hand in the function itself (a def in a cell), not "
+                        f"{type(fn).__name__}")
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        import inspect
+
+        lines = inspect.getsource(fn).splitlines(keepends=True)
+    return "".join(lines), name
+
+
+# ============================================================================ the rank
+
+
+def _span(t):
+    """``(lo, hi)``: the bytes of memory a tensor's view can touch."""
+    if t.numel() == 0:
+        return (0, 0)
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
+    lo = t.data_ptr()
+    return (lo, lo + extent * t.element_size())
+
+
+def _overlaps(a, b):
+    return a[0] < b[1] and b[0] < a[1]
+
+
+class _Recorder:
+    """The rank's log of transfers and compute; installs itself over ``dist``."""
+
+    def __init__(self, torch, dist):
+        self.torch, self.dist = torch, dist
+        self.log, self.ops, self.quiet = [], 0, False
+        self.pending = {}  # batch -> {"recvs": [(user, staging, span)], "sends": [...]}
+        self.batches = 0
+        self.real = dist.batch_isend_irecv
+
+    def event(self, **what):
+        what["ops"] = self.ops
+        self.ops = 0
+        self.log.append(what)
+
+    def hazard(self, what, batch):
+        if not any(e.get("ev") == "hazard" and e.get("what") == what and e.get("batch") == batch
+                   for e in self.log):
+            self.event(ev="hazard", what=what, batch=batch)
+
+    # ---- compute, seen by a TorchFunctionMode
+    def saw(self, func, args, kwargs):
+        if self.quiet or getattr(func, "__name__", "") not in COMPUTE:
+            return
+        self.ops += 1
+        torch = self.torch
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        for batch, entry in self.pending.items():
+            for user, _, span in entry["recvs"]:
+                if any(_overlaps(_span(t), span) for t in tensors if t.device == user.device):
+                    self.hazard("compute read a buffer still being received into", batch)
+
+    # ---- transfers
+    def batch_isend_irecv(self, p2p_ops):
+        torch, dist = self.torch, self.dist
+        self.quiet = True
+        try:
+            batch = self.batches
+            self.batches += 1
+            rank = dist.get_rank()
+            sends, recvs, real_ops = [], [], []
+            for op in p2p_ops:
+                t = op.tensor
+                if op.op is dist.isend:
+                    sends.append((t, t.detach().clone(), _span(t)))
+                    real_ops.append(op)
+                else:
+                    staging = torch.empty_like(t, memory_format=torch.contiguous_format)
+                    recvs.append((t, staging, _span(t)))
+                    real_ops.append(dist.P2POp(dist.irecv, staging, op.peer, op.group, op.tag))
+            for _user, _, span in recvs:
+                if any(_overlaps(span, s) for _, _, s in sends) or any(
+                        _overlaps(span, s) for e in self.pending.values()
+                        for _, _, s in e["sends"]):
+                    self.hazard("received into a buffer that is being sent", batch)
+            self.event(ev="post", batch=batch, rank=rank,
+                       sends=[[int(op.peer), int(op.tensor.numel() * op.tensor.element_size())]
+                              for op in p2p_ops if op.op is dist.isend],
+                       recvs=[[int(op.peer), int(op.tensor.numel() * op.tensor.element_size())]
+                              for op in p2p_ops if op.op is not dist.isend])
+            for t, _, _ in recvs:  # undefined until wait(): NaN (or the dtype's maximum)
+                t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+            works = self.real(real_ops)
+            self.pending[batch] = {"recvs": recvs, "sends": sends}
+            return [_Work(self, batch, works) for _ in (works or [None])]
+        finally:
+            self.quiet = False
+
+    def finish(self, batch, works):
+        if batch not in self.pending:
+            return
+        self.quiet = True
+        try:
+            for w in works:
+                w.wait()
+            entry = self.pending.pop(batch)
+            for user, staging, _ in entry["recvs"]:
+                user.copy_(staging)
+            for user, snapshot, _ in entry["sends"]:
+                same = (user == snapshot) | (user.isnan() & snapshot.isnan()) \
+                    if user.dtype.is_floating_point else (user == snapshot)
+                if not bool(same.all()):
+                    self.hazard("a tensor being sent was written before its wait()", batch)
+            self.event(ev="wait", batch=batch)
+        finally:
+            self.quiet = False
+
+
+class _Work:
+    def __init__(self, recorder, batch, works):
+        self.recorder, self.batch, self.works = recorder, batch, works
+
+    def wait(self, *args, **kwargs):
+        self.recorder.finish(self.batch, self.works)
+        return True
+
+    def is_completed(self):
+        return self.batch not in self.recorder.pending
+
+
+def _forbidden(name):
+    from .watch import ForbiddenCall
+
+    def refuse(*args, **kwargs):
+        raise ForbiddenCall(f"dist.{name}: a ring passes its blocks to the next rank with "
+                            "dist.batch_isend_irecv (P2POp isend / irecv) only")
+
+    return refuse
+
+
+def _lock(job) -> dict:
+    """Lock this rank in (after the group exists): Landlock, then no new socket."""
+    locked = {}
+    if job.get("landlock"):
+        try:
+            locked["landlock"] = sandbox.landlock_restrict(**job["landlock"])
+        except Exception as exc:
+            locked["landlock"] = f"unavailable ({type(exc).__name__}: {exc})"
+    if job.get("seccomp"):
+        try:
+            from .seccomp import deny_sockets
+
+            locked["seccomp"] = deny_sockets()
+        except Exception as exc:
+            locked["seccomp"] = f"unavailable ({type(exc).__name__}: {exc})"
+    import socket
+
+    try:  # the grader's own code still: a socket must be refused now
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+        locked["socket"] = "opened"
+    except OSError:
+        locked["socket"] = "refused"
+    probe = job.get("probe")
+    if probe:
+        try:
+            with open(probe, "rb") as f:
+                locked["read"] = f.read(16).hex()
+        except OSError:
+            locked["read"] = "refused"
+    return locked
+
+
+def rank_main(fd_in: int, fd_out: int) -> None:
+    """A rank: join the group, warm up, lock in, run the cell's function on its shard."""
+    channel = sandbox._Channel(fd_in, fd_out)
+    job, _ = channel.recv()
+    sys.path[1:1] = [p for p in job.get("sys_path", []) if isinstance(p, str)]
+    sandbox._apply_rlimits(job.get("limits", {}))
+    sandbox._volunteer_for_oom_killer()
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world, backend = job["rank"], job["world"], job["backend"]
+    torch.set_num_threads(max(1, int(job.get("threads", 1))))
+    kwargs = {}
+    if backend == "nccl":
+        os.environ.update(NCCL_ENV)
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    store = dist.FileStore(job["store"], world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=job.get("group_seconds", GROUP_SECONDS)),
+                            **kwargs)
+    # Warm-up: one block around the ring (NCCL makes its P2P communicators here, gloo proves
+    # the mesh), before the lock takes new sockets away.
+    token = torch.full((4,), float(rank), device=device)
+    got = torch.empty_like(token)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, token, (rank + 1) % world),
+                                     dist.P2POp(dist.irecv, got, (rank - 1) % world)]):
+        w.wait()
+    if int(got[0].item()) != (rank - 1) % world:
+        os._exit(5)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    locked = _lock(job)
+    channel.send({"ready": locked})
+    task, buffers = channel.recv()
+    dec = sandbox._Decoder(task["regions"], buffers)
+    args = dec.dec(task["args"])
+    call_kwargs = dec.dec(task["kwargs"])
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    recorder = _Recorder(torch, dist)
+    from torch.overrides import TorchFunctionMode
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, fargs=(), fkwargs=None):
+            recorder.saw(func, fargs, fkwargs)
+            return func(*fargs, **(fkwargs or {}))
+
+    dist.batch_isend_irecv = recorder.batch_isend_irecv
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.batch_isend_irecv = recorder.batch_isend_irecv
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, _forbidden(name))
+    try:
+        namespace = {"__name__": "__ring_cell__"}
+        exec(compile(task["source"], "<the exercise's cell>", "exec"), namespace)
+        fn = namespace.get(task["name"])
+        if not callable(fn):
+            raise NameError(f"the cell does not define {task['name']}")
+        with Watch():
+            out = fn(*args, **call_kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        recorder.event(ev="end", pending=sorted(recorder.pending))
+        enc = sandbox._Encoder()
+        value = enc.enc(_to_cpu(torch, out))
+        log = enc.enc(recorder.log)
+        reply, data = enc.message({"ok": value, "log": log})
+        channel.send(reply, data)
+    except BaseException as exc:  # noqa: BLE001 (the student's code: report what and where)
+        try:
+            channel.send(sandbox._raised(exc if isinstance(exc, Exception)
+                                         else RuntimeError(repr(exc))))
+        except Exception:
+            os._exit(6)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:  # wait to be killed: leaving early could strand a peer's last receive
+        channel.recv()
+    finally:
+        os._exit(0)
+
+
+def _to_cpu(torch, x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_cpu(torch, v) for v in x)
+    return x
+
+
+# ============================================================================ the grader's side
+
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from course_utils.ranks import rank_main; "
+         "rank_main(int(sys.argv[2]), int(sys.argv[3]))")
+
+
+def backend_for(world: int) -> str:
+    """``"nccl"`` where this machine has a GPU per rank, else ``"gloo"`` (CPU shards)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+            return "nccl"
+    except Exception:
+        pass
+    return "gloo"
+
+
+def _session_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2:].split()[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _family(pids):
+    """The ranks, their descendants and every process in one of their sessions."""
+    found = set(pids)
+    for p in pids:
+        found.update(sandbox.descendants(p))
+    sessions = set(pids)
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and _session_of(int(entry)) in sessions:
+                found.add(int(entry))
+    return found
+
+
+def _kill_all(procs, before=frozenset()):
+    """Kill every rank, all they started (in their sessions or below them), and every process
+    that became this process's descendant during the case (an orphan re-parented here, this
+    process being a subreaper): only ``before`` (what ran before the case) is kept."""
+    pids = [p.pid for p in procs]
+    for _ in range(3):
+        family = _family(pids)
+        keep = frozenset(p for p in sandbox.descendants(os.getpid())
+                         if p not in family and p in before)
+        for p in pids:
+            sandbox.kill_tree(p, keep)
+        for p in family:  # a process of a rank's session that is not our descendant
+            try:
+                os.kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if not any(_session_of(p) is not None for p in _family(pids) if p != os.getpid()):
+            break
+
+
+class _Deadline:
+    def __init__(self, seconds, procs):
+        self.end, self.procs = time.monotonic() + seconds, procs
+
+    def wait(self, fd, rank):
+        while True:
+            left = self.end - time.monotonic()
+            if left <= 0:
+                raise RankFailure("timed out", None, "the ranks did not finish within "
+                                  f"{CASE_SECONDS:g} s (a deadlock: does every send have its "
+                                  "receive on the peer, in the same order?)")
+            ready, _, _ = select.select([fd], [], [], min(left, 0.2))
+            if ready:
+                return
+            code = self.procs[rank].poll()
+            if code is not None:
+                raise RankFailure("crashed", rank, f"the process ended "
+                                  f"({sandbox._exit_reason(code)})")
+
+
+def _recv(reader, deadline, rank):
+    try:
+        return reader.recv(lambda fd: deadline.wait(fd, rank))
+    except EOFError:
+        code = deadline.procs[rank].poll()
+        raise RankFailure("crashed", rank, "the process ended "
+                          f"({sandbox._exit_reason(code)})") from None
+    except sandbox.ProtocolError as exc:
+        raise RankFailure("error", rank, f"sent a malformed reply ({exc})") from None
+
+
+def _first_ready(readers, deadline, todo):
+    """The rank (of ``todo``) whose pipe has data first."""
+    while True:
+        left = deadline.end - time.monotonic()
+        if left <= 0:
+            deadline.wait(readers[todo[0]].fd, todo[0])  # raises timed out
+        fds = {readers[r].fd: r for r in todo}
+        ready, _, _ = select.select(list(fds), [], [], min(max(left, 0.001), 0.2))
+        if ready:
+            return fds[ready[0]]
+        for r in todo:
+            code = deadline.procs[r].poll()
+            if code is not None:
+                raise RankFailure("crashed", r, f"the process ended "
+                                  f"({sandbox._exit_reason(code)})")
+
+
+def _protected():
+    """What a rank may not read: the course, every grading run's and every case's folders."""
+    import glob
+
+    tmp = tempfile.gettempdir()
+    paths = [str(sandbox.PACKAGE.parent), *glob.glob(os.path.join(tmp, "course-grade-*")),
+             *glob.glob(os.path.join(tmp, "course-ranks-*")), "/dev/shm", "/dev/mqueue"]
+    return [p for p in paths if os.path.exists(p)]
+
+
+def run(source: str, name: str, shards, kwargs=None, *, backend=None,
+        seconds: float = CASE_SECONDS):
+    """Run ``name`` from the cell ``source`` in ``len(shards)`` fresh, locked-in ranks.
+
+    ``shards[r]`` is the tuple of positional arguments of rank r (tensors, numbers), ``kwargs``
+    the keyword arguments of every rank. Returns a list, per rank, of ``(output, log)``: the
+    function's output (tensors on the CPU) and the rank's event log (see the module's
+    docstring). Raises :class:`RankFailure` when a rank crashes, times out or raises (``exc``:
+    the rebuilt exception). Every process is killed and every file deleted before it returns.
+    """
+    world = len(shards)
+    backend = backend or backend_for(world)
+    sandbox.set_subreaper()
+    before = frozenset(sandbox.descendants(os.getpid()))
+    folder = Path(tempfile.mkdtemp(prefix="course-ranks-"))
+    procs, writers, readers = [], [], []
+    try:
+        package = folder / "package"
+        package.mkdir()
+        sandbox.copy_package(package)
+        os.chmod(package, 0o555)
+        (folder / "store").mkdir(mode=0o700)
+        abi = sandbox.landlock_abi()
+        protected = _protected()
+        probe = next((f for f in (sandbox._first_file(p) for p in protected[:1]) if f), None)
+        base_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("COURSE_CHECKS_RAISE", "COURSE_GRADING", "PYTEST_",
+                                         "PYTHON", "TORCH_GLOO_LAZY_INIT", "MASTER_", "RANK",
+                                         "WORLD_SIZE", "LOCAL_RANK"))}
+        threads = max(1, (os.cpu_count() or 1) // world)
+        for r in range(world):
+            scratch = folder / f"rank{r}"
+            scratch.mkdir(mode=0o700)
+            for sub in ("home", "tmp", "cache"):
+                (scratch / sub).mkdir()
+            env = dict(base_env, HOME=str(scratch / "home"), TMPDIR=str(scratch / "tmp"),
+                       XDG_CACHE_HOME=str(scratch / "cache"), GLOO_SOCKET_IFNAME="lo",
+                       OMP_NUM_THREADS=str(threads), MPLBACKEND="Agg",
+                       TRITON_CACHE_DIR=str(scratch / "cache" / "triton"))
+            if backend == "nccl":
+                env.update(NCCL_ENV)
+            to_r, to_w = os.pipe()
+            from_r, from_w = os.pipe()
+            log = open(scratch / "rank.log", "ab")  # noqa: SIM115 (handed to the process)
+            try:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-I", "-B", "-u", "-c", _BOOT, str(package), str(to_r),
+                     str(from_w)], pass_fds=(to_r, from_w), cwd=scratch, env=env,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True))
+            finally:
+                log.close()
+                os.close(to_r)
+                os.close(from_w)
+            writers.append(to_w)
+            readers.append(sandbox._Reader(from_r, REPLY_MB << 20))
+            job = {"rank": r, "world": world, "backend": backend, "threads": threads,
+                   "store": str(folder / "store" / "filestore"), "probe": probe,
+                   "sys_path": sandbox._import_path(folder),
+                   "limits": {"file_bytes": 64 << 20}, "group_seconds": GROUP_SECONDS}
+            if abi >= 1:
+                writable = [str(scratch), "/dev/null", "/dev/zero", "/dev/urandom",
+                            "/dev/random"]
+                if backend == "nccl":
+                    writable += sandbox._writable_devices()
+                job["landlock"] = {"read_protected": [*protected, str(folder)],
+                                   "writable": writable,
+                                   "read_extra": [str(scratch), str(package), sys.prefix,
+                                                  sys.base_prefix]}
+                job["seccomp"] = backend != "nccl" or \
+                    os.environ.get("COURSE_RANKS_NCCL_SECCOMP", "1") != "0"
+            sandbox.send(to_w, job)
+        deadline = _Deadline(seconds, procs)
+        for r in range(world):
+            header, _ = _recv(readers[r], deadline, r)
+            locked = header.get("ready")
+            if not isinstance(locked, dict):
+                raise RankFailure("error", r, "did not report its lock")
+            if locked.get("socket") != "refused" and job.get("seccomp"):
+                raise RankFailure("error", r, f"the lock did not hold: a socket opened "
+                                  f"({locked})")
+            if abi >= 1 and probe and locked.get("read") != "refused":
+                raise RankFailure("error", r, f"the lock did not hold: read {probe}")
+        for r in range(world):
+            enc = sandbox._Encoder()
+            header = {"source": source, "name": name, "args": enc.enc(tuple(shards[r])),
+                      "kwargs": enc.enc(dict(kwargs or {}))}
+            header, data = enc.message(header)
+            sandbox.send(writers[r], header, data)
+        replies = [None] * world
+        todo = list(range(world))
+        while todo:
+            r = _first_ready(readers, deadline, todo)
+            header, data = _recv(readers[r], deadline, r)
+            todo.remove(r)
+            if "raised" in header:
+                exc = sandbox._rebuild_exception(header["raised"])
+                info = header["raised"] if isinstance(header["raised"], dict) else {}
+                raise RankFailure(str(info.get("kind", "error")), r,
+                                  f"{type(exc).__name__}: {exc}{getattr(exc, 'where', '')}",
+                                  exc)
+            try:
+                dec = sandbox._Decoder(header.get("regions", []), data, strict=True)
+                replies[r] = (dec.dec(header.get("ok")), dec.dec(header.get("log")))
+            except (sandbox.ProtocolError, KeyError, TypeError, ValueError) as exc:
+                raise RankFailure("error", r, f"sent a malformed reply ({exc})") from None
+        return replies
+    finally:
+        _kill_all(procs, before)
+        for fd in writers:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for reader in readers:
+            try:
+                os.close(reader.fd)
+            except OSError:
+                pass
+        sandbox.remove_tree(folder)
