@@ -3,34 +3,63 @@
 The student's own kernel body is compiled with the host C++ compiler (g++) after a header,
 ``kernels/cuda_cpu.h``, that defines the CUDA thread model: ``__global__``, ``__shared__``,
 ``threadIdx``/``blockIdx``/``blockDim``/``gridDim``, ``__syncthreads()``, the float intrinsics,
-atomics and ``printf``. Blocks run one after another; the threads of a block are fibers run in
-a fixed order, each until its next ``__syncthreads()``, so a missing barrier reads a slot no
-thread stored yet (shared memory is filled with NaN before each block) or one the next step
-already overwrote; :func:`launch_twice` runs a launch in two such orders (thread 0 first, the
-last thread first) and calls any difference a race. The executable runs as a subprocess with a
-time limit, so a crash or an endless loop in the kernel is a clear error, never a hung caller.
+atomics, ``printf``, the warp functions and the tensor-core helpers (below). Blocks run one after
+another; the threads of a block are fibers run in a fixed order, each until its next
+``__syncthreads()`` or warp function, so a missing barrier reads a slot no thread stored yet
+(shared memory is filled with NaN before each block) or one the next step already overwrote;
+:func:`launch_twice` runs a launch in two such orders (thread 0 first, the last thread first) and
+calls any difference a race. The executable runs as a subprocess with a time limit, so a crash or
+an endless loop in the kernel is a clear error, never a hung caller.
+
+Warp functions are warp collectives (warp w is threads 32w .. 32w+31 of the block, x fastest):
+the lanes a mask names meet, exchange and go on. Emulated: ``__shfl_sync``, ``__shfl_up_sync``,
+``__shfl_down_sync``, ``__shfl_xor_sync`` (float, int, unsigned or any value of up to 8 bytes,
+with ``width``), ``__syncwarp(mask)``, ``__ballot_sync``, ``__any_sync``, ``__all_sync``,
+``__activemask()`` (the lanes that have not returned). And the chapter-10 tensor-core helpers
+of ``kernels/mma_helpers.cuh``, which a kernel includes (``#include "mma_helpers.cuh"``; on a
+GPU the same names are inline PTX, see :func:`with_mma_helpers` for NVRTC):
+
+* ``void mma_m16n8k16_bf16(float d[4], const unsigned a[4], const unsigned b[2],
+  const float c[4])``: ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``, D = A B + C
+  over the warp, fragments as in :mod:`course_utils.mma` (d may be c). The bf16 products are
+  summed exactly (double), rounded to float, and C is added in float: the same bits as
+  :func:`course_utils.mma.mma_m16n8k16`.
+* ``void ldmatrix_x4(unsigned r[4], const void* smem_row)`` and ``ldmatrix_x4_trans``:
+  ``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``; lanes 8j .. 8j+7 give the rows of matrix
+  j, lane l receives row l // 4, columns 2 (l % 4), +1 of matrix j (of its transpose) in r[j].
+* ``unsigned pack_bf16(float lo, float hi)`` (round to nearest even, lo in bits 0-15),
+  ``float unpack_bf16_lo(unsigned)``, ``float unpack_bf16_hi(unsigned)``.
+* ``__nv_bfloat16`` and ``__nv_bfloat162`` as storage with their conversions (``__float2bfloat16``,
+  ``__bfloat162float``, ``__floats2bfloat162_rn``); a ``const __nv_bfloat16*`` parameter takes a
+  torch bfloat16 tensor or a uint16 array of the bits. No bf16 arithmetic operators.
 
 What it checks besides the values: a ``__syncthreads()`` reached by only part of the block
-(threads that returned early, or wait at another barrier), an access past the end of a buffer
-(each buffer ends at a page that cannot be touched: the thread that touched it is named), a
-store in front of a buffer (a guard band filled with 0xFF, checked after the run), a thread's
-stack overflow, and a kernel that does not finish.
+(threads that returned early, or wait at another barrier), a warp function that not every lane
+of its mask calls (a lane that returned, waits at a barrier or in another warp function, or
+passed another mask: the warp, the lanes and the lines are named; mma and ldmatrix need all 32
+lanes at the same line), a mask without the calling lane or naming lanes that do not exist, a
+shuffle that reads a lane outside the mask, an ldmatrix row outside shared memory or not 16-byte
+aligned, an access past the end of a buffer (each buffer ends at a page that cannot be touched:
+the thread that touched it is named), a store in front of a buffer (a guard band filled with
+0xFF, checked after the run), a thread's stack overflow, and a kernel that does not finish.
 
 What it cannot show: speed (nothing here is timed); races that its two fixed orders hide (a
 GPU interleaves threads in many more ways, and blocks run at the same time there: two blocks
-writing one element are not a race here); warp-level behaviour (shuffles, votes,
-``__syncwarp``, lockstep execution, bank conflicts, coalescing: not emulated); the GPU's own
-rounding (nvcc contracts a * b + c into one FMA, g++ here does not). The GPU path compiles and
-runs the real build. Linux only (ucontext fibers, an ELF section for ``__shared__``).
+writing one element are not a race here); lockstep execution (the lanes of a warp run one after
+another between warp functions), bank conflicts, coalescing; inline PTX (``asm``: call the
+helpers above instead); the GPU's own rounding (nvcc contracts a * b + c into one FMA, g++ here
+does not; the tensor cores' accumulation order is not modelled). The GPU path compiles and runs
+the real build. Linux only (ucontext fibers, an ELF section for ``__shared__``).
 
     >>> out = np.full(n, np.nan, np.float32)
     >>> printed = cuda_cpu.launch(source, "vector_add", (blocks,), (256,), x, y, out, n)
 
-Arrays (float32, int32, uint32, float64, int64 numpy arrays) are written back in place;
-numbers are passed as the kernel's signature declares them (the signature is read from the
-source). Errors raise :class:`EmulationError` with ``kind`` one of ``compile``, ``arguments``,
-``barrier``, ``out of bounds``, ``crash``, ``timeout`` (and ``race`` from
-:func:`launch_twice`, which runs the threads of each block in two orders).
+Arrays (float32, int32, uint32, float64, int64, uint16/int16 numpy arrays; bfloat16 torch
+tensors as their bits) are written back in place; numbers are passed as the kernel's signature
+declares them (the signature is read from the source). Errors raise :class:`EmulationError` with
+``kind`` one of ``compile``, ``arguments``, ``barrier``, ``warp``, ``misaligned``, ``out of
+bounds``, ``crash``, ``timeout`` (and ``race`` from :func:`launch_twice`, which runs the threads
+of each block in two orders).
 """
 
 from __future__ import annotations
@@ -46,6 +75,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HEADER = Path(__file__).resolve().parent / "kernels" / "cuda_cpu.h"
+MMA_HELPERS = Path(__file__).resolve().parent / "kernels" / "mma_helpers.cuh"
+# What ``#include "mma_helpers.cuh"`` reads under the emulation: the names, from cuda_cpu.h
+# (the same lines as the CPU branch of kernels/mma_helpers.cuh; the GPU branch is inline PTX).
+MMA_HELPERS_CPU = """#pragma once
+using ::cuda_cpu::mma_helpers::ldmatrix_x4;
+using ::cuda_cpu::mma_helpers::ldmatrix_x4_trans;
+using ::cuda_cpu::mma_helpers::mma_m16n8k16_bf16;
+using ::cuda_cpu::mma_helpers::pack_bf16;
+using ::cuda_cpu::mma_helpers::unpack_bf16_hi;
+using ::cuda_cpu::mma_helpers::unpack_bf16_lo;
+"""
 COMPILER = "g++"
 FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-w")  # -w: #pragma unroll is CUDA's
 DEFAULT_TIMEOUT_S = 20.0
@@ -53,7 +93,7 @@ COMPILE_TIMEOUT_S = 120.0
 MAX_PRINTED = 4000  # characters of the kernel's printf output kept
 
 __all__ = ["EmulationError", "HINTS", "Parameter", "compile_source", "kernel_parameters",
-           "launch", "launch_twice", "run_case"]  # fmt: skip
+           "launch", "launch_twice", "run_case", "with_mma_helpers"]  # fmt: skip
 
 # What to change, per kind of error: the grader shows it under the emulator's message.
 HINTS = {
@@ -67,13 +107,19 @@ HINTS = {
     "compile": "the emulation compiles with g++ after a header that defines the CUDA keywords; "
     "use the kernel's own signature and the intrinsics of the lecture",
     "arguments": "keep the kernel's signature as given",
+    "warp": "every lane a warp function's mask names must call it, with the same mask (mma and "
+    "ldmatrix: all 32 lanes): keep shuffles, mma and ldmatrix out of branches that only part of "
+    "the warp takes (compute in the branch, shuffle after it), and return only after them",
+    "misaligned": "ldmatrix reads rows of 8 bf16 values that start on a 16-byte boundary: a row's "
+    "address is the tile's start plus a multiple of 8 elements",
     "race": "a __syncthreads() after the tiles are stored (before any thread reads them: RAW) and "
     "one after they are used (before the next step overwrites them: WAR)",
 }
 
 _ELEMENT = {"float": "f", "int": "i", "unsigned": "I", "unsigned int": "I", "double": "d",
             "long long": "q", "long": "q", "int64_t": "q", "int32_t": "i", "uint32_t": "I",
-            "size_t": "Q", "char": "b", "unsigned char": "B"}  # fmt: skip
+            "size_t": "Q", "char": "b", "unsigned char": "B", "__nv_bfloat16": "H",
+            "unsigned short": "H", "uint16_t": "H", "short": "h", "int16_t": "h"}  # fmt: skip
 _INTEGER_TYPES = {"int", "unsigned", "unsigned int", "long", "long long", "size_t", "int64_t",
                   "int32_t", "uint32_t", "unsigned long", "unsigned long long", "bool",
                   "char"}  # fmt: skip
@@ -181,7 +227,8 @@ def compile_source(source: str, kernel: str, *, folder=None) -> tuple[Path, list
     header = HEADER.read_text(encoding="utf-8")
     program = _dynamic_shared(source)
     launcher = _launcher(kernel, params)
-    key = hashlib.sha256("\0".join([header, program, launcher, " ".join(FLAGS)]).encode())
+    key = hashlib.sha256("\0".join([header, MMA_HELPERS_CPU, program, launcher,
+                                    " ".join(FLAGS)]).encode())  # fmt: skip
     build = _scratch(folder) / f"build_{key.hexdigest()[:20]}"
     exe = build / "kernel"
     if exe.is_file():
@@ -194,8 +241,9 @@ def compile_source(source: str, kernel: str, *, folder=None) -> tuple[Path, list
     (work / "cuda_cpu.h").write_text(header, encoding="utf-8")
     include = work / "include"
     include.mkdir()
-    for name in ("cuda_runtime.h", "cuda.h", "device_launch_parameters.h"):
+    for name in ("cuda_runtime.h", "cuda.h", "device_launch_parameters.h", "cuda_bf16.h"):
         (include / name).write_text("#pragma once\n", encoding="utf-8")
+    (include / "mma_helpers.cuh").write_text(MMA_HELPERS_CPU, encoding="utf-8")
     (work / "kernel.cu").write_text(program, encoding="utf-8")
     main = '#include "cuda_cpu.h"\n#line 1 "kernel.cu"\n#include "kernel.cu"\n' + launcher
     (work / "main.cpp").write_text(main, encoding="utf-8")
@@ -258,12 +306,32 @@ def _encode(params: list[Parameter], grid, block, args, shared_bytes: int, timeo
 
 
 def _as_array(a):
-    """A CPU torch tensor as the numpy array that shares its memory (results land in it)."""
+    """A CPU torch tensor as the numpy array that shares its memory (results land in it); a
+    bfloat16 tensor as uint16 (its bits: numpy has no bfloat16)."""
     if type(a).__module__.startswith("torch") and hasattr(a, "numpy"):
         if a.device.type != "cpu":
             raise EmulationError("arguments", "the CPU emulation needs CPU tensors")
-        return a.detach().numpy()
+        a = a.detach()
+        if str(a.dtype) == "torch.bfloat16":
+            import numpy as np
+            import torch
+
+            return a.view(torch.int16).numpy().view(np.uint16)
+        return a.numpy()
     return a
+
+
+def with_mma_helpers(source: str) -> str:
+    """``source`` with its ``#include "mma_helpers.cuh"`` replaced by the header's text (the GPU
+    build: NVRTC then needs no include path), line numbers kept by a ``#line``."""
+    text = MMA_HELPERS.read_text(encoding="utf-8")
+    out = []
+    for n, line in enumerate(source.splitlines(), 1):
+        if re.fullmatch(r'\s*#\s*include\s*[<"]mma_helpers\.cuh[>"]\s*', line):
+            out += [text.rstrip("\n"), f"#line {n + 1}"]
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def launch(source: str, kernel: str, grid, block, *args, folder=None,

@@ -21,8 +21,9 @@ def launch(obj, kernel: str, grid, block, *args, timeout: float = 20.0) -> dict:
     Returns ``{"kind": "", "message": "", "printed": ..., "shared_bytes": ..., "barriers": ...}``
     when it ran (the static ``__shared__`` bytes, the ``__syncthreads()`` of the source that were
     reached: see :func:`course_utils.cuda_cpu.launch`), else ``kind`` says what
-    went wrong (``compile``, ``barrier``, ``race``, ``out of bounds``, ``crash``, ``timeout``,
-    ``arguments``) and ``message`` how, where.
+    went wrong (``compile``, ``barrier``, ``warp``, ``misaligned``, ``race``, ``out of bounds``,
+    ``crash``, ``timeout``, ``arguments``) and ``message`` how, where. A bfloat16 tensor goes to
+    a ``__nv_bfloat16*`` parameter as its bits.
     """
     import numpy as np
     import torch
@@ -40,7 +41,7 @@ def launch(obj, kernel: str, grid, block, *args, timeout: float = 20.0) -> dict:
             if a.device.type != "cpu" or not a.is_contiguous():
                 return {"kind": "arguments", "message": "tensors must be contiguous, on the CPU",
                         "printed": ""}  # fmt: skip
-            a = a.detach().numpy()  # shares memory: the results land in the tensor
+            a = cuda_cpu._as_array(a)  # shares memory: the results land in the tensor
         elif isinstance(a, np.ndarray) and not a.flags.c_contiguous:
             return {"kind": "arguments", "message": "arrays must be contiguous", "printed": ""}
         arrays.append(a)

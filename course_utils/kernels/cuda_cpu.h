@@ -2,24 +2,45 @@
 //
 // course_utils.cuda_cpu compiles a student's CUDA C++ source with the host g++ after this
 // header, together with a small generated launcher, and runs the executable as a subprocess.
+// It defines CUDA_CPU_EMULATION, which a source may test.
 //
 // What it emulates
 //   * blocks run one after another; the threads of a block are fibers (ucontext), run in a fixed
-//     order: thread 0 runs until its next __syncthreads() (or its end), then thread 1, ... A
-//     barrier switches to the next fiber; when every thread of the block waits at it, all go on.
+//     order: thread 0 runs until its next __syncthreads() or warp function (or its end), then
+//     thread 1, ... When no thread can run on, the warp functions whose lanes have all arrived
+//     complete (below); when every thread of the block waits at a __syncthreads(), all go on.
 //     The launch can ask for the reverse order (the last thread first): a kernel without races
 //     gives the same bits in both orders, one with a missing barrier does not.
 //   * threadIdx, blockIdx, blockDim, gridDim are per fiber; __shared__ variables live in one
-//     section, filled with 0xFF bytes (NaN as float, -1 as int) before each block, so a read of
-//     a slot no thread stored this block shows.
+//     section, filled with 0xFF bytes (NaN as float and bf16, -1 as int) before each block, so
+//     a read of a slot no thread stored this block shows.
+//   * warp functions, as warp collectives (warp w = threads 32w .. 32w+31 of the block, in
+//     threadIdx.x-fastest order; the lanes of the mask meet, exchange, go on):
+//       __shfl_sync, __shfl_up_sync, __shfl_down_sync, __shfl_xor_sync (any 1- to 8-byte value,
+//       with width), __syncwarp(mask), __ballot_sync, __any_sync, __all_sync; __activemask()
+//       (the lanes of the warp that have not returned);
+//       the tensor-core helpers of mma_helpers.cuh (a kernel includes "mma_helpers.cuh", on the
+//       GPU inline PTX): mma_m16n8k16_bf16 (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32:
+//       the bf16 products summed exactly in double, rounded to float, plus C in float, as
+//       course_utils.mma.mma_m16n8k16), ldmatrix_x4 and ldmatrix_x4_trans (from __shared__
+//       memory only, 16-byte aligned rows), pack_bf16 / unpack_bf16_lo / unpack_bf16_hi;
+//       __nv_bfloat16 / __nv_bfloat162 as storage with __float2bfloat16(_rn), __bfloat162float,
+//       __floats2bfloat162_rn (round to nearest even), no bf16 arithmetic.
 //   * checks: a barrier reached by only part of the block (some threads returned, or waited at
-//     another __syncthreads), an access past the end of a buffer (each buffer ends at a page that
-//     cannot be touched: the faulting thread is named), a store before its start (a guard band
-//     filled with 0xFF, checked after the run), a thread's stack overflow, a kernel that does
-//     not finish (alarm).
+//     another __syncthreads), a warp function not every lane of its mask calls (a lane returned,
+//     waits at a barrier or in another warp function, or passed another mask; mma and ldmatrix:
+//     all 32 lanes, from the same line), a mask without the calling lane or with lanes that do
+//     not exist, a shuffle that reads a lane outside its mask, an ldmatrix row outside shared
+//     memory or not 16-byte aligned, an access past the end of a buffer (each buffer ends at a
+//     page that cannot be touched: the faulting thread is named), a store before its start (a
+//     guard band filled with 0xFF, checked after the run), a thread's stack overflow, a kernel
+//     that does not finish (alarm).
 // What it cannot show: speed; races between threads that the fixed order hides (two threads
-// that need a barrier between them only at another interleaving); warp-level behaviour (shuffles,
-// votes, __syncwarp, lockstep execution); the GPU's floating-point contractions (FMA).
+// that need a barrier between them only at another interleaving); lockstep execution (lanes of
+// a warp run one after another between warp functions: a kernel that relies on implicit warp
+// synchronisation without __syncwarp is not caught unless the order changes its result); the
+// GPU's floating-point contractions (FMA) and the tensor cores' own accumulation order; inline
+// PTX (asm) of any kind: kernels call the helpers of mma_helpers.cuh instead.
 #pragma once
 
 #include <cmath>
@@ -28,6 +49,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <signal.h>
+#include <source_location>
+#include <type_traits>
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -44,7 +67,7 @@
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static __attribute__((section("cuda_cpu_shared")))
 #define __syncthreads() ::cuda_cpu::barrier(__LINE__)
-#define __syncwarp(...) ((void)0)
+#define CUDA_CPU_EMULATION 1  // a kernel can test it: #ifdef CUDA_CPU_EMULATION
 #define __threadfence() ((void)0)
 #define __threadfence_block() ((void)0)
 
@@ -67,7 +90,25 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 
 namespace cuda_cpu {
 
-enum State { READY, AT_BARRIER, DONE };
+enum State { READY, AT_BARRIER, AT_WARP, DONE };
+
+// A warp function a lane waits in (see "warp functions" below): what it called and with what.
+enum WarpKind { SHFL, SHFL_UP, SHFL_DOWN, SHFL_XOR, SYNCWARP, BALLOT, ANY, ALL, MMA, LDMATRIX,
+                LDMATRIX_TRANS };
+inline const char* const warp_names[] = {
+    "__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync", "__syncwarp",
+    "__ballot_sync", "__any_sync", "__all_sync", "mma_m16n8k16_bf16", "ldmatrix_x4",
+    "ldmatrix_x4_trans"};
+
+struct WarpCall {
+    WarpKind kind;
+    int line;
+    unsigned mask;
+    int arg, width;                  // a shuffle's lane, delta or lane mask; its width
+    unsigned long long value;        // the lane's value (its bytes), then the result
+    const void* in[3];               // mma: a, b, c; ldmatrix: the row address
+    void* out;                       // mma: d; ldmatrix: the 4 registers
+};
 
 struct Fiber {
     ucontext_t context;
@@ -75,6 +116,7 @@ struct Fiber {
     uint3 index;
     State state;
     int barrier_line;
+    WarpCall call;  // while state == AT_WARP
 };
 
 struct Buffer {
@@ -101,6 +143,7 @@ inline int buffer_count = 0;
 inline size_t page = 4096;
 inline unsigned timeout_s = 20;
 inline char* dynamic_shared_memory = nullptr;
+inline size_t dynamic_shared_bytes = 0;
 inline bool reverse_order = false;  // run the fibers last to first (a second schedule)
 inline int barrier_lines[64];  // the source lines of the __syncthreads() that were reached
 inline int barrier_line_count = 0;
@@ -149,6 +192,286 @@ inline void poison_shared(size_t dynamic_bytes) {
     if (dynamic_shared_memory) memset(dynamic_shared_memory, 0xFF, dynamic_bytes);
 }
 
+// ------------------------------------------------------------------ warp functions
+// A lane that calls a warp function (a shuffle, a vote, __syncwarp, the mma and ldmatrix of
+// mma_helpers.cuh) records the call and waits (AT_WARP). When no fiber can run any more, the
+// scheduler completes every call whose lanes have all arrived (the lanes its mask names, all 32
+// for mma and ldmatrix, each with the same function and mask), computes every lane's result and
+// lets them go on. A call that cannot complete (a lane of its mask returned, waits at a
+// __syncthreads() or in another warp function, or passed another mask) is an error that names
+// the warp, the lanes and the lines.
+
+inline unsigned fiber_number(const Fiber* f) { return (unsigned)(f - fibers); }
+
+// "0-15, 17, 20-31": the lanes of a mask
+inline void lanes_text(unsigned mask, char* out, size_t size) {
+    size_t used = 0;
+    out[0] = 0;
+    for (int l = 0; l < 32 && used + 12 < size;) {
+        if (!(mask >> l & 1)) { ++l; continue; }
+        int e = l;
+        while (e + 1 < 32 && (mask >> (e + 1) & 1)) ++e;
+        int n = e > l ? snprintf(out + used, size - used, "%s%d-%d", used ? ", " : "", l, e)
+                      : snprintf(out + used, size - used, "%s%d", used ? ", " : "", l);
+        used += n > 0 ? (size_t)n : 0;
+        l = e + 1;
+    }
+}
+
+inline unsigned warp_lanes(unsigned warp) {  // the lanes that exist (a last, partial warp)
+    unsigned n = fiber_count - warp * 32;
+    return n >= 32 ? 0xffffffffu : (1u << n) - 1u;
+}
+
+inline void warp_where(char* out, size_t size, unsigned warp) {
+    snprintf(out, size, "warp %u (threads %u-%u) of block (%u, %u, %u)", warp, warp * 32,
+             warp * 32 + (fiber_count - warp * 32 >= 32 ? 31 : fiber_count - warp * 32 - 1),
+             block_index.x, block_index.y, block_index.z);
+}
+
+inline bool aligned_call(WarpKind k) { return k == MMA || k == LDMATRIX || k == LDMATRIX_TRANS; }
+
+// The calling lane records its call and waits until the scheduler completes it.
+inline unsigned long long warp_call(WarpKind kind, int line, unsigned mask,
+                                    unsigned long long value, int arg = 0, int width = 32,
+                                    const void* in0 = nullptr, const void* in1 = nullptr,
+                                    const void* in2 = nullptr, void* out = nullptr) {
+    Fiber* self = current;
+    unsigned lane = fiber_number(self) % 32, warp = fiber_number(self) / 32;
+    char who[160], message[700];
+    if (!(mask >> lane & 1)) {
+        where(who, sizeof who);
+        snprintf(message, sizeof message,
+                 "%s (lane %u of warp %u) called %s at line %d with the mask 0x%08x, which does "
+                 "not name its own lane: a lane that calls a warp function must be in its mask",
+                 who, lane, warp, warp_names[kind], line, mask);
+        fail("warp", message);
+    }
+    if (mask & ~warp_lanes(warp)) {
+        char lanes[200];
+        lanes_text(mask & ~warp_lanes(warp), lanes, sizeof lanes);
+        where(who, sizeof who);
+        snprintf(message, sizeof message,
+                 "%s called %s at line %d with the mask 0x%08x, which names lanes %s of warp %u: "
+                 "they do not exist (the block has %u threads; %s)", who, warp_names[kind], line,
+                 mask, lanes, warp, fiber_count,
+                 aligned_call(kind) ? "mma and ldmatrix need whole warps: a multiple of 32 "
+                                      "threads per block"
+                                    : "pass a mask of the lanes that exist");
+        fail("warp", message);
+    }
+    if ((kind == SHFL || kind == SHFL_UP || kind == SHFL_DOWN || kind == SHFL_XOR) &&
+        (width < 1 || width > 32 || (width & (width - 1)))) {
+        where(who, sizeof who);
+        snprintf(message, sizeof message,
+                 "%s called %s at line %d with width %d: the width must be a power of 2, 1 to 32",
+                 who, warp_names[kind], line, width);
+        fail("warp", message);
+    }
+    self->call = WarpCall{kind, line, mask, arg, width, value, {in0, in1, in2}, out};
+    self->state = AT_WARP;
+    swapcontext(&self->context, &scheduler);
+    return self->call.value;
+}
+
+inline float bf16_bits_to_float(unsigned bits16) {
+    unsigned u = bits16 << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Complete the call of the lanes `mask` of warp `warp` (every one is there with the same call).
+inline void complete_warp_call(unsigned warp, unsigned mask) {
+    Fiber* lanes = fibers + warp * 32;
+    const WarpCall& first = lanes[__builtin_ctz(mask)].call;
+    unsigned long long results[32] = {};
+    char message[700], who[200];
+    switch (first.kind) {
+    case SHFL: case SHFL_UP: case SHFL_DOWN: case SHFL_XOR:
+        for (unsigned l = 0; l < 32; ++l) {
+            if (!(mask >> l & 1)) continue;
+            const WarpCall& c = lanes[l].call;
+            int w = c.width, start = (int)l & ~(w - 1), src = (int)l;
+            bool own = false;
+            if (c.kind == SHFL) src = start + (c.arg & (w - 1));
+            else if (c.kind == SHFL_UP) { src = (int)l - c.arg; own = c.arg < 0 || src < start; }
+            else if (c.kind == SHFL_DOWN) { src = (int)l + c.arg; own = c.arg < 0 || src >= start + w; }
+            else { src = (int)l ^ (c.arg & 31); own = src >= start + w; }
+            if (own) { results[l] = c.value; continue; }
+            if (!(mask >> src & 1)) {
+                warp_where(who, sizeof who, warp);
+                snprintf(message, sizeof message,
+                         "%s: lane %u's %s at line %d reads lane %d, which is not in the mask "
+                         "0x%08x (a lane outside the mask gives no value: the result would be "
+                         "undefined on a GPU)", who, l, warp_names[c.kind], c.line, src, mask);
+                fail("warp", message);
+            }
+            results[l] = lanes[src].call.value;
+        }
+        break;
+    case SYNCWARP:
+        break;
+    case BALLOT: case ANY: case ALL: {
+        unsigned ballot = 0;
+        for (unsigned l = 0; l < 32; ++l)
+            if ((mask >> l & 1) && lanes[l].call.value) ballot |= 1u << l;
+        unsigned long long r = first.kind == BALLOT ? ballot
+                             : first.kind == ANY    ? (ballot != 0)
+                                                    : (ballot == mask);
+        for (unsigned l = 0; l < 32; ++l) results[l] = r;
+        break;
+    }
+    case MMA: {  // D (16 x 8) = A (16 x 16) @ B (16 x 8) + C, fragments as in course_utils.mma
+        float A[16][16], B[16][8], C[16][8];
+        for (unsigned l = 0; l < 32; ++l) {
+            const unsigned* a = (const unsigned*)lanes[l].call.in[0];
+            const unsigned* b = (const unsigned*)lanes[l].call.in[1];
+            const float* c = (const float*)lanes[l].call.in[2];
+            unsigned g = l / 4, t = l % 4;
+            for (int h = 0; h < 2; ++h) {  // h: the low / high 16 bits of a register
+                A[g][2 * t + h] = bf16_bits_to_float(a[0] >> (16 * h) & 0xffff);
+                A[g + 8][2 * t + h] = bf16_bits_to_float(a[1] >> (16 * h) & 0xffff);
+                A[g][2 * t + 8 + h] = bf16_bits_to_float(a[2] >> (16 * h) & 0xffff);
+                A[g + 8][2 * t + 8 + h] = bf16_bits_to_float(a[3] >> (16 * h) & 0xffff);
+                B[2 * t + h][g] = bf16_bits_to_float(b[0] >> (16 * h) & 0xffff);
+                B[2 * t + 8 + h][g] = bf16_bits_to_float(b[1] >> (16 * h) & 0xffff);
+                C[g][2 * t + h] = c[h];
+                C[g + 8][2 * t + h] = c[2 + h];
+            }
+        }
+        for (unsigned l = 0; l < 32; ++l) {  // after every C was read: d may be c
+            float* d = (float*)lanes[l].call.out;
+            unsigned g = l / 4, t = l % 4;
+            for (int i = 0; i < 4; ++i) {
+                unsigned row = i < 2 ? g : g + 8, col = 2 * t + i % 2;
+                double sum = 0.0;  // the products of bf16 values are exact in double
+                for (int k = 0; k < 16; ++k) sum += (double)A[row][k] * (double)B[k][col];
+                d[i] = (float)sum + C[row][col];
+            }
+        }
+        break;
+    }
+    case LDMATRIX: case LDMATRIX_TRANS: {
+        // lanes 8j .. 8j+7 give the rows of matrix j; lane l receives, in register j, row l / 4,
+        // columns 2 (l % 4) and + 1 of matrix j (of its transpose with .trans), low half first
+        unsigned regs[32][4];
+        for (unsigned l = 0; l < 32; ++l) {
+            unsigned g = l / 4, t = l % 4;
+            for (unsigned j = 0; j < 4; ++j) {
+                unsigned short lo, hi;
+                if (first.kind == LDMATRIX) {
+                    const unsigned short* row = (const unsigned short*)lanes[8 * j + g].call.in[0];
+                    lo = row[2 * t];
+                    hi = row[2 * t + 1];
+                } else {
+                    lo = ((const unsigned short*)lanes[8 * j + 2 * t].call.in[0])[g];
+                    hi = ((const unsigned short*)lanes[8 * j + 2 * t + 1].call.in[0])[g];
+                }
+                regs[l][j] = (unsigned)lo | (unsigned)hi << 16;
+            }
+        }
+        for (unsigned l = 0; l < 32; ++l) memcpy(lanes[l].call.out, regs[l], sizeof regs[l]);
+        break;
+    }
+    }
+    for (unsigned l = 0; l < 32; ++l)
+        if (mask >> l & 1) {
+            lanes[l].call.value = results[l];
+            lanes[l].state = READY;
+        }
+}
+
+// Where a lane is, for a message: "had returned", "waits at the __syncthreads() of line 12", ...
+inline void lane_state_text(const Fiber& f, char* out, size_t size) {
+    if (f.state == DONE) snprintf(out, size, "had returned");
+    else if (f.state == AT_BARRIER)
+        snprintf(out, size, "wait%%s at the __syncthreads() of line %d", f.barrier_line);
+    else
+        snprintf(out, size, "wait%%s in the %s of line %d (mask 0x%08x)", warp_names[f.call.kind],
+                 f.call.line, f.call.mask);
+}
+
+// Complete every warp call whose lanes are all there; true if any was. With none complete and
+// a lane still waiting in one, report the first such call that cannot complete.
+inline bool settle_warps() {
+    bool progressed = false, waiting = false;
+    unsigned warps = (fiber_count + 31) / 32;
+    for (unsigned w = 0; w < warps; ++w) {
+        Fiber* lanes = fibers + w * 32;
+        unsigned n = fiber_count - w * 32 >= 32 ? 32 : fiber_count - w * 32, seen = 0;
+        for (unsigned l = 0; l < n; ++l) {
+            if (lanes[l].state != AT_WARP || (seen >> l & 1)) continue;
+            const WarpCall& c = lanes[l].call;
+            bool complete = true;
+            for (unsigned k = 0; k < 32 && complete; ++k) {
+                if (!(c.mask >> k & 1)) continue;
+                const Fiber& o = lanes[k];
+                complete = o.state == AT_WARP && o.call.kind == c.kind && o.call.mask == c.mask &&
+                           (!aligned_call(c.kind) || o.call.line == c.line);
+            }
+            if (complete) {
+                seen |= c.mask;
+                complete_warp_call(w, c.mask);
+                progressed = true;
+            } else {
+                seen |= 1u << l;
+                waiting = true;
+            }
+        }
+    }
+    if (progressed || !waiting) return progressed;
+    for (unsigned w = 0; w < warps; ++w) {
+        Fiber* lanes = fibers + w * 32;
+        unsigned n = fiber_count - w * 32 >= 32 ? 32 : fiber_count - w * 32;
+        for (unsigned l = 0; l < n; ++l) {
+            if (lanes[l].state != AT_WARP) continue;
+            const WarpCall& c = lanes[l].call;
+            // the lanes of the mask grouped by where they are
+            unsigned arrived = 0, grouped = 0;
+            for (unsigned k = 0; k < 32; ++k)
+                if ((c.mask >> k & 1) && lanes[k].state == AT_WARP && lanes[k].call.kind == c.kind &&
+                    lanes[k].call.mask == c.mask &&
+                    (!aligned_call(c.kind) || lanes[k].call.line == c.line))
+                    arrived |= 1u << k;
+            char message[1400], who[200], lanes_a[200];
+            warp_where(who, sizeof who, w);
+            lanes_text(arrived, lanes_a, sizeof lanes_a);
+            int used = snprintf(message, sizeof message,
+                                "%s: the %s at line %d (mask 0x%08x) was reached by lane%s %s",
+                                who, warp_names[c.kind], c.line, c.mask,
+                                __builtin_popcount(arrived) > 1 ? "s" : "", lanes_a);
+            grouped = arrived;
+            for (unsigned k = 0; k < 32 && used < (int)sizeof message - 200; ++k) {
+                if (!(c.mask >> k & 1) || (grouped >> k & 1)) continue;
+                char state[160], lanes_b[200], format[200];
+                lane_state_text(lanes[k], format, sizeof format);
+                unsigned same = 0;  // the other lanes of the mask in the same place
+                for (unsigned q = k; q < 32; ++q) {
+                    if (!(c.mask >> q & 1) || (grouped >> q & 1)) continue;
+                    char other[200];
+                    lane_state_text(lanes[q], other, sizeof other);
+                    if (strcmp(other, format) == 0) same |= 1u << q;
+                }
+                grouped |= same;
+                lanes_text(same, lanes_b, sizeof lanes_b);
+                bool many = __builtin_popcount(same) > 1;
+                snprintf(state, sizeof state, format, many ? "" : "s");
+                used += snprintf(message + used, sizeof message - used, "; lane%s %s %s",
+                                 many ? "s" : "", lanes_b, state);
+            }
+            snprintf(message + used, sizeof message - used,
+                     ". Every lane its mask names must call the same warp function with the same "
+                     "mask%s: a warp function inside a branch that only part of the warp takes, "
+                     "or a return before it?",
+                     aligned_call(c.kind) ? " (mma and ldmatrix: all 32 lanes, the same line)"
+                                          : "");
+            fail("warp", message);
+        }
+    }
+    return false;
+}
+
 inline void run_block(size_t dynamic_bytes) {
     poison_shared(dynamic_bytes);
     unsigned t = 0;
@@ -172,6 +495,7 @@ inline void run_block(size_t dynamic_bytes) {
             swapcontext(&scheduler, &current->context);
         }
         current = nullptr;
+        if (settle_warps()) continue;  // warp functions whose lanes have all arrived
         unsigned waiting = 0, done = 0, first_done = fiber_count, other_line = 0;
         int line = 0;
         unsigned at_line = 0;
@@ -321,6 +645,7 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic_bytes, void (*kernel_bo
     if (fiber_count == 0 || fiber_count > 1024 || block.z > 64)
         fail("setup", "a block has 1 to 1024 threads (and blockDim.z <= 64)");
     if (dynamic_bytes) dynamic_shared_memory = map_or_fail(dynamic_bytes);
+    dynamic_shared_bytes = dynamic_bytes;
     fibers = new Fiber[fiber_count];
     for (unsigned i = 0; i < fiber_count; ++i) {
         fibers[i].stack = map_or_fail(STACK_BYTES + page);
@@ -389,6 +714,157 @@ inline float min(float a, float b) { return fminf(a, b); }
 inline float max(float a, float b) { return fmaxf(a, b); }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
+
+// ------------------------------------------------------------------ warp functions (the API)
+// Shuffles of any value of 1 to 8 bytes (float, int, unsigned, double, long long, ...); the
+// source_location parameter is the emulator's: it gives the caller's line to the messages.
+namespace cuda_cpu {
+template <class T>
+inline T shuffle(WarpKind kind, unsigned mask, T var, int arg, int width, int line) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>,
+                  "a shuffle moves a value of at most 8 bytes");
+    unsigned long long bits = 0;
+    memcpy(&bits, &var, sizeof var);
+    bits = warp_call(kind, line, mask, bits, arg, width);
+    T out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+}  // namespace cuda_cpu
+
+template <class T>
+inline T __shfl_sync(unsigned mask, T var, int srcLane, int width = 32,
+                     std::source_location at = std::source_location::current()) {
+    return ::cuda_cpu::shuffle(::cuda_cpu::SHFL, mask, var, srcLane, width, (int)at.line());
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32,
+                        std::source_location at = std::source_location::current()) {
+    return ::cuda_cpu::shuffle(::cuda_cpu::SHFL_UP, mask, var, (int)delta, width, (int)at.line());
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32,
+                          std::source_location at = std::source_location::current()) {
+    return ::cuda_cpu::shuffle(::cuda_cpu::SHFL_DOWN, mask, var, (int)delta, width,
+                               (int)at.line());
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T var, int laneMask, int width = 32,
+                         std::source_location at = std::source_location::current()) {
+    return ::cuda_cpu::shuffle(::cuda_cpu::SHFL_XOR, mask, var, laneMask, width, (int)at.line());
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu,
+                       std::source_location at = std::source_location::current()) {
+    ::cuda_cpu::warp_call(::cuda_cpu::SYNCWARP, (int)at.line(), mask, 0);
+}
+inline unsigned __ballot_sync(unsigned mask, int predicate,
+                              std::source_location at = std::source_location::current()) {
+    return (unsigned)::cuda_cpu::warp_call(::cuda_cpu::BALLOT, (int)at.line(), mask,
+                                           predicate != 0);
+}
+inline int __any_sync(unsigned mask, int predicate,
+                      std::source_location at = std::source_location::current()) {
+    return (int)::cuda_cpu::warp_call(::cuda_cpu::ANY, (int)at.line(), mask, predicate != 0);
+}
+inline int __all_sync(unsigned mask, int predicate,
+                      std::source_location at = std::source_location::current()) {
+    return (int)::cuda_cpu::warp_call(::cuda_cpu::ALL, (int)at.line(), mask, predicate != 0);
+}
+// The lanes of the caller's warp that have not returned (a GPU gives the lanes that execute
+// the call together, which after a divergent branch may be fewer).
+inline unsigned __activemask() {
+    using namespace ::cuda_cpu;
+    unsigned first = fiber_number(current) / 32 * 32, mask = 0;
+    for (unsigned l = 0; l < 32 && first + l < fiber_count; ++l)
+        if (fibers[first + l].state != DONE) mask |= 1u << l;
+    return mask;
+}
+
+// ------------------------------------------------------------------ bfloat16
+// The storage type and its conversions (round to nearest even; a NaN stays a NaN), enough to
+// pass bf16 arrays to a kernel and move them; no bf16 arithmetic.
+struct __nv_bfloat16 {
+    unsigned short __x;
+    __nv_bfloat16() = default;
+    __nv_bfloat16(float f);
+    operator float() const { return ::cuda_cpu::bf16_bits_to_float(__x); }
+};
+struct __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+};
+inline unsigned short cuda_cpu_bf16_bits(float f) {
+    unsigned u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);  // quiet NaN
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline __nv_bfloat16::__nv_bfloat16(float f) : __x(cuda_cpu_bf16_bits(f)) {}
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline float __bfloat162float(__nv_bfloat16 b) { return (float)b; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) { return {lo, hi}; }
+inline __nv_bfloat162 __float22bfloat162_rn(float2 v) { return {v.x, v.y}; }
+inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {(float)v.x, (float)v.y}; }
+inline float __low2float(__nv_bfloat162 v) { return (float)v.x; }
+inline float __high2float(__nv_bfloat162 v) { return (float)v.y; }
+
+// ------------------------------------------------------------------ mma_helpers.cuh, emulated
+// The CPU side of course_utils/kernels/mma_helpers.cuh (its GPU side is inline PTX): a kernel
+// that includes that header gets these names (a `using` in the header the emulation builds
+// with). mma and ldmatrix are warp collectives of all 32 lanes, called from the same line.
+namespace cuda_cpu::mma_helpers {
+
+// bits 0-15: lo as bf16, bits 16-31: hi (as cvt.rn.bf16x2.f32 and __floats2bfloat162_rn)
+inline unsigned pack_bf16(float lo, float hi) {
+    return (unsigned)cuda_cpu_bf16_bits(lo) | (unsigned)cuda_cpu_bf16_bits(hi) << 16;
+}
+inline float unpack_bf16_lo(unsigned r) { return bf16_bits_to_float(r & 0xffffu); }
+inline float unpack_bf16_hi(unsigned r) { return bf16_bits_to_float(r >> 16); }
+
+inline void mma_m16n8k16_bf16(float d[4], const unsigned a[4], const unsigned b[2],
+                              const float c[4],
+                              std::source_location at = std::source_location::current()) {
+    warp_call(MMA, (int)at.line(), 0xffffffffu, 0, 0, 32, a, b, c, d);
+}
+
+inline void check_shared_row(WarpKind kind, const void* p, int line) {
+    const char* q = (const char*)p;
+    bool in_static = __start_cuda_cpu_shared && q >= __start_cuda_cpu_shared &&
+                     q + 16 <= __stop_cuda_cpu_shared;
+    bool in_dynamic = dynamic_shared_memory && q >= dynamic_shared_memory &&
+                      q + 16 <= dynamic_shared_memory + dynamic_shared_bytes;
+    char who[160], message[600];
+    if (!in_static && !in_dynamic) {
+        where(who, sizeof who);
+        snprintf(message, sizeof message,
+                 "%s gave %s at line %d the address %p, which is not a 16-byte row inside "
+                 "shared memory (ldmatrix reads __shared__ tiles only)", who, warp_names[kind],
+                 line, p);
+        fail("out of bounds", message);
+    }
+    if ((uintptr_t)p % 16) {
+        where(who, sizeof who);
+        snprintf(message, sizeof message,
+                 "%s gave %s at line %d the address %p, which is not a multiple of 16 bytes "
+                 "(each lane points at a row of 8 bf16 values that starts on a 16-byte boundary)",
+                 who, warp_names[kind], line, p);
+        fail("misaligned", message);
+    }
+}
+
+inline void ldmatrix_x4(unsigned r[4], const void* smem_row,
+                        std::source_location at = std::source_location::current()) {
+    check_shared_row(LDMATRIX, smem_row, (int)at.line());
+    warp_call(LDMATRIX, (int)at.line(), 0xffffffffu, 0, 0, 32, smem_row, nullptr, nullptr, r);
+}
+inline void ldmatrix_x4_trans(unsigned r[4], const void* smem_row,
+                              std::source_location at = std::source_location::current()) {
+    check_shared_row(LDMATRIX_TRANS, smem_row, (int)at.line());
+    warp_call(LDMATRIX_TRANS, (int)at.line(), 0xffffffffu, 0, 0, 32, smem_row, nullptr, nullptr,
+              r);
+}
+
+}  // namespace cuda_cpu::mma_helpers
 
 // atomics: the fibers of the emulation never run at the same time, so a plain update is atomic
 #define CUDA_CPU_ATOMICS(T)                                                                   \
