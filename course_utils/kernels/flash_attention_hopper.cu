@@ -260,23 +260,29 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     auto stamp = [](int) {};
 #endif
 
-    auto issue_s = [&](int j) {  // S = Q K(j)^T, asynchronous
+    auto mma_s = [&](int j) {  // the wgmma chain of S = Q K(j)^T (no wait, fence or commit)
         const int s = stage(j);
-        mbar_wait(&sm.k_full[s], parity(j));
-        wgmma_fence();
         #pragma unroll
         for (int k = 0; k < D / 16; ++k) wgmma_ss<BN>(s_acc, q_desc(k), k_desc(s, k), k > 0);
-        wgmma_commit();
     };
-    auto issue_pv = [&](int j) {  // O += P V(j), asynchronous
+    auto mma_pv = [&](int j) {  // the wgmma chain of O += P V(j)
         const int s = stage(j);
-        mbar_wait(&sm.v_full[s], parity(j));
-        wgmma_fence();
         #pragma unroll
         for (int k = 0; k < BN / 16; ++k) {
             const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
             wgmma_rs<D, D>(o, a, v_desc(s, k));
         }
+    };
+    auto issue_s = [&](int j) {  // S = Q K(j)^T, asynchronous
+        mbar_wait(&sm.k_full[stage(j)], parity(j));
+        wgmma_fence();
+        mma_s(j);
+        wgmma_commit();
+    };
+    auto issue_pv = [&](int j) {  // O += P V(j), asynchronous
+        mbar_wait(&sm.v_full[stage(j)], parity(j));
+        wgmma_fence();
+        mma_pv(j);
         wgmma_commit();
     };
     // The online softmax of S(j) in place: s_acc becomes P in float (still to be rescaled into
@@ -312,7 +318,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             rowsum[h] += s_acc[i];
         }
     };
-    auto rescale_and_pack = [&]() {
+    auto rescale = [&]() {  // O and l by alpha, P's row sums added to l
         // After the first key blocks a row's maximum rarely moves, and then alpha is exactly 1
         // (2^0). -DFA_SKIP_UNIT_RESCALE skips O's D / 2 multiplications (as many as the scores'
         // own FFMAs at d = 128) when that holds for every row of the warp: the branch is the
@@ -326,8 +332,14 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         }
         #pragma unroll
         for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
+    };
+    auto pack = [&]() {  // P as bf16 pairs: the A operand of O += P V
         #pragma unroll
         for (int i = 0; i < P_REGS; ++i) p[i] = pack_bf16(s_acc[2 * i], s_acc[2 * i + 1]);
+    };
+    auto rescale_and_pack = [&]() {
+        rescale();
+        pack();
     };
 
     auto start_tile = [&]() {  // after take_tile: this lane's rows, an empty O, no key seen yet
@@ -403,6 +415,16 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     stamp(0);
     mbar_wait(&sm.q_full[w], 0);
     stamp(1);
+#if defined(FA_GENERATED_LOOP)
+    // Exercise 14.consumer_loop's GPU build: the grader defines FA_GENERATED_LOOP as the
+    // statements generated from the student's list of operations (course_utils.hopper_pipeline.
+    // emit_cuda), for FA_GENERATED_TILES key blocks at d = FA_GENERATED_D; it takes the place of
+    // variant 2's loop (overlap, no ping-pong). Other shapes trap: the list was made for one.
+    if constexpr (OVERLAP && !PINGPONG && D == FA_GENERATED_D) {
+        if (n_blocks != FA_GENERATED_TILES) __trap();
+        FA_GENERATED_LOOP
+    } else
+#endif
     if (!OVERLAP) {
         for (int j = 0; j < n_blocks; ++j) {
             turn_begin();
