@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import re
 import shutil
 import struct
@@ -87,7 +88,10 @@ using ::cuda_cpu::mma_helpers::unpack_bf16_hi;
 using ::cuda_cpu::mma_helpers::unpack_bf16_lo;
 """
 COMPILER = "g++"
-FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-w")  # -w: #pragma unroll is CUDA's
+# -w: #pragma unroll is CUDA's. The fibers switch stacks with _longjmp: no fortified longjmp (it
+# refuses another stack), no x86 shadow stack (it would too).
+FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-w", "-U_FORTIFY_SOURCE",
+         *(("-fcf-protection=none",) if platform.machine() in ("x86_64", "AMD64") else ()))
 DEFAULT_TIMEOUT_S = 20.0
 COMPILE_TIMEOUT_S = 120.0
 MAX_PRINTED = 4000  # characters of the kernel's printf output kept

@@ -43,11 +43,13 @@
 // PTX (asm) of any kind: kernels call the helpers of mma_helpers.cuh instead.
 #pragma once
 
+#undef _FORTIFY_SOURCE  // its longjmp check refuses a jump to another fiber's stack
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <setjmp.h>
 #include <signal.h>
 #include <source_location>
 #include <type_traits>
@@ -111,7 +113,9 @@ struct WarpCall {
 };
 
 struct Fiber {
-    ucontext_t context;
+    ucontext_t context;  // the first entry (makecontext)
+    jmp_buf resume;      // later ones: _setjmp/_longjmp, which save no signal mask (no syscall)
+    bool started;
     char* stack;  // its lowest page is a guard (PROT_NONE)
     uint3 index;
     State state;
@@ -132,6 +136,7 @@ constexpr size_t STACK_BYTES = 256 * 1024;
 constexpr size_t GUARD_BYTES = 256;  // the band in front of each buffer, filled with 0xFF
 
 inline ucontext_t scheduler;
+inline jmp_buf scheduler_resume;
 inline Fiber* fibers = nullptr;
 inline unsigned fiber_count = 0;
 inline Fiber* current = nullptr;
@@ -169,18 +174,24 @@ inline void where(char* out, size_t size) {
 
 inline const uint3& thread_index() { return current->index; }
 
+// The running fiber stops here; the scheduler continues after its _setjmp.
+inline void yield_to_scheduler(Fiber* self) {
+    if (_setjmp(self->resume) == 0) _longjmp(scheduler_resume, 1);
+}
+
 inline void barrier(int line) {
     bool known = false;
     for (int i = 0; i < barrier_line_count; ++i) known = known || barrier_lines[i] == line;
     if (!known && barrier_line_count < 64) barrier_lines[barrier_line_count++] = line;
     current->state = AT_BARRIER;
     current->barrier_line = line;
-    swapcontext(&current->context, &scheduler);
+    yield_to_scheduler(current);
 }
 
 inline void trampoline() {
     body();
-    current->state = DONE;  // uc_link returns to the scheduler
+    current->state = DONE;
+    _longjmp(scheduler_resume, 1);
 }
 
 extern "C" char __start_cuda_cpu_shared[] __attribute__((weak));
@@ -270,7 +281,7 @@ inline unsigned long long warp_call(WarpKind kind, int line, unsigned mask,
     }
     self->call = WarpCall{kind, line, mask, arg, width, value, {in0, in1, in2}, out};
     self->state = AT_WARP;
-    swapcontext(&self->context, &scheduler);
+    yield_to_scheduler(self);
     return self->call.value;
 }
 
@@ -485,6 +496,7 @@ inline void run_block(size_t dynamic_bytes) {
                 f.context.uc_stack.ss_sp = f.stack + page;
                 f.context.uc_stack.ss_size = STACK_BYTES;
                 f.context.uc_link = &scheduler;
+                f.started = false;
                 makecontext(&f.context, trampoline, 0);
             }
     for (;;) {
@@ -492,7 +504,11 @@ inline void run_block(size_t dynamic_bytes) {
             unsigned i = reverse_order ? fiber_count - 1 - k : k;
             if (fibers[i].state != READY) continue;
             current = &fibers[i];
-            swapcontext(&scheduler, &current->context);
+            if (_setjmp(scheduler_resume) == 0) {  // back here when the fiber yields or ends
+                if (current->started) _longjmp(current->resume, 1);
+                current->started = true;
+                swapcontext(&scheduler, &current->context);
+            }
         }
         current = nullptr;
         if (settle_warps()) continue;  // warp functions whose lanes have all arrived
