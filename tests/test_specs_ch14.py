@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from spec_helpers import Slip, module_builder, solution_source
 
-from course_utils import grader, hopper
+from course_utils import cuda as C
+from course_utils import grader, hopper, runtime
+from course_utils.checks import CheckFailure
 from course_utils.specs import ch14
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
@@ -131,3 +133,39 @@ def test_the_cases_fit_the_descriptor_and_shared_memory():
         assert end <= 227 * 1024 and op["base"] % (8 * op["swizzle"]) == 0
         assert op["mn"] % 8 == 0 and 8 <= op["mn"] <= 256
         assert op["role"] == "B" or op["mn"] == 64  # wgmma's A has M = 64
+        assert op["role"] == "A" or op["mn"] in (64, 128, 256)  # the probe's B widths
+        assert op["k_steps"] <= 16  # the probe's chain
+
+
+# ------------------------------------------------------------------ the GPU probe
+
+
+@pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc not found")
+def test_the_probe_compiles_for_sm90a_without_spills():
+    report = C.resource_usage(ch14.PROBE, arch="sm_90a", extra_flags=["-DFA_KERNEL_ONLY"])
+    assert len(report) == 8  # B: N = 64, 128, 256 x either major; A: either major
+    for r in report:
+        assert r.spills == 0, f"{r.name}: {r.spills} bytes spilled"
+
+
+needs_sm90 = pytest.mark.skipif(
+    not (runtime.on_gpu() and runtime.capability()[0] == 9), reason="needs an sm_90 GPU")
+
+
+@needs_sm90
+@pytest.mark.parametrize("make", ch14.VISIBLE + ch14.HIDDEN, ids=lambda m: m()["tile"])
+def test_on_an_h100_the_right_words_give_torchs_product(make):
+    op = make()
+    words = [descriptor()(op, s) for s in range(op["k_steps"])]
+    ch14._gpu_product(op, words, "probe")  # raises CheckFailure when the product is off
+
+
+@needs_sm90
+def test_on_an_h100_swapped_strides_give_another_product():
+    """The probe has teeth: LBO and SBO swapped (bytes still inside the tile) multiply other
+    numbers, and the comparison with torch says so."""
+    op = ch14.VISIBLE[0]()  # V at d = 256: both strides matter
+    wrong = descriptor(("lbo, sbo = panel, 8 * row", "lbo, sbo = 8 * row, panel"))
+    words = [wrong(op, s) for s in range(op["k_steps"])]
+    with pytest.raises(CheckFailure, match="away from torch's"):
+        ch14._gpu_product(op, words, "probe")
