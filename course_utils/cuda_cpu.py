@@ -29,6 +29,10 @@ GPU the same names are inline PTX, see :func:`with_mma_helpers` for NVRTC):
   j, lane l receives row l // 4, columns 2 (l % 4), +1 of matrix j (of its transpose) in r[j].
 * ``unsigned pack_bf16(float lo, float hi)`` (round to nearest even, lo in bits 0-15),
   ``float unpack_bf16_lo(unsigned)``, ``float unpack_bf16_hi(unsigned)``.
+* ``void cp_async16(void* smem_dst, const void* src, int src_bytes)``, ``cp_async_commit()``,
+  ``cp_async_wait<N>()``: ``cp.async.cg`` of 16 bytes (zero past ``src_bytes``), its groups and
+  ``wait_group N``, per thread. A copy lands only at the wait that covers its group: a tile read
+  before its wait is the NaN shared memory is filled with. A copy never waited for is dropped.
 * ``__nv_bfloat16`` and ``__nv_bfloat162`` as storage with their conversions (``__float2bfloat16``,
   ``__bfloat162float``, ``__floats2bfloat162_rn``); a ``const __nv_bfloat16*`` parameter takes a
   torch bfloat16 tensor or a uint16 array of the bits. No bf16 arithmetic operators.
@@ -80,6 +84,9 @@ MMA_HELPERS = Path(__file__).resolve().parent / "kernels" / "mma_helpers.cuh"
 # What ``#include "mma_helpers.cuh"`` reads under the emulation: the names, from cuda_cpu.h
 # (the same lines as the CPU branch of kernels/mma_helpers.cuh; the GPU branch is inline PTX).
 MMA_HELPERS_CPU = """#pragma once
+using ::cuda_cpu::mma_helpers::cp_async16;
+using ::cuda_cpu::mma_helpers::cp_async_commit;
+using ::cuda_cpu::mma_helpers::cp_async_wait;
 using ::cuda_cpu::mma_helpers::ldmatrix_x4;
 using ::cuda_cpu::mma_helpers::ldmatrix_x4_trans;
 using ::cuda_cpu::mma_helpers::mma_m16n8k16_bf16;

@@ -276,12 +276,19 @@ MMA = r"""
 #include "mma_helpers.cuh"
 
 // mode 0: d = mma(a, b, c) from fragments; 1, 2: ldmatrix_x4 (.trans) of a 32 x 8 tile whose
-// row l lane l points at; 3: S (16 x 16) = Q K^T, Q and K 16 x 16 bf16, through shared memory
+// row l lane l points at; 3: S (16 x 16) = Q K^T, Q and K 16 x 16 bf16, copied to shared
+// memory with cp.async
 __global__ void mma_probe(const unsigned* a, const unsigned* b, const float* c, float* d,
                           const __nv_bfloat16* tile, unsigned* regs, int mode) {
     __shared__ __align__(16) __nv_bfloat16 s[2 * 16 * 16];
     const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
-    for (int e = lane; e < 2 * 16 * 16; e += 32) s[e] = tile[e];
+    if (mode == 3) {  // 16-byte copies with cp.async, landed at the wait
+        for (int e = 8 * lane; e < 2 * 16 * 16; e += 8 * 32) cp_async16(s + e, tile + e, 16);
+        cp_async_commit();
+        cp_async_wait<0>();
+    } else {
+        for (int e = lane; e < 2 * 16 * 16; e += 32) s[e] = tile[e];
+    }
     __syncthreads();
     if (mode == 0) {
         float out[4];
@@ -394,8 +401,17 @@ def test_mma_needs_the_whole_warp_on_one_line(folder):
         _probe(0, folder, source=split)
     assert info.value.kind == "warp"
     text = str(info.value)
-    assert "the mma_m16n8k16_bf16 at line 14 (mask 0xffffffff) was reached by lanes 0-15" in text
-    assert "lanes 16-31 wait in the mma_m16n8k16_bf16 of line 15" in text
+    assert "the mma_m16n8k16_bf16 at line 21 (mask 0xffffffff) was reached by lanes 0-15" in text
+    assert "lanes 16-31 wait in the mma_m16n8k16_bf16 of line 22" in text
+
+
+def test_a_cp_async_copy_lands_only_at_its_wait(folder):
+    from course_utils import mma
+
+    rng = np.random.default_rng(7)
+    bits = _bf16_bits(mma.to_bf16(rng.standard_normal(512)))
+    d, _ = _probe(3, folder, tile=bits, source=MMA.replace("cp_async_wait<0>();", ""))
+    assert np.isnan(d).all()  # Q and K were never in shared memory: S is NaN
 
 
 def test_the_same_source_builds_for_the_gpu_with_nvrtc():

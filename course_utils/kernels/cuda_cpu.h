@@ -24,6 +24,8 @@
 //       the bf16 products summed exactly in double, rounded to float, plus C in float, as
 //       course_utils.mma.mma_m16n8k16), ldmatrix_x4 and ldmatrix_x4_trans (from __shared__
 //       memory only, 16-byte aligned rows), pack_bf16 / unpack_bf16_lo / unpack_bf16_hi;
+//       and cp_async16 / cp_async_commit / cp_async_wait<N> (per thread, not collectives: a
+//       copy lands in shared memory only at the wait that covers its group);
 //       __nv_bfloat16 / __nv_bfloat162 as storage with __float2bfloat16(_rn), __bfloat162float,
 //       __floats2bfloat162_rn (round to nearest even), no bf16 arithmetic.
 //   * checks: a barrier reached by only part of the block (some threads returned, or waited at
@@ -121,6 +123,15 @@ struct Fiber {
     State state;
     int barrier_line;
     WarpCall call;  // while state == AT_WARP
+    // cp_async16 copies not yet done (mma_helpers.cuh): they land at the cp_async_wait that
+    // covers their group, not before (group 0: not committed yet)
+    struct Copy {
+        char* dst;
+        const char* src;
+        int bytes;
+        unsigned group;
+    } copies[128];
+    unsigned copy_count, groups;
 };
 
 struct Buffer {
@@ -497,6 +508,7 @@ inline void run_block(size_t dynamic_bytes) {
                 f.context.uc_stack.ss_size = STACK_BYTES;
                 f.context.uc_link = &scheduler;
                 f.started = false;
+                f.copy_count = f.groups = 0;  // copies a thread never waited for are dropped
                 makecontext(&f.context, trampoline, 0);
             }
     for (;;) {
@@ -843,7 +855,7 @@ inline void mma_m16n8k16_bf16(float d[4], const unsigned a[4], const unsigned b[
     warp_call(MMA, (int)at.line(), 0xffffffffu, 0, 0, 32, a, b, c, d);
 }
 
-inline void check_shared_row(WarpKind kind, const void* p, int line) {
+inline void check_shared_row(const char* what, const void* p, int line) {
     const char* q = (const char*)p;
     bool in_static = __start_cuda_cpu_shared && q >= __start_cuda_cpu_shared &&
                      q + 16 <= __stop_cuda_cpu_shared;
@@ -854,30 +866,86 @@ inline void check_shared_row(WarpKind kind, const void* p, int line) {
         where(who, sizeof who);
         snprintf(message, sizeof message,
                  "%s gave %s at line %d the address %p, which is not a 16-byte row inside "
-                 "shared memory (ldmatrix reads __shared__ tiles only)", who, warp_names[kind],
-                 line, p);
+                 "shared memory (%s)", who, what, line, p,
+                 what[0] == 'l' ? "ldmatrix reads __shared__ tiles only"
+                                : "cp.async copies into __shared__ memory");
         fail("out of bounds", message);
     }
     if ((uintptr_t)p % 16) {
         where(who, sizeof who);
         snprintf(message, sizeof message,
                  "%s gave %s at line %d the address %p, which is not a multiple of 16 bytes "
-                 "(each lane points at a row of 8 bf16 values that starts on a 16-byte boundary)",
-                 who, warp_names[kind], line, p);
+                 "(%s)", who, what, line, p,
+                 what[0] == 'l' ? "each lane points at a row of 8 bf16 values that starts on a "
+                                  "16-byte boundary"
+                                : "cp.async moves 16 aligned bytes");
         fail("misaligned", message);
     }
 }
 
 inline void ldmatrix_x4(unsigned r[4], const void* smem_row,
                         std::source_location at = std::source_location::current()) {
-    check_shared_row(LDMATRIX, smem_row, (int)at.line());
+    check_shared_row(warp_names[LDMATRIX], smem_row, (int)at.line());
     warp_call(LDMATRIX, (int)at.line(), 0xffffffffu, 0, 0, 32, smem_row, nullptr, nullptr, r);
 }
 inline void ldmatrix_x4_trans(unsigned r[4], const void* smem_row,
                               std::source_location at = std::source_location::current()) {
-    check_shared_row(LDMATRIX_TRANS, smem_row, (int)at.line());
+    check_shared_row(warp_names[LDMATRIX_TRANS], smem_row, (int)at.line());
     warp_call(LDMATRIX_TRANS, (int)at.line(), 0xffffffffu, 0, 0, 32, smem_row, nullptr, nullptr,
               r);
+}
+
+
+// cp.async.cg.shared.global [dst], [src], 16, src_bytes: 16 bytes, src_bytes of them read from
+// src, the rest zero. Deferred: the copy lands in shared memory at the cp_async_wait<N>() that
+// covers its group (committed by cp_async_commit()), so a read before the wait sees the NaN the
+// slot was filled with, as on a GPU it may see the old value.
+inline void cp_async16(void* smem_dst, const void* src, int src_bytes,
+                       std::source_location at = std::source_location::current()) {
+    check_shared_row("cp_async16", smem_dst, (int)at.line());
+    char who[160], message[500];
+    if (src_bytes < 0 || src_bytes > 16 || (src_bytes && (uintptr_t)src % 16)) {
+        where(who, sizeof who);
+        snprintf(message, sizeof message,
+                 "%s called cp_async16 at line %d with the source %p and src_bytes %d: the "
+                 "source must be 16-byte aligned and src_bytes 0 to 16", who, (int)at.line(),
+                 src, src_bytes);
+        fail(src_bytes < 0 || src_bytes > 16 ? "arguments" : "misaligned", message);
+    }
+    Fiber* self = current;
+    if (self->copy_count == sizeof self->copies / sizeof self->copies[0]) {
+        where(who, sizeof who);
+        snprintf(message, sizeof message,
+                 "%s has %u cp_async16 copies in flight at line %d: a cp_async_wait is missing",
+                 who, self->copy_count, (int)at.line());
+        fail("crash", message);
+    }
+    self->copies[self->copy_count++] = {(char*)smem_dst, (const char*)src, src_bytes, 0};
+}
+
+inline void cp_async_commit() {
+    Fiber* self = current;
+    ++self->groups;
+    for (unsigned i = 0; i < self->copy_count; ++i)
+        if (self->copies[i].group == 0) self->copies[i].group = self->groups;
+}
+
+// cp.async.wait_group N: every committed group but the N most recent has landed
+template <int N>
+inline void cp_async_wait() {
+    static_assert(N >= 0, "cp_async_wait<N>: N >= 0");
+    Fiber* self = current;
+    unsigned kept = 0;
+    for (unsigned i = 0; i < self->copy_count; ++i) {
+        Fiber::Copy& c = self->copies[i];
+        if (c.group != 0 && c.group + (unsigned)N <= self->groups) {
+            if (c.bytes) memcpy(c.dst, c.src, (size_t)c.bytes);
+            memset(c.dst + c.bytes, 0, (size_t)(16 - c.bytes));
+        } else {
+            self->copies[kept++] = c;
+        }
+    }
+    self->copy_count = kept;
 }
 
 }  // namespace cuda_cpu::mma_helpers

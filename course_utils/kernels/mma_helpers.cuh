@@ -25,6 +25,15 @@
 //         a[2]: A[g][2t+8, 2t+9]   a[3]: A[g+8][2t+8, 2t+9]
 //         b[0]: B[2t, 2t+1][g]     b[1]: B[2t+8, 2t+9][g]
 //         c[0], c[1]: C[g][2t, 2t+1]   c[2], c[3]: C[g+8][2t, 2t+1]   (d likewise)
+//   void cp_async16(void* smem_dst, const void* src, int src_bytes);
+//       cp.async.cg.shared.global: 16 bytes into shared memory, the first src_bytes (0..16) read
+//       from src (global memory), the rest zero; both addresses 16-byte aligned. Per thread.
+//   void cp_async_commit();            cp.async.commit_group: the copies issued since, a group
+//   template <int N> void cp_async_wait();
+//       cp.async.wait_group N: all of this thread's committed groups but the N most recent have
+//       landed (a __syncthreads() after it makes them visible to the other threads).
+//       On the CPU a copy lands at that wait, not before: a read of the tile before it sees the
+//       NaN that shared memory is filled with.
 //
 // Every lane of the warp must call ldmatrix and mma together (all 32, no mask), from the same
 // line on the CPU. The shuffles (__shfl_xor_sync, ...) are CUDA's own, on both sides.
@@ -37,6 +46,9 @@
 
 #if defined(CUDA_CPU_EMULATION)
 
+using ::cuda_cpu::mma_helpers::cp_async16;
+using ::cuda_cpu::mma_helpers::cp_async_commit;
+using ::cuda_cpu::mma_helpers::cp_async_wait;
 using ::cuda_cpu::mma_helpers::ldmatrix_x4;
 using ::cuda_cpu::mma_helpers::ldmatrix_x4_trans;
 using ::cuda_cpu::mma_helpers::mma_m16n8k16_bf16;
@@ -69,6 +81,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* sme
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(address));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src, int src_bytes) {
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(address), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const unsigned a[4],
