@@ -162,3 +162,20 @@ def test_the_generated_kernel_compiles_for_sm90a_without_spills(tmp_path):
     spills = [line for line in log.stderr.splitlines() if "spill stores" in line
               and not line.strip().startswith("0 bytes stack frame, 0 bytes spill stores")]
     assert not spills, spills
+
+
+def _is_sm90():
+    import torch
+
+    from course_utils import runtime
+
+    return runtime.on_gpu() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU (H100/H200)")
+def test_on_an_h100_the_generated_loop_matches_float64_and_keeps_pace_with_variant_0():
+    """The GPU case alone: the solution's list built into the kernel (watchdog on), compared with
+    float64 on three shapes of 8 key blocks, and timed against variant 0 of the same build."""
+    ch14_overlap._gpu_case(grader.LocalCandidate(loop()))
+    source = ch14_overlap.generated_source(hp.parse_ops(loop()(8, 2), 8, 999))
+    assert "FA_GENERATED_LOOP" in source
