@@ -555,9 +555,11 @@ def run(source: str, name: str, shards, kwargs=None, *, backend=None,
             if abi >= 1:
                 writable = [str(scratch), "/dev/null", "/dev/zero", "/dev/urandom",
                             "/dev/random"]
-                if backend == "nccl":
-                    writable += sandbox._writable_devices()
-                job["landlock"] = {"read_protected": [*protected, str(folder)],
+                unreadable = [*protected, str(folder)]
+                if backend == "nccl":  # the GPUs, and NCCL's shared-memory segments
+                    writable += [*sandbox._writable_devices(), "/dev/shm"]
+                    unreadable = [p for p in unreadable if p != "/dev/shm"]
+                job["landlock"] = {"read_protected": unreadable,
                                    "writable": writable,
                                    "read_extra": [str(scratch), str(package), sys.prefix,
                                                   sys.base_prefix]}

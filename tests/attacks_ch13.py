@@ -42,13 +42,21 @@ def _guarded(test: str) -> str:
 
 READ_OTHERS = """
 import glob, os
-mine = os.getpid()
-paths = glob.glob("../*") + glob.glob("../*/*") + glob.glob("../store/*")
-for entry in os.listdir("/proc"):
-    if entry.isdigit() and int(entry) != mine:
-        paths += [f"/proc/{entry}/environ", f"/proc/{entry}/maps", f"/proc/{entry}/fd/0"]
-for path in paths:
+def _memory(pid):  # the first readable mapping of another process (its shards live there)
+    with open(f"/proc/{pid}/maps") as f:
+        lo = next(int(line.split("-")[0], 16) for line in f if line.split()[1].startswith("r"))
+    with open(f"/proc/{pid}/mem", "rb") as f:
+        f.seek(lo)
+        return f.read(16)
+others = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()]
+for pid in [os.getppid(), *others]:  # the grader drew every shard; the sibling ranks hold theirs
     try:
+        if _memory(pid):
+            won = True
+    except (OSError, StopIteration, ValueError):
+        pass
+for path in glob.glob("../*") + glob.glob("../*/*") + glob.glob("../store/*"):
+    try:  # the other ranks' folders and the group's store
         with open(path, "rb") as f:
             if f.read(1):
                 won = True

@@ -164,3 +164,84 @@ _in_main.__module__ = "__main__"
 def test_launch_refuses_a_function_spawn_cannot_import():
     with pytest.raises(ValueError, match="__main__"):
         ring.launch(_in_main, 2)
+
+
+# ----------------------------------------------------------------------------- graded ranks
+# course_utils.ranks: the grader's own rank processes for 13.ring_forward.
+
+_PROBE = '''
+import glob, os, socket
+import torch
+import torch.distributed as dist
+
+
+def probe(x):
+    found = []
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+        found.append(1.0)
+    except OSError:
+        found.append(0.0)
+    readable = 0.0
+    for path in glob.glob("../*") + glob.glob("../store/*"):
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+            readable = 1.0
+        except OSError:
+            pass
+    found.append(readable)
+    got = torch.empty_like(x)
+    r, R = dist.get_rank(), dist.get_world_size()
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (r + 1) % R),
+                                     dist.P2POp(dist.irecv, got, (r - 1) % R)]):
+        w.wait()
+    return torch.tensor(found), got
+'''
+
+
+def _stray():
+    from course_utils import sandbox
+
+    return {p for p in sandbox.descendants(__import__("os").getpid())}
+
+
+def test_ranks_are_locked_in_and_pass_blocks_over_the_sockets_they_opened():
+    from course_utils import ranks, sandbox
+
+    before = _stray()
+    shards = [(torch.full((3,), float(r)),) for r in range(3)]
+    out = ranks.run(_PROBE, "probe", shards)
+    for r, ((found, got), log) in enumerate(out):
+        assert torch.equal(got, torch.full((3,), float((r - 1) % 3)))  # the ring still works
+        if sandbox.landlock_abi() >= 1:
+            assert found.tolist() == [0.0, 0.0], (r, found)  # no socket, no other rank's files
+        assert [e["ev"] for e in log] == ["post", "wait", "end"]
+        assert log[0]["sends"] == [[(r + 1) % 3, 12]]
+    assert _stray() <= before
+
+
+def test_a_deadlocked_ring_times_out_and_leaves_nothing(monkeypatch):
+    import os
+    import tempfile
+
+    from course_utils import ranks
+
+    before = _stray()
+    made, real = [], tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(ranks.tempfile, "mkdtemp", mkdtemp)
+    hang = ("import torch.distributed as dist\n\n\ndef hang(x):\n"
+            "    import os\n    if os.fork() == 0:\n        os.setsid()\n"
+            "        import time\n        time.sleep(60)\n"
+            "    for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, "
+            "(dist.get_rank() + 1) % 2)]):\n        w.wait()\n")
+    with pytest.raises(ranks.RankFailure) as info:
+        ranks.run(hang, "hang", [(torch.zeros(2),), (torch.zeros(2),)], seconds=25)
+    assert info.value.status in ("timed out", "error"), info.value
+    assert _stray() <= before
+    assert made and not any(os.path.exists(p) for p in made)  # store and scratch deleted
