@@ -1,8 +1,10 @@
 """Chapter 10's graded cases catch the slips students make, in a visible case, saying why."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
-from spec_helpers import fails_visibly, stub
+from spec_helpers import Slip, fails_visibly, module_builder, solution_source, stub
 
 from course_utils import cuda, grader, runtime
 from course_utils.checks import CheckFailure
@@ -11,7 +13,7 @@ from course_utils.specs import ch10
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
 
-@pytest.mark.parametrize("exercise_id", ["10.fragment_map_k32", "10.merge_partials",
+@pytest.mark.parametrize("exercise_id", ["10.fragment_map_k32", "10.warp_loop",
                                          "10.swizzle_64b", "10.wait_placement"])
 def test_stub_is_not_implemented(exercise_id):
     assert grader.check(exercise_id, stub).status == "not implemented"
@@ -105,54 +107,130 @@ def test_k32_m16n8k16_map_is_not_the_answer():
     assert grader.check("10.fragment_map_k32", k16_like).status == "failed"
 
 
-# ----------------------------------------------------------------------------- merge partials
+# ----------------------------------------------------------------------------- the warp's loop
+
+SOLUTION = (Path(__file__).resolve().parent.parent / "solutions"
+            / "10_tensor_cores_flash_attention.ipynb")
 
 
-def _merge(*, row_of_value=(0, 0, 1, 1), rescale=True, normalise=False, guard_inf=True):
-    def merge(o1, m1, l1, o2, m2, l2):
-        m = np.maximum(m1, m2)
-        base = np.where(np.isneginf(m), 0.0, m) if guard_inf else m
+_LOOP = {}
+
+
+def loop(*edits):
+    """The solution's warp_forward with ``(old, new)`` edits (built once per set of edits)."""
+
+    def build():
+        if edits not in _LOOP:
+            import tempfile
+
+            folder = Path(tempfile.mkdtemp(prefix="ch10_loop_"))
+            source = solution_source(SOLUTION, lambda s: "def warp_forward" in s
+                                     or s.startswith("import numpy"))  # fmt: skip
+            _LOOP[edits] = module_builder(folder, source, "warp_loop")(*edits).warp_forward
+        return _LOOP[edits]
+
+    return build
+
+
+NO_SHUFFLE = (
+    ("top = mma.quad_allreduce(S[:, :, :2].max(axis=(0, 2)))",
+     "top = S[:, :, :2].max(axis=(0, 2))"),
+    ("bottom = mma.quad_allreduce(S[:, :, 2:].max(axis=(0, 2)))",
+     "bottom = S[:, :, 2:].max(axis=(0, 2))"),
+)
+MASK_AFTER_MAX = (
+    ("        S = []\n", "        S, SEEN = [], []\n"),
+    ("S.append(np.where(seen, acc * scale, -np.inf))",
+     "S.append(acc * scale)\n            SEEN.append(seen)"),
+    ("P = np.exp(S - base)", "P = np.where(np.stack(SEEN), np.exp(S - base), 0)"),
+)
+
+
+def test_loop_passes_when_right():
+    r = grader.check("10.warp_loop", loop()())
+    assert r.status == "passed" and r.hidden_run, r.message
+
+
+def test_loop_with_numpy_scores_is_refused():
+    # S from whole matrices (numpy @), P V still on mma: the trace has no S mma
+    fails_visibly("10.warp_loop", loop(
+        ("acc = mma.mma_m16n8k16(q_a[kc], k_fragment(K, n0, 16 * kc), acc)",
+         "acc = acc + mma.fragments(mma.gather(q_a[kc], 'A') @ "
+         "mma.gather(k_fragment(K, n0, 16 * kc), 'B'), 'C')"))(),
+        "no mma_m16n8k16 call computed S for keys 0..7")
+
+
+def test_loop_exact_softmax_without_mma_is_refused():
+    def exact(Q, K, V, Bc, causal, q0):
+        S = Q.astype(np.float64) @ K.T / np.sqrt(K.shape[1])
+        if causal:
+            S = np.where(np.arange(len(K))[None] <= q0 + np.arange(16)[:, None], S, -np.inf)
+        m = S.max(axis=1, keepdims=True)
+        W = np.exp(S - np.where(np.isinf(m), 0, m))
         with np.errstate(invalid="ignore", divide="ignore"):
-            a1, a2 = (np.exp(m1 - base), np.exp(m2 - base)) if rescale else (1.0, 1.0)
-            l = a1 * l1 + a2 * l2
-            idx = list(row_of_value)
-            f1 = a1.T[:, idx] if rescale else 1.0
-            f2 = a2.T[:, idx] if rescale else 1.0
-            o = o1 * f1 + o2 * f2
-            if normalise:
-                o = o / l.T[:, idx]
-        return o, m, l
+            O = np.where(W.sum(1, keepdims=True) > 0, W @ V / W.sum(1, keepdims=True), 0)
+            return O.astype(np.float32), np.log(W.sum(1)) + m[:, 0]
 
-    return merge
+    fails_visibly("10.warp_loop", exact, "no mma_m16n8k16 call computed S")
 
 
-def test_merge_passes_when_right():
-    r = grader.check("10.merge_partials", _merge())
-    assert r.status == "passed" and r.hidden_run
+def test_loop_from_another_module_name_is_traced():
+    # ``from course_utils.mma import mma_m16n8k16`` is traced as well as ``mma.mma_m16n8k16``
+    fn = loop(("from course_utils import grader, mma",
+               "from course_utils import grader, mma\nfrom course_utils.mma import mma_m16n8k16"),
+              ("o[nd] = mma.mma_m16n8k16(p_a,", "o[nd] = mma_m16n8k16(p_a,"))()
+    assert grader.check("10.warp_loop", fn).status == "passed"
 
 
-def test_merge_row_of_value_i_mod_2_fails():
-    fails_visibly("10.merge_partials", _merge(row_of_value=(0, 1, 0, 1)), "D = 64, keys 37 + 27",
-                   "i // 2, not i % 2")
+def test_loop_wrong_return_is_named():
+    fails_visibly("10.warp_loop", lambda *a: np.zeros((16, 32)), "returned one value")
 
 
-def test_merge_without_rescale_fails():
-    fails_visibly("10.merge_partials", _merge(rescale=False), "D = 64, keys 37 + 27",
-                   "exp(m_k - m)")
+NAMED_MISTAKES = [
+    Slip("10.warp_loop", "O not rescaled by alpha",
+         loop(("o = [x * alpha for x in o]", "o = list(o)")), "the O fragments are not rescaled"),
+    Slip("10.warp_loop", "l not rescaled",
+         loop(("l = l * alpha + P.sum(axis=0)", "l = l + P.sum(axis=0)")), "l is not rescaled"),
+    Slip("10.warp_loop", "row max without the quad shuffle", loop(*NO_SHUFFLE), "no quad shuffle"),
+    Slip("10.warp_loop", "no -inf guard",
+         loop(("base = np.where(m_new == -np.inf, 0, m_new).astype(np.float32)", "base = m_new")),
+         "no -inf guard", "rows [0, 1, 2, 3]"),
+    Slip("10.warp_loop", "mask applied after the max", loop(*MASK_AFTER_MAX),
+         "the mask comes after the max"),
+    Slip("10.warp_loop", "c_to_a's halves swapped",
+         loop(("mma.c_to_a(P[t], P[t + 1])", "mma.c_to_a(P[t + 1], P[t])")), "swapped in c_to_a"),
+    Slip("10.warp_loop", "P not rounded to bf16",
+         loop(("p_a = mma.to_bf16(mma.c_to_a(P[t], P[t + 1]))",
+               "p_a = mma.c_to_a(P[t], P[t + 1])")),
+         "not bf16"),
+    Slip("10.warp_loop", "LSE in base 2", loop(("m + np.log(L)", "m + np.log2(L)")),
+         "LSE in base 2"),
+    Slip("10.fragment_map_k32", "register halves swapped", lambda: _k32(swap_halves=True),
+         "a_element_k32(", "expected"),
+    Slip("10.fragment_map_k32", "bytes reversed in a register", lambda: _k32(reversed_bytes=True),
+         "a_element_k32(0, 0)", "byte 0"),
+    Slip("10.fragment_map_k32", "second half of k left out", lambda: _k32(no_k_half=True),
+         "is held twice"),
+    Slip("10.swizzle_64b", "row-major (no swizzle)", lambda: (lambda row, col: row * 32 + col),
+         "4 wavefronts"),
+    Slip("10.swizzle_64b", "the 128-byte swizzle c ^ (r % 8) used blindly",
+         lambda: _swizzle(lambda r: r % 8), "is not an element offset"),
+    Slip("10.swizzle_64b", "XOR on elements, not chunks",
+         lambda: (lambda row, col: row * 32 + (col ^ (row % 8))), "not one aligned 16-byte chunk"),
+    Slip("10.wait_placement", "wait_group 0 everywhere", lambda: _schedule(n_wait=lambda s: 0),
+         "does not overlap"),
+    Slip("10.wait_placement", "wait_group off by one", lambda: _schedule(n_wait=lambda s: s - 1),
+         "no wait has forced"),
+    Slip("10.wait_placement", "no barrier after the wait", lambda: _schedule(sync=False),
+         "no __syncthreads() followed"),
+    Slip("10.wait_placement", "no commit", lambda: _schedule(commit=False),
+         "a wait only covers committed"),
+]
 
 
-def test_merge_dividing_by_l_fails_and_says_so():
-    fails_visibly("10.merge_partials", _merge(normalise=True), "you divided by l")
-
-
-def test_merge_minus_inf_minus_minus_inf_is_caught():
-    fails_visibly("10.merge_partials", _merge(guard_inf=False), "see no key", "NaN")
-
-
-def test_merge_wrong_shape_and_type_are_named():
-    fails_visibly("10.merge_partials", lambda *a: a[0], "expected (o, m, l)")
-    flat = lambda o1, m1, l1, o2, m2, l2: (o1.reshape(-1), m1, l1)  # noqa: E731
-    fails_visibly("10.merge_partials", flat, "o has shape")
+@pytest.mark.parametrize("slip", NAMED_MISTAKES, ids=repr)
+def test_named_mistake(slip):
+    slip.fails()
 
 
 # ----------------------------------------------------------------------------- 64-byte swizzle

@@ -1,9 +1,9 @@
 """Chapter 10, FlashAttention-2 on tensor cores: exercises graded on the CPU model (and a GPU).
 
-The lecture and ``course_utils.mma`` ship the m16n8k16 bf16 fragment maps, the swizzle of 128- and
-256-byte rows, the warp's forward with its rescale, and the kernel's wait placement. The exercises
-are the neighbouring cases the package does not ship, judged here, in the grading process,
-against definitions written another way:
+The lecture and ``course_utils.mma`` ship the m16n8k16 bf16 fragment maps, the swizzle of 128-
+and 256-byte rows, and the kernel's wait placement; the warp's tile loop is the student's to
+write. The other exercises are the neighbouring cases the package does not ship, judged here, in
+the grading process, against definitions written another way:
 
 - ``10.fragment_map_k32``: ``a_element_k32(lane, i) -> (row, col)``, the A fragment of
   ``mma.sync.m16n8k32`` with 8-bit integers (16 values per lane). Compared with a table built
@@ -12,12 +12,9 @@ against definitions written another way:
   with the real one) and compared with the exact product, naming the first wrong (lane, i). On
   a GPU one more case loads the registers of a real ``mma.sync.m16n8k32.s8`` with the student's
   map and compares D with A B.
-- ``10.merge_partials``: ``merge(o1, m1, l1, o2, m2, l2) -> (o, m, l)``, the split-KV combine of
-  two warps' states in fragment layout (o: (D/8, 32, 4) C fragments, m and l: (2, 32), rows g and
-  g + 8 of each lane). The grader builds the partial states itself from fresh random scores and
-  values (float64, then float32) and compares m, l and gather(o) / l with a brute-force softmax
-  over all the keys, in float64; fully masked halves, rows that see no key, |S| ~ 30, D = 64 and
-  128.
+- ``10.warp_loop``: ``warp_forward(Q, K, V, Bc, causal, q0) -> (O, LSE)``, one warp's
+  FlashAttention-2 forward for 16 query rows written on ``course_utils.mma``'s primitives, graded
+  on the fragment model through a trace of its mma calls (see ``specs.ch10_loop``).
 - ``10.swizzle_64b``: ``swizzle32(row, col) -> element offset`` for a bf16 tile with 64-byte rows
   (D = 32). Judged with ``mma.shared_wavefronts``: a bijection of the tile that keeps each
   16-byte chunk whole and aligned; every ldmatrix phase (8 consecutive rows of one chunk, for K
@@ -42,7 +39,7 @@ import numpy as np
 import torch
 
 from .. import mma
-from ..checks import CheckFailure, brief, compare, validated
+from ..checks import CheckFailure, brief, validated
 from ..grader import Exercise, invoke
 from ..harness.ch10 import (
     CHUNK_ELEMENTS,
@@ -55,6 +52,7 @@ from ..harness.ch10 import (
     SWIZZLE_ROWS,
 )
 from ..runtime import on_gpu
+from . import ch10_loop
 
 H = "course_utils.harness.ch10:"
 LANES = 32
@@ -67,7 +65,7 @@ def _fresh_rng():
 # ----------------------------------------------------------------------------- fragment map
 
 fragment_map_k32 = Exercise(
-    "10.fragment_map_k32", "The A fragment of mma.m16n8k32 with 8-bit integers (s8)", points=3
+    "10.fragment_map_k32", "The A fragment of mma.m16n8k32 with 8-bit integers (s8)", points=2
 )
 
 
@@ -278,188 +276,16 @@ if on_gpu():  # the real instruction, where there is one
     fragment_map_k32.case("GPU: mma.sync.m16n8k32.s8 with your map")(_hardware_case)
 
 
-# ----------------------------------------------------------------------------- merge partials
+# ----------------------------------------------------------------------------- the warp's loop
 
-merge_partials = Exercise(
-    "10.merge_partials", "Split-KV: merge two warps' states in fragment layout", points=3
-)
-
-HINT_MERGE = (
-    "m = max(m1, m2) per row; each part is rescaled by exp(m_k - m) (0 for a part whose m_k is "
-    "-inf: subtract 0 instead of -inf, or exp(-inf - (-inf)) is NaN); l = the rescaled sum; o "
-    "likewise, value by value: value i of a lane belongs to row g (m[0], l[0]) for i in {0, 1} "
-    "and to row g + 8 (m[1], l[1]) for i in {2, 3}: the row of value i is i // 2, not i % 2"
-)
-HINT_NORMALISED = (
-    "gather(o) is already softmax(S) V: you divided by l; keep o un-normalised (the caller "
-    "divides by l once, at the very end, as the kernel does)"
-)
-
-
-def _partial_state(S, V, visible):
-    """One warp's state after its keys, in float64 then float32 fragment layout.
-
-    S (16, n) scaled scores, V (n, D), visible (16, n) bool. Returns (o (D/8, 32, 4), m (2, 32),
-    l (2, 32)) float32, with m = -inf, l = 0 and o = 0 on rows that see none of these keys.
-    """
-    S = np.where(visible, S, -np.inf)
-    m = S.max(axis=1) if S.shape[1] else np.full(16, -np.inf)
-    shift = np.where(np.isfinite(m), m, 0.0)
-    P = np.where(visible, np.exp(S - shift[:, None]), 0.0)
-    O = P @ V
-    o = np.stack([mma.fragments(O[:, c:c + 8], "C") for c in range(0, V.shape[1], 8)])
-    rows = np.arange(LANES) // 4
-    per_lane = lambda x: np.stack([x[rows], x[rows + 8]]).astype(np.float32)  # noqa: E731
-    return o.astype(np.float32), per_lane(m), per_lane(P.sum(axis=1))
-
-
-def _softmax_reference(S, V, visible):
-    """Brute force over all keys, float64: (O (16, D), m (16,), l (16,)); a row that sees no key
-    has m = -inf, l = 0 and O = 0."""
-    O = np.zeros((16, V.shape[1]))
-    m = np.full(16, -np.inf)
-    l = np.zeros(16)
-    for row in range(16):
-        keys = np.flatnonzero(visible[row])
-        if len(keys) == 0:
-            continue
-        s = S[row, keys]
-        m[row] = s.max()
-        w = np.exp(s - m[row])
-        l[row] = w.sum()
-        O[row] = (w / l[row]) @ V[keys]
-    return O, m, l
-
-
-def _rows(x, name, case):
-    """(2, 32) per-lane values -> (16,) per row, checking the 4 lanes of a row agree."""
-    x = _float_table(x, (2, LANES), name, case, HINT_MERGE)
-    out = np.zeros(16)
-    for h in range(2):
-        for g in range(8):
-            quad = x[h, 4 * g:4 * g + 4]
-            if not (np.array_equal(quad, quad[:1].repeat(4)) or np.isnan(quad).all()):
-                raise CheckFailure(
-                    case,
-                    f"{name}[{h}, {4 * g}:{4 * g + 4}] (row {g + 8 * h}, held by its 4 lanes) "
-                    f"differ: {quad.tolist()}",
-                    "every lane of a group holds the same m and l of its row",
-                )
-            out[g + 8 * h] = quad[0]
-    return out
-
-
-def _merge_check(candidate, case, S, V, visible, split):
-    """Build both halves' states, merge them with the candidate, compare with the reference."""
-    halves = [slice(0, split), slice(split, S.shape[1])]
-    states = [_partial_state(S[:, h], V[h], visible[:, h]) for h in halves]
-    (o1, m1, l1), (o2, m2, l2) = states
-    out = candidate(o1, m1, l1, o2, m2, l2)
-    if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise CheckFailure(case, f"merge returned {type(out).__name__}, expected (o, m, l)",
-                           HINT_MERGE)  # fmt: skip
-    D = V.shape[1]
-    o = _float_table(out[0], (D // 8, LANES, 4), "o", case, HINT_MERGE)
-    m, l = _rows(out[1], "m", case), _rows(out[2], "l", case)
-    O_want, m_want, l_want = _softmax_reference(S, V, visible)
-    for name, x in (("o", o), ("m", m), ("l", l)):
-        if np.isnan(x).any():
-            raise CheckFailure(
-                case,
-                f"{int(np.isnan(x).sum())} values of {name} are NaN (the rows that see no key in "
-                "one half, or in both, have m = -inf there)",
-                HINT_MERGE,
-            )
-    compare("m", torch.from_numpy(m), torch.from_numpy(m_want), case=case, atol=1e-5, rtol=1e-6,
-            hint="m is the row max over all the keys: max(m1, m2)")  # fmt: skip
-    compare("l", torch.from_numpy(l), torch.from_numpy(l_want), case=case, atol=1e-6, rtol=2e-5,
-            hint=HINT_MERGE)  # fmt: skip
-    gathered = np.concatenate([mma.gather(o[nd], "C") for nd in range(D // 8)], axis=1)
-    seen = l_want > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        O = np.where(seen[:, None], gathered / l[:, None], gathered)  # no key: o itself must be 0
-    hint = HINT_MERGE
-    if seen.any() and np.allclose(gathered[seen], O_want[seen], atol=2e-5, rtol=1e-4):
-        hint = HINT_NORMALISED
-    compare("gather(o) / l", torch.from_numpy(O), torch.from_numpy(O_want), case=case,
-            atol=2e-5, rtol=1e-4, hint=hint)  # fmt: skip
-
-
-def _merge_case(D, n1, n2, *, logits=1.0, mask=None):
-    """Fresh random Q (16 x D), K and V (n1 + n2 keys); S = Q Kᵀ / sqrt(D), times ``logits``;
-    ``mask(rng, n1, n2)`` -> which keys each row sees."""
-
-    def run(candidate):
-        rng = _fresh_rng()
-        N = n1 + n2
-        Q = rng.standard_normal((16, D))
-        K, V = rng.standard_normal((N, D)), rng.standard_normal((N, D))
-        S = Q @ K.T / np.sqrt(D) * logits
-        visible = np.ones((16, N), bool) if mask is None else mask(rng, n1, n2)
-        desc = f"D = {D}, keys {n1} + {n2}" + (f", |S| up to ~{3 * logits:g}" if logits > 1 else "")
-        name = mask.__doc__ if mask is not None else "every key visible"
-        _merge_check(candidate, f"{desc}: {name}", S, V, visible, n1)
-
-    return run
-
-
-def _first_half_masked(rng, n1, n2):
-    """the first half fully masked (m1 = -inf, l1 = 0, o1 = 0)"""
-    visible = np.ones((16, n1 + n2), bool)
-    visible[:, :n1] = False
-    return visible
-
-
-def _second_half_masked(rng, n1, n2):
-    """the second half fully masked (m2 = -inf, l2 = 0, o2 = 0)"""
-    visible = np.ones((16, n1 + n2), bool)
-    visible[:, n1:] = False
-    return visible
-
-
-def _ragged(rng, n1, n2):
-    """rows 3 and 11 see no key at all, rows 5 and 12 only one half, the rest a random mask"""
-    visible = rng.random((16, n1 + n2)) < 0.7
-    visible[:, 0] = visible[:, n1] = True  # every other row sees a key in each half
-    visible[[3, 11]] = False
-    visible[5, :n1] = False
-    visible[12, n1:] = False
-    return visible
-
-
-def _causal(rng, n1, n2):
-    """causal, queries n1 - 8 .. n1 + 7: rows 0..7 see no key of the second half"""
-    q = np.arange(16) + n1 - 8
-    return np.arange(n1 + n2)[None, :] <= q[:, None]
-
-
-def _nothing(rng, n1, n2):
-    """no row sees any key (both halves fully masked)"""
-    return np.zeros((16, n1 + n2), bool)
-
-
-merge_partials.case("D = 64, keys 37 + 27")(_merge_case(64, 37, 27))
-merge_partials.case("one half fully masked (each half in turn)")(
-    lambda c: (_merge_case(64, 32, 16, mask=_first_half_masked)(c),
-               _merge_case(64, 16, 32, mask=_second_half_masked)(c))  # fmt: skip
-)
-merge_partials.case("rows that see no key, or only one half")(_merge_case(64, 24, 40, mask=_ragged))
-merge_partials.case("large logits |S| ~ 30, D = 128")(_merge_case(128, 48, 48, logits=10.0))
-merge_partials.case("causal split at key 48, D = 128")(_merge_case(128, 48, 48, mask=_causal))
-merge_partials.case("fresh random, D = 64 and 128", hidden=True)(
-    lambda c: [_merge_case(D, n1, n2)(c) for D, n1, n2 in ((64, 64, 64), (128, 5, 123))]
-)
-merge_partials.case("one key in each half", hidden=True)(_merge_case(64, 1, 1))
-merge_partials.case("no row sees any key", hidden=True)(_merge_case(128, 16, 16, mask=_nothing))
-merge_partials.case("very large logits |S| ~ 80, ragged", hidden=True)(
-    _merge_case(128, 40, 24, logits=27.0, mask=_ragged)
-)
+# 10.warp_loop (the chapter's core: the tile loop on fragments) lives in its own module.
+warp_loop = ch10_loop.warp_loop
 
 
 # ----------------------------------------------------------------------------- 64-byte swizzle
 
 swizzle_64b = Exercise(
-    "10.swizzle_64b", "A conflict-free swizzle for 64-byte rows (D = 32 bf16)", points=3
+    "10.swizzle_64b", "A conflict-free swizzle for 64-byte rows (D = 32 bf16)", points=2
 )
 
 HINT_SWIZZLE = (
@@ -589,7 +415,7 @@ swizzle_64b.case("a 128-row tile: ldmatrix and cp.async in 1 wavefront", hidden=
 # ----------------------------------------------------------------------------- wait placement
 
 wait_placement = Exercise(
-    "10.wait_placement", "cp.async: where the waits and barriers go (k stages)", points=4
+    "10.wait_placement", "cp.async: where the waits and barriers go (k stages)", points=3
 )
 
 HINT_WAIT = (
@@ -822,5 +648,5 @@ wait_placement.case("fresh random n_tiles and stages (up to 5)", hidden=True)(
     _schedule_case(_fresh_configs)
 )
 
-__all__ = ["fragment_map_k32", "max_ops", "merge_partials", "ptx_k32_table", "simulate",
-           "swizzle_64b", "wait_placement"]  # fmt: skip
+__all__ = ["fragment_map_k32", "max_ops", "ptx_k32_table", "simulate", "swizzle_64b",
+           "wait_placement", "warp_loop"]  # fmt: skip
