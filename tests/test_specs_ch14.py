@@ -15,7 +15,7 @@ import pytest
 from spec_helpers import Slip, module_builder, solution_source
 
 from course_utils import cuda as C
-from course_utils import grader, hopper, runtime
+from course_utils import grader, hopper
 from course_utils.checks import CheckFailure
 from course_utils.specs import ch14
 
@@ -148,8 +148,7 @@ def test_the_probe_compiles_for_sm90a_without_spills():
         assert r.spills == 0, f"{r.name}: {r.spills} bytes spilled"
 
 
-needs_sm90 = pytest.mark.skipif(
-    not (runtime.on_gpu() and runtime.capability()[0] == 9), reason="needs an sm_90 GPU")
+needs_sm90 = pytest.mark.skipif(not ch14._on_hopper(), reason="needs an sm_90 GPU (H100/H200)")
 
 
 @needs_sm90

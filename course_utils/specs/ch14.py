@@ -210,7 +210,12 @@ def _probe_module():
 
 
 def _on_hopper() -> bool:
-    return runtime.on_gpu() and runtime.capability()[0] == 9
+    """The real chip is an sm_90 (not one COURSE_PRETEND_CAPABILITY makes it report)."""
+    if not runtime.on_gpu():
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability()[0] == 9
 
 
 def _gpu_product(op, words, case):
