@@ -423,3 +423,22 @@ def test_the_same_source_builds_for_the_gpu_with_nvrtc():
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
     kernel = cuda.compile_kernel(source, "mma_probe", arch="sm_80")
     assert kernel.resource_usage.registers > 0
+
+
+def test_dynamic_shared_memory_ends_at_a_page_that_cannot_be_touched(folder):
+    source = r"""
+__global__ void fill(float* out, int n) {
+    extern __shared__ float tile[];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) tile[i] = (float)i;
+    __syncthreads();
+    out[threadIdx.x] = tile[n - 1 - threadIdx.x];
+}
+"""
+    out = np.zeros(32, np.float32)
+    cuda_cpu.launch(source, "fill", 1, 32, out, 64, shared_bytes=256, folder=folder)
+    assert out.tolist() == list(range(63, 31, -1))
+    with pytest.raises(cuda_cpu.EmulationError) as info:
+        cuda_cpu.launch(source, "fill", 1, 32, out, 80, shared_bytes=256, folder=folder)
+    assert info.value.kind == "out of bounds"
+    text = str(info.value)
+    assert "past the end of the dynamic shared memory (the launch gives 256 bytes" in text

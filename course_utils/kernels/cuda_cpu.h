@@ -160,6 +160,7 @@ inline size_t page = 4096;
 inline unsigned timeout_s = 20;
 inline char* dynamic_shared_memory = nullptr;
 inline size_t dynamic_shared_bytes = 0;
+inline char* dynamic_shared_end = nullptr;  // a page that cannot be touched
 inline bool reverse_order = false;  // run the fibers last to first (a second schedule)
 inline int barrier_lines[64];  // the source lines of the __syncthreads() that were reached
 inline int barrier_line_count = 0;
@@ -594,6 +595,13 @@ inline void on_signal(int sig, siginfo_t* info, void*) {
             fail("out of bounds", message);
         }
     }
+    if (dynamic_shared_end && address >= dynamic_shared_end && address < dynamic_shared_end + page) {
+        snprintf(message, sizeof message,
+                 "%s accessed shared memory %ld bytes past the end of the dynamic shared memory "
+                 "(the launch gives %zu bytes: extern __shared__ holds less than the tiles need)",
+                 who, (long)(address - dynamic_shared_end), dynamic_shared_bytes);
+        fail("out of bounds", message);
+    }
     for (unsigned i = 0; i < fiber_count; ++i)
         if (address >= fibers[i].stack && address < fibers[i].stack + page) {
             snprintf(message, sizeof message,
@@ -672,7 +680,13 @@ inline void launch(dim3 grid, dim3 block, size_t dynamic_bytes, void (*kernel_bo
     fiber_count = block.x * block.y * block.z;
     if (fiber_count == 0 || fiber_count > 1024 || block.z > 64)
         fail("setup", "a block has 1 to 1024 threads (and blockDim.z <= 64)");
-    if (dynamic_bytes) dynamic_shared_memory = map_or_fail(dynamic_bytes);
+    if (dynamic_bytes) {  // ends (16-byte aligned) at a page that cannot be touched
+        size_t padded = (dynamic_bytes + 15) / 16 * 16, pages = (padded + page - 1) / page;
+        char* mapping = map_or_fail((pages + 1) * page);
+        dynamic_shared_end = mapping + pages * page;
+        mprotect(dynamic_shared_end, page, PROT_NONE);
+        dynamic_shared_memory = dynamic_shared_end - padded;
+    }
     dynamic_shared_bytes = dynamic_bytes;
     fibers = new Fiber[fiber_count];
     for (unsigned i = 0; i < fiber_count; ++i) {
