@@ -54,6 +54,7 @@ __all__ = ["OPS", "PipelineError", "Run", "emit_cuda", "parse_ops", "run_consume
 OPS = {"wait_k": 2, "wait_v": 2, "fence": 0, "issue_s": 1, "issue_pv": 1, "commit": 0,
        "wait_group": 1, "release_k": 1, "release_v": 1, "softmax": 1, "rescale": 1, "pack_p": 1}
 MAX_WAIT_GROUP = 7
+T_MMA, T_SOFTMAX = 1.0, 1.0  # the timeline's costs: a product, a softmax (d = 128, lecture 14)
 
 
 class PipelineError(Exception):
@@ -135,6 +136,8 @@ class _Mma:
     tile: int
     issued_at: int
     buffer: int
+    start: float = 0.0  # on the timeline: when the tensor core runs it
+    end: float = 0.0
 
     @property
     def label(self):
@@ -150,12 +153,15 @@ class _Mma:
 
 @dataclass
 class Run:
-    """What a run computed and measured: O (rows x d, normalised), LSE (natural log), and for
-    each softmax whether a wgmma was in flight while it ran."""
+    """What a run computed and measured: O (rows x d, normalised), LSE (natural log); on the
+    timeline (a product takes one unit on the tensor core, in issue order; a softmax one unit of
+    the threads; a wait lasts until its products end), for each softmax whether a product ran
+    under it, and the share of the time the tensor core was busy."""
 
     O: np.ndarray
     LSE: np.ndarray
-    overlapped: list = field(default_factory=list)  # (op index, tile, in flight: bool)
+    overlapped: list = field(default_factory=list)  # (op index, tile, a product under it: bool)
+    tensor_busy: float = 0.0
 
 
 def run_consumer(ops, *, Q, K, V, block_n, stages, scale, causal=False, q0=0, producer="eager",
@@ -214,6 +220,7 @@ def run_consumer(ops, *, Q, K, V, block_n, stages, scale, causal=False, q0=0, pr
     issued = {"S": set(), "PV": set()}
     softmaxed, rescaled, packed = set(), set(), set()
     overlapped = []
+    clock, tensor_free, tensor_time = 0.0, 0.0, 0.0  # the timeline (see Run)
     last_wait = [None]  # the index of the latest wait_group
 
     def complete(group):
@@ -340,7 +347,9 @@ def run_consumer(ops, *, Q, K, V, block_n, stages, scale, causal=False, q0=0, pr
                         "order", i, f"issue_pv({j}) adds P({j}) V({j}) to an O already rescaled "
                         f"by softmax({max(rescaled)})'s alpha: P({j}) V({j}) belongs before it")
             issued[kind].add(j)
-            open_batch.append(_Mma(kind, j, i, b))
+            mma = _Mma(kind, j, i, b, max(clock, tensor_free), max(clock, tensor_free) + T_MMA)
+            tensor_free, tensor_time = mma.end, tensor_time + T_MMA
+            open_batch.append(mma)
         elif name == "commit":
             groups.append({"mmas": open_batch, "done": False})
             open_batch = []
@@ -349,6 +358,7 @@ def run_consumer(ops, *, Q, K, V, block_n, stages, scale, causal=False, q0=0, pr
             retire = groups[:max(0, len(groups) - keep)]
             for g in retire:
                 complete(g)
+                clock = max([clock] + [mma.end for mma in g["mmas"]])
             groups = groups[len(retire):]
             last_wait[0] = i
         elif name == "softmax":
@@ -374,7 +384,9 @@ def run_consumer(ops, *, Q, K, V, block_n, stages, scale, causal=False, q0=0, pr
             dirty.add("S")
             softmaxed.add(j)
             alpha_tile, alpha_applied = j, False
-            overlapped.append((i, j, bool(in_flight())))
+            under = any(mma.start < clock + T_SOFTMAX and mma.end > clock for mma in in_flight())
+            overlapped.append((i, j, under))
+            clock += T_SOFTMAX
         elif name == "rescale":
             j = args[0]
             if alpha_tile != j or alpha_applied:
@@ -423,7 +435,8 @@ def run_consumer(ops, *, Q, K, V, block_n, stages, scale, causal=False, q0=0, pr
     with np.errstate(divide="ignore", invalid="ignore"):
         O = np.where(l_row[:, None] > 0, regs["O"] / l_row[:, None], 0)
         lse = np.where(l_row > 0, m_row * scale + np.log(l_row), -np.inf)
-    return Run(O.astype(np.float64), lse.astype(np.float64), overlapped)
+    busy = tensor_time / max(clock, tensor_free, 1e-9)
+    return Run(O.astype(np.float64), lse.astype(np.float64), overlapped, busy)
 
 
 # --------------------------------------------------------------------------- the GPU build
