@@ -12,7 +12,10 @@ calls any difference a race. The executable runs as a subprocess with a time lim
 an endless loop in the kernel is a clear error, never a hung caller.
 
 Warp functions are warp collectives (warp w is threads 32w .. 32w+31 of the block, x fastest):
-the lanes a mask names meet, exchange and go on. Emulated: ``__shfl_sync``, ``__shfl_up_sync``,
+the lanes a mask names meet, exchange and go on. A call completes as soon as its last lane
+arrives, and that warp runs on before the warps after it (in the order of the launch) run at
+all, so a warp that reads a shared tile other warps store, without a barrier between, reads the
+NaN of unstored memory in one order or the other. Emulated: ``__shfl_sync``, ``__shfl_up_sync``,
 ``__shfl_down_sync``, ``__shfl_xor_sync`` (float, int, unsigned or any value of up to 8 bytes,
 with ``width``), ``__syncwarp(mask)``, ``__ballot_sync``, ``__any_sync``, ``__all_sync``,
 ``__activemask()`` (the lanes that have not returned). And the chapter-10 tensor-core helpers

@@ -442,3 +442,24 @@ __global__ void fill(float* out, int n) {
     assert info.value.kind == "out of bounds"
     text = str(info.value)
     assert "past the end of the dynamic shared memory (the launch gives 256 bytes" in text
+
+
+def test_a_warp_runs_on_before_the_next_warp_stores_its_part(folder):
+    # a warp call completes as soon as its lanes are there, and that warp goes on first: without
+    # the barrier, warp 0 reads warp 1's slots before warp 1 ran (and in the other order too)
+    source = r"""
+__global__ void cross(float* out, int sync) {
+    __shared__ float tile[64];
+    tile[threadIdx.x] = (float)threadIdx.x;
+    if (sync) __syncthreads();
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, tile[63 - threadIdx.x], 1);
+}
+"""
+    want = (63 - (np.arange(64) ^ 1)).astype(np.float32)
+    for reverse in (False, True):
+        out = np.zeros(64, np.float32)
+        cuda_cpu.launch(source, "cross", 1, 64, out, 1, folder=folder, reverse=reverse)
+        np.testing.assert_array_equal(out, want)
+        cuda_cpu.launch(source, "cross", 1, 64, out, 0, folder=folder, reverse=reverse)
+        first = slice(32, 64) if reverse else slice(0, 32)  # the warp that ran first
+        assert np.isnan(out[first]).all()

@@ -7,10 +7,12 @@
 // What it emulates
 //   * blocks run one after another; the threads of a block are fibers (ucontext), run in a fixed
 //     order: thread 0 runs until its next __syncthreads() or warp function (or its end), then
-//     thread 1, ... When no thread can run on, the warp functions whose lanes have all arrived
-//     complete (below); when every thread of the block waits at a __syncthreads(), all go on.
-//     The launch can ask for the reverse order (the last thread first): a kernel without races
-//     gives the same bits in both orders, one with a missing barrier does not.
+//     thread 1, ... A warp function completes when the last lane of its mask arrives, and the
+//     run starts again from the first thread that can go on: a warp runs as far as it can
+//     before the warps after it run at all. When every thread of the block waits at a
+//     __syncthreads(), all go on. The launch can ask for the reverse order (the last thread,
+//     and so the last warp, first): a kernel without races gives the same bits in both orders,
+//     one with a missing barrier (between threads or between warps) does not.
 //   * threadIdx, blockIdx, blockDim, gridDim are per fiber; __shared__ variables live in one
 //     section, filled with 0xFF bytes (NaN as float and bf16, -1 as int) before each block, so
 //     a read of a slot no thread stored this block shows.
@@ -405,6 +407,20 @@ inline void complete_warp_call(unsigned warp, unsigned mask) {
         }
 }
 
+// Whether every lane that call `c`'s mask names waits in the same call (function, mask; for mma
+// and ldmatrix the same line too).
+inline bool group_complete(unsigned warp, const WarpCall& c) {
+    const Fiber* lanes = fibers + warp * 32;
+    for (unsigned k = 0; k < 32; ++k) {
+        if (!(c.mask >> k & 1)) continue;
+        const Fiber& o = lanes[k];
+        if (!(o.state == AT_WARP && o.call.kind == c.kind && o.call.mask == c.mask &&
+              (!aligned_call(c.kind) || o.call.line == c.line)))
+            return false;
+    }
+    return true;
+}
+
 // Where a lane is, for a message: "had returned", "waits at the __syncthreads() of line 12", ...
 inline void lane_state_text(const Fiber& f, char* out, size_t size) {
     if (f.state == DONE) snprintf(out, size, "had returned");
@@ -416,7 +432,8 @@ inline void lane_state_text(const Fiber& f, char* out, size_t size) {
 }
 
 // Complete every warp call whose lanes are all there; true if any was. With none complete and
-// a lane still waiting in one, report the first such call that cannot complete.
+// a lane still waiting in one, report the first such call that cannot complete. (The scheduler
+// completes a call as soon as its last lane arrives; this is the check when no fiber can run.)
 inline bool settle_warps() {
     bool progressed = false, waiting = false;
     unsigned warps = (fiber_count + 31) / 32;
@@ -426,14 +443,7 @@ inline bool settle_warps() {
         for (unsigned l = 0; l < n; ++l) {
             if (lanes[l].state != AT_WARP || (seen >> l & 1)) continue;
             const WarpCall& c = lanes[l].call;
-            bool complete = true;
-            for (unsigned k = 0; k < 32 && complete; ++k) {
-                if (!(c.mask >> k & 1)) continue;
-                const Fiber& o = lanes[k];
-                complete = o.state == AT_WARP && o.call.kind == c.kind && o.call.mask == c.mask &&
-                           (!aligned_call(c.kind) || o.call.line == c.line);
-            }
-            if (complete) {
+            if (group_complete(w, c)) {
                 seen |= c.mask;
                 complete_warp_call(w, c.mask);
                 progressed = true;
@@ -521,6 +531,14 @@ inline void run_block(size_t dynamic_bytes) {
                 if (current->started) _longjmp(current->resume, 1);
                 current->started = true;
                 swapcontext(&scheduler, &current->context);
+            }
+            // A warp call completes when its last lane arrives, and the scan starts again from
+            // the first fiber (in this order) that can run: a warp goes on as far as it can
+            // before the warps after it run at all, so a warp that reads a tile other warps
+            // have not stored yet (a missing barrier) reads NaN, in one order or the other.
+            if (current->state == AT_WARP && group_complete(i / 32, current->call)) {
+                complete_warp_call(i / 32, current->call.mask);
+                k = (unsigned)-1;
             }
         }
         current = nullptr;
