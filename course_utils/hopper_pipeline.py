@@ -99,7 +99,8 @@ def parse_ops(ops, n_tiles: int, limit: int) -> list[tuple]:
                                 f"{len(op) - 1}")
         args = []
         for a in op[1:]:
-            if type(a) is not int and not isinstance(a, np.integer):
+            if type(a) is not int and not (isinstance(a, np.integer)
+                                           and type(a).__module__ == "numpy"):
                 raise PipelineError("shape", i,
                                     f"{name!r}: arguments are ints, got a {type(a).__name__}")
             args.append(int(a))
