@@ -234,6 +234,21 @@ def _readable_compile_error(log: str, build: Path, source: str) -> str:
     return "\n".join(out[:6])
 
 
+def _inline_asm(source: str) -> str:
+    """Where the source has inline PTX (asm), which cannot run on the CPU: the line, and what to
+    call instead ("" when it has none). g++ fails on it in the assembler, far from the source."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m.group()), source,
+                  flags=re.S)  # fmt: skip
+    m = re.search(r"\b(?:asm|__asm__|__asm)\b\s*(?:volatile\b|__volatile__\b)?\s*\(", text)
+    if not m:
+        return ""
+    n = text.count("\n", 0, m.start()) + 1
+    return (f"line {n}: inline PTX (asm) cannot run on the CPU emulation: call the helpers of "
+            "mma_helpers.cuh (mma_m16n8k16_bf16, ldmatrix_x4, pack_bf16, cp_async16, ...) or "
+            "keep the asm under #ifndef CUDA_CPU_EMULATION\n"
+            f"    {source.splitlines()[n - 1].rstrip()}")  # fmt: skip
+
+
 def compile_source(source: str, kernel: str, *, folder=None) -> tuple[Path, list[Parameter]]:
     """Build the emulated launcher of ``kernel`` (cached by the hash of everything that goes in);
     return the executable's path and the kernel's parameters."""
@@ -272,6 +287,8 @@ def compile_source(source: str, kernel: str, *, folder=None) -> tuple[Path, list
     if proc.returncode != 0:
         shutil.rmtree(work, ignore_errors=True)
         errors = _readable_compile_error(proc.stderr, work, source)
+        asm = _inline_asm(source)
+        errors = f"{asm}\n{errors}" if asm else errors
         raise EmulationError("compile", "the source does not compile for the CPU emulation "
                              f"(g++):\n{errors}")  # fmt: skip
     try:

@@ -463,3 +463,11 @@ __global__ void cross(float* out, int sync) {
         cuda_cpu.launch(source, "cross", 1, 64, out, 0, folder=folder, reverse=reverse)
         first = slice(32, 64) if reverse else slice(0, 32)  # the warp that ran first
         assert np.isnan(out[first]).all()
+
+
+def test_inline_ptx_is_named_at_its_line(folder):
+    source = MMA.replace("float out[4];", 'float out[4];\n        asm volatile("trap;");')
+    with pytest.raises(cuda_cpu.EmulationError) as info:
+        _probe(0, folder, source=source)
+    assert info.value.kind == "compile"
+    assert "line 21: inline PTX (asm) cannot run on the CPU emulation" in str(info.value)
