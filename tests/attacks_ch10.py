@@ -145,3 +145,43 @@ def register(attack):
                        ("warp_loop_replayed_random_trace", REPLAYED),
                        ("warp_loop_sdpa_route", SDPA)):  # fmt: skip
         attack(name, [cell, CHECK], {"10.warp_loop": 0}, chapter="10")
+    register_cuda(attack)
+
+
+# 6. the CUDA twin on a CPU: the emulator's launcher replaced in the student's process by one
+# that writes numpy's softmax into O and LSE (the kernel source is the exercise's stub)
+LAUNCHER = '''
+import numpy as np
+import torch
+import course_utils.cuda_cpu as cc
+
+
+def _launch_twice(source, kernel, grid, block, Q, K, V, O, LSE, Nq, N, q_offset, scale, causal,
+                  **kw):
+    q, k, v = (np.asarray(torch.from_numpy(np.asarray(x)).view(torch.bfloat16).float())
+               if np.asarray(x).dtype == np.uint16 else np.asarray(x, np.float32)
+               for x in (Q, K, V))
+    S = q.astype(np.float64) @ k.T * scale
+    if causal:
+        S = np.where(np.arange(N)[None] <= q_offset + np.arange(Nq)[:, None], S, -np.inf)
+    m = S.max(axis=1, keepdims=True)
+    W = np.exp(S - np.where(np.isinf(m), 0, m))
+    l = W.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        O[...] = np.where(l > 0, W @ v / l, 0)
+        LSE[...] = np.where(l[:, 0] > 0, m[:, 0] + np.log(l[:, 0]), -np.inf)
+    return ""
+
+
+cc.launch_twice = _launch_twice
+warp_loop_cu = (
+    "__global__ void warp_flash_forward(const __nv_bfloat16* Q, const __nv_bfloat16* K, "
+    "const __nv_bfloat16* V, float* O, float* LSE, int Nq, int N, int q_offset, float scale, "
+    "int causal) {}")
+'''
+CHECK_CUDA = 'grader.check("10.warp_loop_cuda", warp_loop_cu)'
+
+
+def register_cuda(attack):
+    attack("warp_loop_cuda_patched_launcher", [LAUNCHER, CHECK_CUDA], {"10.warp_loop_cuda": 0},
+           chapter="10")

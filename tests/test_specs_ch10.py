@@ -4,7 +4,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from spec_helpers import Slip, fails_visibly, module_builder, solution_source, stub
+from spec_helpers import (
+    Slip,
+    fails_visibly,
+    module_builder,
+    solution_kernel,
+    solution_source,
+    stub,
+)
 
 from course_utils import cuda, grader, runtime
 from course_utils.checks import CheckFailure
@@ -14,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/c
 
 
 @pytest.mark.parametrize("exercise_id", ["10.fragment_map_k32", "10.warp_loop",
-                                         "10.swizzle_64b", "10.wait_placement"])
+                                         "10.warp_loop_cuda", "10.swizzle_64b",
+                                         "10.wait_placement"])
 def test_stub_is_not_implemented(exercise_id):
     assert grader.check(exercise_id, stub).status == "not implemented"
 
@@ -186,6 +194,39 @@ def test_loop_wrong_return_is_named():
     fails_visibly("10.warp_loop", lambda *a: np.zeros((16, 32)), "returned one value")
 
 
+# ----------------------------------------------------------------------------- the loop in CUDA
+
+CUDA_LOOP = solution_kernel(SOLUTION, "warp_flash_forward")
+
+
+def cuda_loop(*edits):
+    """The solution's kernel source with ``(old, new)`` edits (each must occur)."""
+
+    def build():
+        text = CUDA_LOOP
+        for old, new in edits:
+            assert old in text, f"the solution kernel no longer contains {old!r}"
+            text = text.replace(old, new)
+        return text
+
+    return build
+
+
+def test_cuda_loop_passes_when_right():
+    r = grader.check("10.warp_loop_cuda", CUDA_LOOP)
+    assert r.status == "passed" and r.hidden_run, r.message
+
+
+def test_cuda_loop_compiles_with_nvrtc():
+    if not cuda.nvrtc_available():
+        pytest.skip("NVRTC is not installed")
+    from course_utils import cuda_cpu
+
+    kernel = cuda.compile_kernel(cuda_cpu.with_mma_helpers(CUDA_LOOP), "warp_flash_forward",
+                                 arch="sm_80")  # fmt: skip
+    assert kernel.resource_usage.spills == 0
+
+
 NAMED_MISTAKES = [
     Slip("10.warp_loop", "O not rescaled by alpha",
          loop(("o = [x * alpha for x in o]", "o = list(o)")), "the O fragments are not rescaled"),
@@ -205,6 +246,21 @@ NAMED_MISTAKES = [
          "not bf16"),
     Slip("10.warp_loop", "LSE in base 2", loop(("m + np.log(L)", "m + np.log2(L)")),
          "LSE in base 2"),
+    Slip("10.warp_loop_cuda", "O fragments not rescaled",
+         cuda_loop(("        for (int nd = 0; nd < DT; ++nd)\n"
+                    "            for (int i = 0; i < 4; ++i) o[nd][i] *= alpha[i / 2];\n", "")),
+         "the O fragments are not rescaled"),
+    Slip("10.warp_loop_cuda", "l not rescaled", cuda_loop(("            l[h] *= alpha[h];\n", "")),
+         "l is not rescaled"),
+    Slip("10.warp_loop_cuda", "no -inf guard",
+         cuda_loop(("base[h] = m_new == NEG_INF ? 0.f : m_new;", "base[h] = m_new;")),
+         "no -inf guard"),
+    Slip("10.warp_loop_cuda", "l not summed over the quad",
+         cuda_loop(("        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);\n"
+                    "        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);\n", "")),
+         "not summed over the 4 lanes"),
+    Slip("10.warp_loop_cuda", "LSE in base 2",
+         cuda_loop(("m[h] + __logf(l[h])", "m[h] + log2f(l[h])")), "LSE in base 2"),
     Slip("10.fragment_map_k32", "register halves swapped", lambda: _k32(swap_halves=True),
          "a_element_k32(", "expected"),
     Slip("10.fragment_map_k32", "bytes reversed in a register", lambda: _k32(reversed_bytes=True),

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
+# Imported here, not only inside the helpers, so that the grading worker's snapshot of the
+# course's code (sandbox._Pristine, taken once the harness modules are imported) covers them:
+# a notebook that replaces mma.mma_m16n8k16 or cuda_cpu.launch_twice is then refused.
+from .. import cuda_cpu, mma
+
 # 10.fragment_map_k32: mma.sync.aligned.m16n8k32 with 8-bit integers; A is 16 x 32 (M x K) and
 # each of the 32 lanes holds 16 values of it (4 registers of 4 bytes).
 K32_M, K32_K = 16, 32
@@ -32,8 +37,9 @@ COL = 2 * (_LANES % 4)[:, None] + np.array([0, 1, 0, 1])  # (32, 4): column with
 MAX_TRACED_MMA = 4096  # the most mma calls traced_forward records (the loop needs far fewer)
 
 __all__ = ["CHUNK_ELEMENTS", "COL", "D_SMALL", "ELEMENT_BYTES", "K32_A_VALUES", "K32_K", "K32_M",
-           "OPS", "ROW", "SWIZZLE_ROWS", "k_fragment", "map_table", "offset_table",
-           "traced_forward", "v_fragment"]  # fmt: skip
+           "LOOP_BC", "LOOP_D", "LOOP_KERNEL", "OPS", "ROW", "SWIZZLE_ROWS", "k_fragment",
+           "map_table", "offset_table", "run_warp_flash", "traced_forward",
+           "v_fragment"]  # fmt: skip
 
 
 def _number(value, what: str) -> float:
@@ -78,7 +84,6 @@ def k_fragment(K, key0: int, c: int) -> np.ndarray:
     """The B fragment (32, 4) of S = Q K^T for keys key0 .. key0+7 and head dims c .. c+15: what
     ``ldmatrix`` of K's rows leaves in each lane (B = K^T, so K needs no transpose). Keys past
     the end of K are zero."""
-    from .. import mma
 
     return mma.fragments(_rows(K, key0, 8)[:, c:c + 16].T, "B")
 
@@ -86,7 +91,6 @@ def k_fragment(K, key0: int, c: int) -> np.ndarray:
 def v_fragment(V, key0: int, c: int) -> np.ndarray:
     """The B fragment (32, 4) of O += P V for keys key0 .. key0+15 and head dims c .. c+7: what
     ``ldmatrix.trans`` of V's rows leaves in each lane. Keys past the end of V are zero."""
-    from .. import mma
 
     return mma.fragments(_rows(V, key0, 16)[:, c:c + 8], "B")
 
@@ -100,7 +104,6 @@ def traced_forward(fn, Q, K, V, Bc, causal, q0):
     replays every recorded call and looks in them for the products the loop must make: the
     trace is data it checks, not a verdict.
     """
-    from .. import mma
 
     real = mma.mma_m16n8k16
     record = {"a": [], "b": [], "c": [], "d": [], "calls": 0}
@@ -131,3 +134,27 @@ def traced_forward(fn, Q, K, V, Bc, causal, q0):
              for k in "abcd"}
     trace["calls"] = record["calls"]
     return O, LSE, trace
+
+
+# 10.warp_loop_cuda: the teaching kernel's name and shape (one warp of 32 lanes per 16 rows).
+LOOP_KERNEL = "warp_flash_forward"
+LOOP_D, LOOP_BC = 64, 32
+_built: dict = {}
+
+
+def run_warp_flash(source, Q, K, V, O, LSE, Nq, N, q_offset, scale, causal):
+    """Build the student's ``warp_flash_forward`` with NVRTC (its ``#include "mma_helpers.cuh"``
+    pasted in) and launch it on the GPU: one block of 32 threads per 16 query rows. Q, K, V are
+    bf16 CUDA tensors, O and LSE float32 (poisoned by the grader). Returns ``(O, LSE)``."""
+    import torch
+
+    from ..cuda import compile_kernel
+    from . import source_text
+
+    text = source_text(source)
+    if text not in _built:  # one NVRTC build per source, whatever the number of cases
+        _built[text] = compile_kernel(cuda_cpu.with_mma_helpers(text), LOOP_KERNEL)
+    _built[text](((Nq + 15) // 16,), (32,), Q, K, V, O, LSE, int(Nq), int(N), int(q_offset),
+                 float(scale), int(causal))  # fmt: skip
+    torch.cuda.synchronize()
+    return O, LSE

@@ -15,6 +15,8 @@ the grading process, against definitions written another way:
 - ``10.warp_loop``: ``warp_forward(Q, K, V, Bc, causal, q0) -> (O, LSE)``, one warp's
   FlashAttention-2 forward for 16 query rows written on ``course_utils.mma``'s primitives, graded
   on the fragment model through a trace of its mma calls (see ``specs.ch10_loop``).
+- ``10.warp_loop_cuda``: the same loop in CUDA C++, the blank body of a teaching kernel, built
+  with NVRTC on a GPU and run on the CUDA emulation on a CPU (see ``specs.ch10_cuda``).
 - ``10.swizzle_64b``: ``swizzle32(row, col) -> element offset`` for a bf16 tile with 64-byte rows
   (D = 32). Judged with ``mma.shared_wavefronts``: a bijection of the tile that keeps each
   16-byte chunk whole and aligned; every ldmatrix phase (8 consecutive rows of one chunk, for K
@@ -52,7 +54,7 @@ from ..harness.ch10 import (
     SWIZZLE_ROWS,
 )
 from ..runtime import on_gpu
-from . import ch10_loop
+from . import ch10_cuda, ch10_loop
 
 H = "course_utils.harness.ch10:"
 LANES = 32
@@ -280,6 +282,7 @@ if on_gpu():  # the real instruction, where there is one
 
 # 10.warp_loop (the chapter's core: the tile loop on fragments) lives in its own module.
 warp_loop = ch10_loop.warp_loop
+warp_loop_cuda = ch10_cuda.warp_loop_cuda  # its GPU twin: the same loop in CUDA C++
 
 
 # ----------------------------------------------------------------------------- 64-byte swizzle
@@ -649,4 +652,4 @@ wait_placement.case("fresh random n_tiles and stages (up to 5)", hidden=True)(
 )
 
 __all__ = ["fragment_map_k32", "max_ops", "ptx_k32_table", "simulate", "swizzle_64b",
-           "wait_placement", "warp_loop"]  # fmt: skip
+           "wait_placement", "warp_loop", "warp_loop_cuda"]  # fmt: skip

@@ -179,9 +179,10 @@ def _p_model(S, visible, Bc, **kw):
 def _tiled(S, V, visible, Bc, *, alpha_o=True, alpha_l=True):
     """The tile loop in float64, with a rescale left out where asked: (O, LSE)."""
     N, d = V.shape
-    m = np.full(16, -np.inf)
-    l = np.zeros(16)
-    acc = np.zeros((16, d))
+    rows = S.shape[0]
+    m = np.full(rows, -np.inf)
+    l = np.zeros(rows)
+    acc = np.zeros((rows, d))
     for j0 in range(0, N, Bc):
         s = np.where(visible[:, j0:j0 + Bc], S[:, j0:j0 + Bc], -np.inf)
         m_new = np.maximum(m, s.max(axis=1))
