@@ -14,6 +14,7 @@ import pytest
 from spec_helpers import solution_kernel
 
 from course_utils import cuda_cpu
+from course_utils.runtime import on_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -471,3 +472,49 @@ def test_inline_ptx_is_named_at_its_line(folder):
         _probe(0, folder, source=source)
     assert info.value.kind == "compile"
     assert "line 21: inline PTX (asm) cannot run on the CPU emulation" in str(info.value)
+
+
+@pytest.mark.skipif(not on_gpu(), reason="needs a GPU: the helpers' PTX side against the model")
+def test_the_helpers_on_the_gpu_match_the_model():
+    """The same probe, built with NVRTC and run on the GPU: ldmatrix bit for bit as the model,
+    mma and S = Q K^T within fp32 accumulation (the tensor cores' order is their own)."""
+    import torch
+
+    from course_utils import cuda, mma
+
+    kernel = cuda.compile_kernel(cuda_cpu.with_mma_helpers("#include <cuda_bf16.h>\n" + MMA),
+                                 "mma_probe")  # fmt: skip
+    rng = np.random.default_rng(8)
+    A = mma.to_bf16(rng.standard_normal((16, 16)))
+    B = mma.to_bf16(rng.standard_normal((16, 8)))
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    a_frag, b_frag, c_frag = mma.fragments(A, "A"), mma.fragments(B, "B"), mma.fragments(C, "C")
+    mats = mma.to_bf16(rng.standard_normal((4, 16, 16)))
+
+    def run(mode, tile_bits):
+        gpu = [torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in
+               (_words(a_frag).view(np.int32), _words(b_frag).view(np.int32), c_frag)]
+        d = torch.full((32, 8), float("nan"), device="cuda")
+        tile = torch.from_numpy(tile_bits.view(np.int16)).view(torch.bfloat16).cuda()
+        regs = torch.zeros((32, 4), dtype=torch.int32, device="cuda")
+        kernel(1, 32, *gpu, d, tile, regs, mode)
+        torch.cuda.synchronize()
+        return d.cpu().numpy(), regs.cpu().numpy().view(np.uint32)
+
+    d, _ = run(0, np.zeros(512, np.uint16))
+    d = d.reshape(-1)[:128].reshape(32, 4)
+    np.testing.assert_allclose(d, mma.mma_m16n8k16(a_frag, b_frag, c_frag), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+    eight = mats[:2].reshape(-1)[:256].reshape(4, 8, 8)
+    tile = np.zeros(512, np.uint16)
+    tile[:256] = _bf16_bits(eight.reshape(-1))
+    for mode, trans in ((1, False), (2, True)):
+        _, regs = run(mode, tile)
+        np.testing.assert_array_equal(_halves(regs), mma.ldmatrix_x4(list(eight), trans=trans))
+    Q, K = mats[2], mats[3]
+    d, regs = run(3, np.concatenate([_bf16_bits(Q).reshape(-1), _bf16_bits(K).reshape(-1)]))
+    np.testing.assert_allclose(d.reshape(16, 16), Q.astype(np.float64) @ K.T.astype(np.float64),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    A_q = mma.fragments(Q, "A")
+    np.testing.assert_array_equal(_halves(regs[:, 0]),
+                                  np.stack([A_q[:, 0], mma.to_bf16(3 * A_q[:, 1])], -1))
