@@ -259,6 +259,11 @@ NAMED_MISTAKES = [
          cuda_loop(("        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);\n"
                     "        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);\n", "")),
          "not summed over the 4 lanes"),
+    Slip("10.warp_loop_cuda", "row max without the quad shuffles",
+         cuda_loop(("            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, "
+                    "tile_max[h], 1));\n", ""),
+                   ("            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, "
+                    "tile_max[h], 2));\n", "")), "no quad shuffle"),
     Slip("10.warp_loop_cuda", "LSE in base 2",
          cuda_loop(("m[h] + __logf(l[h])", "m[h] + log2f(l[h])")), "LSE in base 2"),
     Slip("10.fragment_map_k32", "register halves swapped", lambda: _k32(swap_halves=True),
@@ -415,3 +420,17 @@ def test_simulator_rules():
     # a copy into a buffer another tile still holds
     why, _, _ = ch10.simulate([("copy", 0), ("copy", 2)], 3, 2)
     assert "still holds tile 0" in why
+
+
+def test_loop_trace_with_a_changed_result_is_refused():
+    # the grader replays every recorded mma: a result the primitive did not compute fails
+    from course_utils.harness.ch10 import traced_forward
+    from course_utils.specs import ch10_loop
+
+    rng = np.random.default_rng(3)
+    Q, K, V = ch10_loop._inputs(rng, 40, 32, 1.0)
+    O, LSE, trace = traced_forward(loop()(), Q, K, V, 16, False, 0)
+    ch10_loop._check_loop("honest", Q, K, V, 16, False, 0, O, LSE, trace)
+    trace["d"][5, 7, 1] += 0.5
+    with pytest.raises(CheckFailure, match="mma call 5 of your loop returned values"):
+        ch10_loop._check_loop("changed", Q, K, V, 16, False, 0, O, LSE, trace)

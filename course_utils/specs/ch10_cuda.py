@@ -30,7 +30,15 @@ from ..grader import Exercise, invoke
 from ..harness.ch10 import LOOP_BC, LOOP_D, LOOP_KERNEL
 from ..runtime import on_gpu
 from . import source_of
-from .ch10_loop import M_BASE2, M_NO_ALPHA_L, M_NO_ALPHA_O, M_NO_GUARD, _softmax_sums, _tiled
+from .ch10_loop import (
+    M_BASE2,
+    M_LANE_MAX,
+    M_NO_ALPHA_L,
+    M_NO_ALPHA_O,
+    M_NO_GUARD,
+    _softmax_sums,
+    _tiled,
+)
 
 H = "course_utils.harness.ch10:"
 
@@ -103,14 +111,45 @@ def _mistakes(S, visible, Vd, O, LSE):
     m_row, l_row = _softmax_sums(S, visible)
     with np.errstate(divide="ignore"):
         lse_log2 = np.where(blind, -np.inf, m_row + np.log2(l_row))
+    def lane_max():
+        """Each lane's own running max (no shuffle): P, l and the O columns it holds use it."""
+        rows_, N = S.shape
+        key_lane = (np.arange(N) % 8) // 2
+        col_lane = (np.arange(LOOP_D) % 8) // 2
+        m = np.full((rows_, 4), -np.inf)
+        l = np.zeros((rows_, 4))
+        acc = np.zeros((rows_, LOOP_D))
+        with np.errstate(invalid="ignore", over="ignore"):
+            for j0 in range(0, N, LOOP_BC):
+                keys = np.arange(j0, min(j0 + LOOP_BC, N))
+                s = np.where(visible[:, keys], S[:, keys], -np.inf)
+                m_new = m.copy()
+                for t in range(4):
+                    mine = key_lane[keys] == t
+                    if mine.any():
+                        m_new[:, t] = np.maximum(m[:, t], s[:, mine].max(axis=1))
+                base = np.where(np.isneginf(m_new), 0.0, m_new)
+                alpha = np.exp(m - base)
+                P = np.exp(s - base[:, key_lane[keys]])
+                for t in range(4):
+                    l[:, t] = alpha[:, t] * l[:, t] + P[:, key_lane[keys] == t].sum(axis=1)
+                acc = alpha[:, col_lane] * acc + P @ Vd[keys]
+                m = m_new
+            L = l.sum(axis=1)
+            O_w = np.where(L[:, None] > 0, acc / L[:, None], 0.0)
+        with np.errstate(divide="ignore"):
+            LSE_w = np.where(L > 0, m[:, 0] + np.log(L), -np.inf)
+        return O_w, LSE_w
+
     no_o = tiled(alpha_o=False)
     no_l = tiled(alpha_l=False)
     lane = not_summed()
+    own_max = lane_max()
     nan_O = np.where(blind[:, None], np.nan, O)
     t = torch.from_numpy
     return ([(M_NO_ALPHA_O, t(no_o[0])), (M_NO_ALPHA_L, t(no_l[0])), (M_L_NOT_SUMMED, t(lane[0])),
-             (M_NO_GUARD, t(nan_O))],
-            [(M_NO_ALPHA_L, t(no_l[1])), (M_L_NOT_SUMMED, t(lane[1])),
+             (M_NO_GUARD, t(nan_O)), (M_LANE_MAX, t(own_max[0]))],
+            [(M_NO_ALPHA_L, t(no_l[1])), (M_L_NOT_SUMMED, t(lane[1])), (M_LANE_MAX, t(own_max[1])),
              (M_NO_GUARD, t(np.where(blind, np.nan, LSE))),
              (M_BASE2, t(LSE / math.log(2))), (M_BASE2, t(lse_log2))])  # fmt: skip
 
