@@ -34,7 +34,8 @@ call is logged (peers, bytes, the compute operations run since the last event), 
 in a private buffer and is copied into the student's tensor only by ``wait()`` (the student's
 tensor holds NaN until then, as undefined memory may), and a sent tensor written before its
 ``wait()`` is noticed. A ``TorchFunctionMode`` counts the compute (matmul, exp, softmax, ...)
-between the events and notices compute that reads a buffer still being received into. The
+between the events and notices compute that reads a buffer still being received into, or an
+in-place write into one (``add_``, ``x[i] = ...``: the arriving data would overwrite it). The
 log is data the grader judges (it never trusts a verdict from a rank); the outputs are compared
 in the grading process. Collectives (``all_gather``, ``broadcast``, ...) and blocking
 ``send``/``recv`` raise ``ForbiddenCall`` in a rank: a ring passes blocks with
@@ -118,6 +119,13 @@ def defining_cell(fn) -> tuple[str, str]:
 # ============================================================================ the rank
 
 
+def _writes(name, kwargs):
+    """Whether the torch function ``name`` writes into its first argument (or ``out=``)."""
+    return (name.endswith("_") and not name.startswith("_")) or name in (
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__") or bool(
+        kwargs and kwargs.get("out") is not None)
+
+
 def _span(t):
     """``(lo, hi)``: the bytes of memory a tensor's view can touch."""
     if t.numel() == 0:
@@ -153,7 +161,12 @@ class _Recorder:
 
     # ---- compute, seen by a TorchFunctionMode
     def saw(self, func, args, kwargs):
-        if self.quiet or getattr(func, "__name__", "") not in COMPUTE:
+        name = getattr(func, "__name__", "")
+        if self.quiet:
+            return
+        if _writes(name, kwargs):
+            self.wrote(args, kwargs)
+        if name not in COMPUTE:
             return
         self.ops += 1
         torch = self.torch
@@ -162,6 +175,19 @@ class _Recorder:
             for user, _, span in entry["recvs"]:
                 if any(_overlaps(_span(t), span) for t in tensors if t.device == user.device):
                     self.hazard("compute read a buffer still being received into", batch)
+
+    def wrote(self, args, kwargs):
+        """An in-place operation (``add_``, ``x[i] = ...``, ``out=``): its target must not be a
+        buffer still being received into (the arriving data would overwrite the write)."""
+        torch = self.torch
+        targets = [a for a in (args[:1] if args else ()) if isinstance(a, torch.Tensor)]
+        out = (kwargs or {}).get("out")
+        targets += [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                    if isinstance(t, torch.Tensor)]
+        for batch, entry in self.pending.items():
+            for user, _, span in entry["recvs"]:
+                if any(_overlaps(_span(t), span) for t in targets if t.device == user.device):
+                    self.hazard("wrote into a buffer still being received into", batch)
 
     # ---- transfers
     def batch_isend_irecv(self, p2p_ops):
@@ -332,7 +358,12 @@ def rank_main(fd_in: int, fd_out: int) -> None:
             setattr(dist, name, _forbidden(name))
     try:
         namespace = {"__name__": "__ring_cell__"}
-        exec(compile(task["source"], "<the exercise's cell>", "exec"), namespace)
+        import linecache
+
+        cell = "<the exercise's cell>"  # tracebacks quote the line that raised
+        linecache.cache[cell] = (len(task["source"]), None,
+                                 task["source"].splitlines(keepends=True), cell)
+        exec(compile(task["source"], cell, "exec"), namespace)
         fn = namespace.get(task["name"])
         if not callable(fn):
             raise NameError(f"the cell does not define {task['name']}")

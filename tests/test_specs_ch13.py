@@ -17,7 +17,7 @@ from course_utils.specs import ch13
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "13_ring_attention.ipynb"
-IDS = ["13.zigzag_chunks", "13.causal_schedule", "13.ring_forward"]
+IDS = ["13.zigzag_chunks", "13.causal_schedule", "13.ring_forward", "13.ring_backward"]
 
 
 def _solution_source() -> str:
@@ -39,6 +39,7 @@ def build(tmp_path_factory):
 
 # The ring's cell alone: the ranks run the file that defines the function, as they run the cell.
 _ring = _builder("ch13_ring", lambda s: "def ring_forward_gqa" in s)
+_back = _builder("ch13_back", lambda s: "def ring_backward_gqa" in s)
 _zigzag = _builder("ch13_zigzag", lambda s: "def zigzag_layout" in s or "harness.ch13 import" in s)
 _schedule = _builder("ch13_schedule",
                      lambda s: "def causal_schedule" in s or "harness.ch13 import" in s)
@@ -51,8 +52,8 @@ def test_stub_is_not_implemented(exercise_id):
 
 def test_solutions_pass_with_hidden_cases(build):
     m = build()
-    for exercise_id, fn in zip(IDS, (m.zigzag_layout, m.causal_schedule, m.ring_forward_gqa),
-                               strict=True):
+    fns = (m.zigzag_layout, m.causal_schedule, m.ring_forward_gqa, m.ring_backward_gqa)
+    for exercise_id, fn in zip(IDS, fns, strict=True):
         r = grader.check(exercise_id, fn)
         assert r.status == "passed" and r.hidden_run, (exercise_id, r.message)
         assert r.score == r.points
@@ -231,6 +232,57 @@ RING_SLIPS = [
          "wholly in the future"),
 ]
 NAMED_MISTAKES += RING_SLIPS
+
+# The backward's slips, each one edit of the solution's cell.
+_SHARE = "share = per_head.view(2, B, Hkv, group_size, n, d).sum(3)"
+BACKWARD_SLIPS = [
+    Slip("13.ring_backward", "dK/dV summed over the wrong query heads (h % Hkv)",
+         lambda: _back((_SHARE, "share = per_head.view(2, B, group_size, Hkv, n, d).sum(2)")
+                       ).ring_backward_gqa,
+         "three ranks", "rank 0", "summed over the wrong heads", "h // G == j"),
+    Slip("13.ring_backward", "dK/dV averaged over a group's query heads",
+         lambda: _back((_SHARE, _SHARE.replace(".sum(3)", ".mean(3)"))).ring_backward_gqa,
+         "three ranks", "rank 0", "averaged", "SUM"),
+    Slip("13.ring_backward", "dK/dV travel with H heads (reduced only at home)",
+         lambda: _back((_SHARE, "share = per_head"),
+                       ("arriving = torch.empty((2, B, Hkv, n, d)",
+                        "arriving = torch.empty((2, B, H, n, d)"),
+                       ("share = torch.zeros((2, B, Hkv, n, d)",
+                        "share = torch.zeros((2, B, H, n, d)"),
+                       ("return dQ.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)",
+                        "home = home.view(2, B, Hkv, group_size, n, d).sum(3)\n"
+                        "    return dQ.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)")
+                       ).ring_backward_gqa,
+         "three ranks", "rank 0, step 1", "all H query heads"),
+    Slip("13.ring_backward", "no last hop: each rank returns another block's partial sum",
+         lambda: _back(("    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, done, "
+                        "(r + 1) % R),\n"
+                        "                                        dist.P2POp(dist.irecv, home, "
+                        "(r - 1) % R)]):\n        work.wait()\n", "    home = done\n")
+                       ).ring_backward_gqa,
+         "three ranks", "rank 0", "expected R + 1 = 4", "last hop"),
+    Slip("13.ring_backward", "dK/dV sent one step early (with the wrong block)",
+         lambda: _back(("        if s > 0:  # the dK/dV", "        if True:  # the dK/dV"),
+                       ("done = None  # dK/dV", "done = torch.zeros((2, B, Hkv, n, d), "
+                        "dtype=acc, device=q.device)  # dK/dV")).ring_backward_gqa,
+         "three ranks", "rank 0, step 0", "one step early"),
+    Slip("13.ring_backward", "share added to the arriving dK/dV before wait()",
+         lambda: _back(("        for work in works:\n            work.wait()\n"
+                        "        done = share if s == 0 else arriving + share",
+                        "        if s > 0:\n            arriving += share\n"
+                        "        for work in works:\n            work.wait()\n"
+                        "        done = share if s == 0 else arriving")).ring_backward_gqa,
+         "three ranks", "step 1", "before its wait()"),
+    Slip("13.ring_backward", "dQ rebound instead of accumulated",
+         lambda: _back(("dQ += dS @ K_blk * scale", "dQ = dS @ K_blk * scale")
+                       ).ring_backward_gqa,
+         "three ranks", "rank 1", "dQ rebound", "accumulates"),
+    Slip("13.ring_backward", "P from the block's own softmax, not the final LSE",
+         lambda: _back(("P = torch.exp(S - lse)", "P = torch.softmax(S, dim=-1)")
+                       ).ring_backward_gqa,
+         "three ranks", "rank 0", "own softmax", "FINAL LSE"),
+]
+NAMED_MISTAKES += BACKWARD_SLIPS
 
 
 @pytest.mark.parametrize("slip", NAMED_MISTAKES, ids=repr)

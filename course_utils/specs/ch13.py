@@ -437,6 +437,239 @@ _add(ring_forward, "fresh ranks and heads, float64, causal", _forward_case, caus
      dtype=torch.float64, hidden=True)
 
 
+# ============================================================================= the ring, backward
+
+ring_backward = Exercise(
+    "13.ring_backward", "The GQA ring backward in R processes: dK/dV travel with their block "
+    "and come home", points=6,
+)  # fmt: skip
+
+_HB = {
+    "count": "R + 1 calls of dist.batch_isend_irecv: one per step (step 0 sends only the next "
+    "K/V block, the last step only the dK/dV of the block it holds, the steps between both), "
+    "then one last hop that brings every block's finished dK/dV home to its owner (rank r "
+    "ends holding the sum for the block of rank r + 1: send it on, receive yours).",
+    "early": "dK/dV sent one step early: at step s the transfer carries the NEXT K/V block and "
+    "the dK/dV of the block computed at step s - 1 (finished after that step's wait()), which "
+    "the next rank holds now. Step 0 has no dK/dV to send yet.",
+    "late": "the last step must still send the dK/dV of the block computed at step R - 2 "
+    "(the next rank adds its share to it at step R - 1), and the final hop brings the finished "
+    "sums home.",
+    "expanded": "dK/dV sent with all H query heads: sum each group's G = H / Hkv query heads "
+    "into its K/V head (h // G) BEFORE the block travels; the ring carries Hkv heads of K/V and "
+    "of dK/dV (float32), never H.",
+    "recv written": "your share was added into the dK/dV buffer before its wait(): until wait() "
+    "returns the transfer writes that buffer (the ranks fill it with NaN, then the arriving "
+    "data overwrites what you wrote). wait(), then add your share to what arrived.",
+    "sent written": "a tensor being sent (a K/V block or a partial dK/dV) was written before its "
+    "wait(): start the next sum in a new tensor (or the other buffer).",
+    "heads wrong": "dK/dV summed over the wrong query heads: K/V head j serves the query heads "
+    "h with h // G == j (G = H / Hkv consecutive heads, the order of repeat_interleave), not "
+    "h % Hkv == j: view the H heads as (Hkv, G) and sum over G.",
+    "mean": "dK/dV averaged over a group's query heads: a K/V head is used by G = H / Hkv query "
+    "heads, and its gradient is the SUM of theirs (no division by G).",
+    "rebound": "dQ holds only the last block's share: dQ accumulates over every block this "
+    "rank's queries see (dQ += dS K_blk / sqrt(d)), it is not rebound at each step.",
+    "own max": "P of a block from the block's own softmax: the gradient needs the probabilities "
+    "of the whole row, P = exp(S - LSE) with the FINAL LSE of the forward (each block's share "
+    "is then exact and the shares simply add; no merge, no running max).",
+    "home": "each rank returned a partial sum of another rank's block: after the R steps rank r "
+    "holds the dK/dV of rank r + 1's block; one last hop sends it on and brings rank r's home.",
+    "generic": "dQ = sum over blocks of dS K / sqrt(d), dK = dS^T Q / sqrt(d) and dV = P^T dO "
+    "summed over the query heads of each K/V head (h // G), with P = exp(S - LSE) of the final "
+    "LSE, dS = P (dO V^T - D), D = rowsum(dO O); global positions for the causal mask.",
+}
+
+
+def _gqa_gradients(Q, K, V, dO, causal):
+    """float64 ``O, LSE`` and the gradients of the whole sequence by autograd, through a copy of
+    K and V expanded to the H query heads (not as the ranks compute them): ``dQ``, and
+    ``dK_h``, ``dV_h`` per QUERY head ``(B, H, N, d)`` (the caller sums a group's heads)."""
+    B, H, N, d = Q.shape
+    G = H // K.shape[1]
+    q = Q.double().clone().requires_grad_()
+    k = K.double().repeat_interleave(G, dim=1).requires_grad_()
+    v = V.double().repeat_interleave(G, dim=1).requires_grad_()
+    S = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(d)
+    if causal:
+        S = S.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -math.inf)
+    O = torch.einsum("bhij,bhjd->bhid", torch.softmax(S, dim=-1), v)
+    O.backward(dO.double())
+    return O.detach(), torch.logsumexp(S, dim=-1).detach(), q.grad, k.grad, v.grad
+
+
+def _block_slips(Q, K, V, dO, O, LSE, causal, R):
+    """float64 models of two wrong rings, block by block: ``last`` (per rank, the dQ of only
+    the last block its queries saw) and ``own`` (dQ, dK_h, dV_h with each block's P from its
+    own softmax instead of the final LSE)."""
+    B, H, N, d = Q.shape
+    n, G = N // R, H // K.shape[1]
+    Kx, Vx = (t.double().repeat_interleave(G, dim=1) for t in (K, V))
+    Qd, dOd = Q.double(), dO.double()
+    D = (dOd * O.double()).sum(-1, keepdim=True)
+    last = torch.zeros(B, H, N, d, dtype=torch.float64)
+    own = [torch.zeros(B, H, N, d, dtype=torch.float64) for _ in range(3)]
+    for r in range(R):
+        rows = slice(r * n, r * n + n)
+        for src in [(r - s) % R for s in range(R)]:
+            if causal and src > r:
+                continue
+            cols = slice(src * n, src * n + n)
+            S = Qd[:, :, rows] @ Kx[:, :, cols].transpose(-1, -2) / math.sqrt(d)
+            if causal and src == r:
+                S = S.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+            for P, into in ((torch.exp(S - LSE[:, :, rows, None].double()), None),
+                            (torch.softmax(S, dim=-1), own)):
+                dS = P * (dOd[:, :, rows] @ Vx[:, :, cols].transpose(-1, -2) - D[:, :, rows])
+                dq = dS @ Kx[:, :, cols] / math.sqrt(d)
+                if into is None:
+                    last[:, :, rows] = dq
+                    continue
+                own[0][:, :, rows] += dq
+                own[1][:, :, cols] += dS.transpose(-1, -2) @ Qd[:, :, rows] / math.sqrt(d)
+                own[2][:, :, cols] += P.transpose(-1, -2) @ dOd[:, :, rows]
+    return last, own
+
+
+def _judge_backward_log(log, r, R, label, *, kv_bytes, dkv_bytes, ratio, computes):
+    """The rank's transfers: hazards, waits, R + 1 posts, peers, bytes per step, overlap."""
+    log = _events(log, r, label)
+    end = next((e for e in reversed(log) if e.get("ev") == "end"), {})
+    pending = end.get("pending") if isinstance(end.get("pending"), list) else []
+    posts = [i for i, e in enumerate(log) if e.get("ev") == "post"]
+    step_of = {log[i].get("batch"): s for s, i in enumerate(posts)}
+    for e in log:
+        if e.get("ev") != "hazard":
+            continue
+        b, what = e.get("batch"), str(e.get("what"))
+        where = f"rank {r}, the transfer posted at step {step_of.get(b, b)}"
+        if b in pending:
+            raise CheckFailure(label, f"{where} was never waited for, and {what}",
+                               _HR["missing wait"])
+        key = ("recv written" if "wrote into" in what else "sent written" if "written" in what
+               else None)
+        raise CheckFailure(label, f"{where}: {what}", _HB[key] if key else _HR["buffer"])
+    if pending:
+        raise CheckFailure(label, f"rank {r}: the transfer posted at step "
+                           f"{step_of.get(pending[0], pending[0])} was never waited for",
+                           _HR["missing wait"])
+    if len(posts) != R + 1:
+        raise CheckFailure(label, f"rank {r} called dist.batch_isend_irecv {len(posts)} times, "
+                           f"expected R + 1 = {R + 1}", _HB["count"])
+    nxt, prv = (r + 1) % R, (r - 1) % R
+    for s, i in enumerate(posts):
+        e = log[i]
+        step = f"step {s}" if s < R else "the last hop (after step R - 1)"
+        sends = e.get("sends") if isinstance(e.get("sends"), list) else []
+        recvs = e.get("recvs") if isinstance(e.get("recvs"), list) else []
+        bad = [p for p, _ in sends if p != nxt] + [p for p, _ in recvs if p != prv]
+        if bad or not sends or not recvs:
+            raise CheckFailure(label, f"rank {r}, {step}: sends to rank(s) "
+                               f"{[p for p, _ in sends]} and receives from rank(s) "
+                               f"{[p for p, _ in recvs]}; expected to send to rank {nxt} and "
+                               f"receive from rank {prv}", _HR["wrong peer"])
+        sent = sum(int(b) for _, b in sends)
+        want = (kv_bytes if s < R - 1 else 0) + (dkv_bytes if s > 0 else 0)
+        if sent != want:
+            what = {kv_bytes: "a K/V block", dkv_bytes: "a dK/dV block",
+                    kv_bytes + dkv_bytes: "a K/V block and a dK/dV block"}
+            expected = what.get(want, f"{want} bytes")
+            if sent in (want + dkv_bytes * (ratio - 1), ratio * want) and ratio > 1:
+                key = "expanded"
+            elif s == 0 and sent == kv_bytes + dkv_bytes:
+                key = "early"
+            elif s == R - 1 and sent < want:
+                key = "late"
+            else:
+                key = "count"
+            raise CheckFailure(label, f"rank {r}, {step}: {sent} bytes sent, expected {want} "
+                               f"({expected}: K/V {kv_bytes} bytes, dK/dV {dkv_bytes} bytes, "
+                               "Hkv heads each)", _HB[key])
+        waited = next((j for j in range(i + 1, len(log)) if log[j].get("ev") == "wait"
+                       and log[j].get("batch") == e.get("batch")), None)
+        ops = sum(int(log[j].get("ops", 0)) for j in range(i + 1, (waited or i) + 1))
+        if s < R and computes(s) and ops == 0:
+            raise CheckFailure(label, f"rank {r}, step {s}: nothing was computed between "
+                               "posting the step's transfers and waiting for them",
+                               _HR["no overlap"])
+
+
+def _backward_case(name, *sizes, causal=False, dtype=torch.float32, logits=1.0):
+    def run(candidate):
+        R, B, H, Hkv, n, d = sizes if sizes else _fresh_ring()
+        N, G = R * n, H // Hkv
+        label = (f"{name} [R={R} ranks, B={B}, H={H} query heads, Hkv={Hkv} K/V heads, n={n} "
+                 f"rows per rank, d={d}, {'causal' if causal else 'not causal'}, "
+                 f"{str(dtype).replace('torch.', '')}]")
+        source, fname = _cell_of(candidate, label)
+        g = torch.Generator().manual_seed(random.randrange(2**31))
+        Q = (torch.randn(B, H, N, d, generator=g, dtype=torch.float64) * logits).to(dtype)
+        K = (torch.randn(B, Hkv, N, d, generator=g, dtype=torch.float64) * logits).to(dtype)
+        V = torch.randn(B, Hkv, N, d, generator=g, dtype=torch.float64).to(dtype)
+        dO = torch.randn(B, H, N, d, generator=g, dtype=torch.float64).to(dtype)
+        O, LSE, dQ_ref, dK_h, dV_h = _gqa_gradients(Q, K, V, dO, causal)
+        O_in, LSE_in = O.to(dtype), LSE.to(torch.promote_types(dtype, torch.float32))
+        shards = [tuple(t[:, :, r * n:(r + 1) * n].contiguous()
+                        for t in (Q, K, V, dO, O_in, LSE_in)) for r in range(R)]
+        replies = _run_ranks(source, fname, shards, {"causal": causal}, label)
+        size = torch.empty((), dtype=dtype).element_size()
+        acc_size = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+        for r, (_, log) in enumerate(replies):
+            _judge_backward_log(log, r, R, label, kv_bytes=2 * B * Hkv * n * d * size,
+                                dkv_bytes=2 * B * Hkv * n * d * acc_size, ratio=G,
+                                computes=lambda s, r=r: not causal or (r - s) % R <= r)
+
+        def by_group(x):  # (B, H, N, d) per query head -> (B, Hkv, N, d) per K/V head
+            return x.view(B, Hkv, G, N, d).sum(2)
+
+        def by_residue(x):  # the wrong grouping: head h counted for K/V head h % Hkv
+            return x.view(B, G, Hkv, N, d).sum(1)
+
+        dK_ref, dV_ref = by_group(dK_h), by_group(dV_h)
+        last, own = _block_slips(Q, K, V, dO, O_in, LSE_in, causal, R)
+        S_max = float((Q.double() @ K.double().repeat_interleave(G, dim=1).transpose(-1, -2))
+                      .abs().max()) / math.sqrt(d)
+        atol, rtol = tolerance(dtype, S_max)
+        for r, (out, _) in enumerate(replies):
+            rows = slice(r * n, r * n + n)
+            home = slice(((r + 1) % R) * n, ((r + 1) % R) * n + n)
+            at = f"{label}, rank {r} (rows {r * n} .. {r * n + n - 1})"
+            dQ, dK, dV = _tuple(out, at, ("dQ", "dK", "dV"))
+            dQ = validated(dQ, (B, H, n, d), what="dQ", case=at)
+            dK = validated(dK, (B, Hkv, n, d), what="dK", case=at)
+            dV = validated(dV, (B, Hkv, n, d), what="dV", case=at)
+            compare("dQ", dQ, dQ_ref[:, :, rows], case=at, atol=atol, rtol=rtol, dtype=dtype,
+                    hint=_HB["generic"],
+                    mistakes=[(Mistake("dQ rebound at each step", _HB["rebound"]),
+                               last[:, :, rows]),
+                              (Mistake("P from the block's own softmax", _HB["own max"]),
+                               own[0][:, :, rows])])
+            for what, got, ref, per_head, own_h in (("dV", dV, dV_ref, dV_h, own[2]),
+                                                    ("dK", dK, dK_ref, dK_h, own[1])):
+                mistakes = [(Mistake("returned another rank's partial sum", _HB["home"]),
+                             ref[:, :, home]),
+                            (Mistake("P from the block's own softmax", _HB["own max"]),
+                             by_group(own_h)[:, :, rows])]
+                if G > 1:
+                    mistakes += [(Mistake("a group's heads averaged", _HB["mean"]),
+                                  ref[:, :, rows] / G)]
+                if G > 1 and Hkv > 1:
+                    mistakes += [(Mistake("summed over the wrong heads", _HB["heads wrong"]),
+                                  by_residue(per_head)[:, :, rows])]
+                compare(what, got, ref[:, :, rows], case=at, atol=atol, rtol=rtol, dtype=dtype,
+                        hint=_HB["generic"], mistakes=mistakes)
+
+    return run
+
+
+_add(ring_backward, "three ranks, GQA (H=6, Hkv=2), causal: future blocks skipped",
+     _backward_case, 3, 2, 6, 2, 4, 8, causal=True)
+_add(ring_backward, "two ranks, one K/V head for four query heads, not causal, large logits",
+     _backward_case, 2, 1, 4, 1, 5, 16, logits=2.5)
+_add(ring_backward, "fresh ranks and heads, float64, causal", _backward_case, causal=True,
+     dtype=torch.float64, hidden=True)
+
+
 # ============================================================================= causal schedule
 
 causal_schedule = Exercise(
@@ -615,6 +848,7 @@ _add(causal_schedule, "balance on a fresh R", _balance_case,
 
 __all__ = [
     "causal_schedule",
+    "ring_backward",
     "ring_forward",
     "schedule_brute",
     "zigzag_brute",
