@@ -71,7 +71,7 @@ EXCLUDED = ("specs", "worker_package")
 
 # Data files (glob patterns relative to the package) copied when the module that reads them is.
 DATA_FILES = {"recorded": ("recorded/*.json",),
-              "cuda_cpu": ("kernels/cuda_cpu.h",)}  # the CPU emulation's C++ header
+              "cuda_cpu": ("kernels/cuda_cpu.h", "kernels/mma_helpers.cuh")}  # its C++ headers
 
 # Public functions whose copy raises instead of answering: module -> function names. Each module
 # must stay (a kept module or a notebook imports it); no exercise notebook calls these.

@@ -180,7 +180,8 @@ FORMS = {
     "09.window_inner": (ret, {"run_window_forward": pair}, False),
     "09.gqa_dkdv": (ret, {"run_gqa_dkdv": pair}, False),
     "10.fragment_map_k32": (ret, {"map_table": ret}, False),
-    "10.merge_partials": (triple, {}, False),
+    "10.warp_loop": (ret, {"traced_forward": lambda p, a: (p, p, {"a": p, "b": p, "c": p, "d": p,
+                                                                  "calls": p})}, False),
     "10.swizzle_64b": (ret, {"offset_table": ret}, False),
     "10.wait_placement": (ret, {}, False),
     "11.shared_prefix": (pair, {"prefix_reads": lambda p, a: ((p, p), p, p)}, False),
@@ -192,16 +193,19 @@ FORMS = {
         "graphs", "opcheck", eager=triple, compiled=each(triple))}, True),
     "12.no_graph_break": (ret, {"run_compiled": fields("graphs", outputs=each(ret))}, False),
     "13.zigzag_chunks": (triple, {}, False),
-    "13.ring_merge": (pair, {}, False),
+    "13.ring_forward": (pair, {"defining_cell": ret}, False),
+    "13.ring_backward": (triple, {"defining_cell": ret}, False),
     "13.causal_schedule": (pair, {}, False),
-    "14.ring_parity": (triple, {}, False),
+    "14.descriptors": (ret, {}, False),
+    "14.consumer_loop": (ret, {}, False),
 }
 
 # The cases of these only read what the grader allocated itself: output buffers a kernel
 # writes in place (sized by the grader, copied back region by region), or CUDA sources that
 # are compiled here and run only on a GPU.
 NOTHING_RETURNED = {"00.vector_add", "00.matrix_add", "04.cuda_tiled_qk", "06.no_local_memory",
-                    "07.online_update", "07.combine_splits", "08.dkdv_accumulate"}
+                    "07.online_update", "07.combine_splits", "08.dkdv_accumulate",
+                    "10.warp_loop_cuda"}
 
 # ----------------------------------------------------------------------------- measuring
 
@@ -312,8 +316,8 @@ def test_an_overlapping_output_is_named():
 
 
 def test_a_huge_output_of_the_wrong_shape_is_named_by_its_shape():
-    message = _message("13.ring_merge", PAYLOADS["huge tensor of the wrong shape"], pair)
-    assert "O has shape (32768, 32768) but should have shape (2, 5, 8)" in message, message
+    message = _message("02.merge_states", PAYLOADS["huge tensor of the wrong shape"], triple)
+    assert "m has shape (32768, 32768), expected (4,)" in message, message
 
 
 def test_a_long_table_is_refused_by_its_length():
