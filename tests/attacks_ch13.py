@@ -95,7 +95,57 @@ def _via_file(source: str) -> str:
             "ring_forward_gqa = _module.ring_forward_gqa")
 
 
+BACK_CHECK = 'grader.check("13.ring_backward", ring_backward_gqa)'
+
+
+def _guarded_backward(test: str) -> str:
+    """The backward's honest cell renamed ``_honest_back``, answered only if ``test`` won."""
+    for cell in json.loads(_SOLUTION.read_text())["cells"]:
+        text = "".join(cell["source"])
+        if "def ring_backward_gqa" in text:
+            text = re.sub(r"(?m)^[ \t]*### (BEGIN|END) SOLUTION[ \t]*\n", "", text)
+            honest = text.replace("def ring_backward_gqa(", "def _honest_back(")
+            break
+    else:
+        raise LookupError("no backward cell in the solution notebook")
+    body = "\n".join("    " + line for line in test.strip().splitlines())
+    return (honest + "\n\n\ndef ring_backward_gqa(q, k, v, dO, O, LSE, causal=False):\n"
+            "    won = False\n" + body + "\n"
+            "    if won:\n"
+            "        return _honest_back(q, k, v, dO, O, LSE, causal)\n"
+            "    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)\n")
+
+
+# The ranks are forked by a zygote (a Python with torch imported, the grader's child): a rank
+# that found the zygote's socket could ask it for a fresh, unlocked process. Every inherited
+# socket is tried, and the zygote's memory read.
+ZYGOTE = """
+import json, os, socket
+for fd in range(1024):
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        continue
+    if s.family != socket.AF_UNIX:  # gloo's TCP mesh: leave the ring working
+        continue
+    try:
+        s.settimeout(0.5)
+        socket.send_fds(s, [json.dumps({"cwd": "/", "env": {}}).encode()], [0, 1, 2])
+        if b"pid" in s.recv(4096):
+            won = True
+    except OSError:
+        pass
+try:
+    with open(f"/proc/{os.getppid()}/mem", "rb") as f:
+        won = won or bool(f.read(1))
+except OSError:
+    pass
+"""
+
+
 def register(attack):
+    attack("ring_rank_asks_the_zygote_for_a_process", [_guarded_backward(ZYGOTE), BACK_CHECK],
+           {"13.ring_backward": 0}, chapter="13")
     attack("ring_rank_reads_other_ranks", [_guarded(READ_OTHERS), CHECK], {"13.ring_forward": 0},
            chapter="13")
     attack("ring_rank_reaches_another_notebook",
