@@ -41,7 +41,17 @@ in the grading process. Collectives (``all_gather``, ``broadcast``, ...) and blo
 ``send``/``recv`` raise ``ForbiddenCall`` in a rank: a ring passes blocks with
 ``batch_isend_irecv``.
 
-**Cleanup.** A case has a deadline (start, run and the replies); past it, or when a rank
+**The zygote.** Importing torch costs seconds per process, so the ranks are not started from
+scratch: the first case starts, from the grading process, one *zygote* per process (before any
+student code exists in it, with one thread): a Python that imports torch once and, for each
+rank of each case, forks a child. The child closes every descriptor it inherited but its own
+pipes and log, takes a session of its own, and only then becomes a rank as above (join, warm
+up, lock in, run the cell). The zygote itself never receives a cell; a rank is never reused.
+A case then costs a fraction of a second instead of seconds per rank.
+``COURSE_RANKS_ZYGOTE=0`` starts each rank as its own ``python`` process instead.
+
+**Cleanup.** A case has two deadlines (the ranks start: :data:`CASE_SECONDS`; the cell runs
+and replies: :data:`RUN_SECONDS`, ample for the exercises' tiny shards); past one, or when a rank
 crashes or raises, every rank's process tree is killed (:func:`course_utils.sandbox.kill_tree`),
 also every process started in a rank's session, and the case's folder (store included) is
 deleted. A deadlock, a hang or a crash costs that case.
@@ -57,6 +67,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -67,7 +78,8 @@ from . import sandbox
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}  # as course_utils.ring.NCCL_ENV
-CASE_SECONDS = 90.0  # one case: start R processes, join, run, reply
+CASE_SECONDS = 90.0  # one case: start R processes, join, warm up, lock in
+RUN_SECONDS = 6.0  # then the cell on tiny shards, and the replies (a deadlock fails the case)
 GROUP_SECONDS = 20  # torch.distributed's own timeout inside the ranks (a wrong peer errors)
 REPLY_MB = 256
 # Collectives a ring exercise may not use (the ring passes blocks with batch_isend_irecv).
@@ -431,7 +443,6 @@ def zygote_main(fd: int) -> None:
     closes. It runs no cell: each child becomes a rank (:func:`_zygote_child`) and the
     zygote reports the children's exits. It forks only while it has a single thread."""
     import json
-    import socket
 
     import torch  # noqa: F401 (what the ranks would each import: seconds)
     import torch.distributed  # noqa: F401
@@ -458,8 +469,9 @@ def zygote_main(fd: int) -> None:
             message, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
         except BlockingIOError:
             continue
-        if not message:
-            os._exit(0)  # the grading process is gone
+        if not message:  # the grading process is gone: leave nothing behind
+            sandbox.remove_tree(Path(os.getcwd()))
+            os._exit(0)
         request = json.loads(message)
         if len(fds) != 3 or len(os.listdir("/proc/self/task")) != 1:
             for f in fds:
@@ -485,22 +497,29 @@ class _Zygote:
 
     def __init__(self):
         import atexit
-        import socket
 
-        self.folder = Path(tempfile.mkdtemp(prefix="course-ranks-zygote-"))
-        self.package = self.folder / "package"
-        self.package.mkdir()
-        sandbox.copy_package(self.package)
-        os.chmod(self.package, 0o555)
+        _remove_orphaned_zygote_folders()
+        self.folder = Path(tempfile.mkdtemp(prefix=f"course-ranks-zygote-{os.getpid()}-"))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(_base_env(), HOME=str(self.folder), OMP_NUM_THREADS="1",
-                   OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")  # no thread before a fork
         try:
+            self.package = self.folder / "package"
+            self.package.mkdir()
+            sandbox.copy_package(self.package)
+            os.chmod(self.package, 0o555)
+            env = dict(_base_env(), HOME=str(self.folder), OMP_NUM_THREADS="1",
+                       OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")  # no thread at a fork
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-B", "-u", "-c", self.BOOT, str(self.package),
                  str(theirs.fileno())], pass_fds=(theirs.fileno(),), cwd=self.folder, env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True)
+        except BaseException:
+            ours.close()
+            try:
+                sandbox.remove_tree(self.folder)
+            except Exception:  # noqa: S110 (the first error is the one to report)
+                pass
+            raise
         finally:
             theirs.close()
         self.sock, self.exits, self.ready = ours, {}, False
@@ -522,7 +541,7 @@ class _Zygote:
     def drain(self) -> None:
         while True:
             try:
-                message = self.sock.recv(1 << 16, socket_flags())
+                message = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -534,7 +553,6 @@ class _Zygote:
     def spawn(self, fds, cwd, env, seconds=120.0) -> _Forked:
         """A fresh rank whose fds are ``(to_r, from_w, log)``; raises RankFailure."""
         import json
-        import socket
 
         socket.send_fds(self.sock, [json.dumps({"cwd": cwd, "env": env}).encode()], fds)
         end = time.monotonic() + seconds
@@ -546,6 +564,7 @@ class _Zygote:
                 continue
             got = self._take(self.sock.recv(1 << 16))
             if "pid" in got:
+                self.exits.pop(int(got["pid"]), None)  # an earlier process's, were a pid reused
                 return _Forked(self, int(got["pid"]))
             if "error" in got:
                 raise RankFailure("error", None, f"the zygote could not fork ({got['error']})")
@@ -559,12 +578,6 @@ class _Zygote:
         except Exception:
             pass
         sandbox.remove_tree(self.folder)
-
-
-def socket_flags() -> int:
-    import socket
-
-    return socket.MSG_DONTWAIT
 
 
 class _Forked:
@@ -600,12 +613,23 @@ class _Forked:
 _ZYGOTE = None
 
 
+def _remove_orphaned_zygote_folders() -> None:
+    """Delete the zygote folders of grading processes that no longer run (one killed before
+    its zygote could clean up): ``course-ranks-zygote-<pid>-*``."""
+    import glob
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "course-ranks-zygote-*-*")):
+        owner = os.path.basename(path).split("-")[3]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            sandbox.remove_tree(Path(path))
+
+
 def _zygote():
     """This process's zygote, started (again) if it is not running; None where it is off
     (``COURSE_RANKS_ZYGOTE=0``) or cannot fork (not Linux)."""
     global _ZYGOTE
     if os.environ.get("COURSE_RANKS_ZYGOTE", "1") == "0" or sys.platform != "linux" \
-            or not hasattr(__import__("socket"), "send_fds"):
+            or not hasattr(socket, "send_fds"):
         return None
     if _ZYGOTE is None or not _ZYGOTE.alive():
         if _ZYGOTE is not None:
@@ -688,15 +712,16 @@ def _kill_all(procs, before=frozenset()):
 
 
 class _Deadline:
-    def __init__(self, seconds, procs):
+    def __init__(self, seconds, procs, what="start (join, warm up, lock in)"):
         self.end, self.procs = time.monotonic() + seconds, procs
+        self.seconds, self.what = seconds, what
 
     def wait(self, fd, rank):
         while True:
             left = self.end - time.monotonic()
             if left <= 0:
-                raise RankFailure("timed out", None, "the ranks did not finish within "
-                                  f"{CASE_SECONDS:g} s (a deadlock: does every send have its "
+                raise RankFailure("timed out", None, f"the ranks did not {self.what} within "
+                                  f"{self.seconds:g} s (a deadlock: does every send have its "
                                   "receive on the peer, in the same order?)")
             ready, _, _ = select.select([fd], [], [], min(left, 0.2))
             if ready:
@@ -746,7 +771,7 @@ def _protected():
 
 
 def run(source: str, name: str, shards, kwargs=None, *, backend=None,
-        seconds: float = CASE_SECONDS):
+        seconds: float = CASE_SECONDS, run_seconds: float = RUN_SECONDS):
     """Run ``name`` from the cell ``source`` in ``len(shards)`` fresh, locked-in ranks.
 
     ``shards[r]`` is the tuple of positional arguments of rank r (tensors, numbers), ``kwargs``
@@ -840,6 +865,8 @@ def run(source: str, name: str, shards, kwargs=None, *, backend=None,
                       "kwargs": enc.enc(dict(kwargs or {}))}
             header, data = enc.message(header)
             sandbox.send(writers[r], header, data)
+        deadline = _Deadline(min(run_seconds, max(0.0, deadline.end - time.monotonic())),
+                             procs, "run the cell")
         replies = [None] * world
         todo = list(range(world))
         while todo:

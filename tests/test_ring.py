@@ -228,6 +228,7 @@ def test_a_deadlocked_ring_times_out_and_leaves_nothing(monkeypatch):
 
     from course_utils import ranks
 
+    ranks._zygote()  # the process's zygote (and its folder) outlive the case: started first
     before = _stray()
     made, real = [], tempfile.mkdtemp
 
