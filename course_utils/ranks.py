@@ -515,10 +515,7 @@ class _Zygote:
                 start_new_session=True)
         except BaseException:
             ours.close()
-            try:
-                sandbox.remove_tree(self.folder)
-            except Exception:  # noqa: S110 (the first error is the one to report)
-                pass
+            _remove_walking(self.folder)
             raise
         finally:
             theirs.close()
@@ -566,8 +563,8 @@ class _Zygote:
             if "pid" in got:
                 self.exits.pop(int(got["pid"]), None)  # an earlier process's, were a pid reused
                 return _Forked(self, int(got["pid"]))
-            if "error" in got:
-                raise RankFailure("error", None, f"the zygote could not fork ({got['error']})")
+            if "error" in got:  # a thread in the zygote (some import started one)
+                raise _ZygoteRefused(got["error"])
         raise RankFailure("crashed", None, "the zygote that starts the ranks did not answer")
 
     def close(self) -> None:
@@ -578,6 +575,10 @@ class _Zygote:
         except Exception:
             pass
         sandbox.remove_tree(self.folder)
+
+
+class _ZygoteRefused(Exception):
+    """The zygote would not fork (it is not single-threaded): start ranks with Popen."""
 
 
 class _Forked:
@@ -611,6 +612,30 @@ class _Forked:
 
 
 _ZYGOTE = None
+_ZYGOTE_REFUSED = False  # set once a zygote refused to fork: Popen from then on
+
+
+def _remove_walking(folder: Path) -> None:
+    """Delete ``folder`` file by file (no ``shutil``): a failed start leaves nothing behind."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        try:
+            os.chmod(root, 0o700)  # the package copy is read-only
+        except OSError:
+            pass
+        for name in files:
+            try:
+                os.unlink(os.path.join(root, name))
+            except OSError:
+                pass
+        for name in dirs:
+            try:
+                os.rmdir(os.path.join(root, name))
+            except OSError:
+                pass
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def _remove_orphaned_zygote_folders() -> None:
@@ -628,7 +653,8 @@ def _zygote():
     """This process's zygote, started (again) if it is not running; None where it is off
     (``COURSE_RANKS_ZYGOTE=0``) or cannot fork (not Linux)."""
     global _ZYGOTE
-    if os.environ.get("COURSE_RANKS_ZYGOTE", "1") == "0" or sys.platform != "linux" \
+    if _ZYGOTE_REFUSED or os.environ.get("COURSE_RANKS_ZYGOTE", "1") == "0" \
+            or sys.platform != "linux" \
             or not hasattr(socket, "send_fds"):
         return None
     if _ZYGOTE is None or not _ZYGOTE.alive():
@@ -816,8 +842,15 @@ def run(source: str, name: str, shards, kwargs=None, *, backend=None,
             from_r, from_w = os.pipe()
             log = open(scratch / "rank.log", "ab")  # noqa: SIM115 (handed to the process)
             try:
+                forked = None
                 if zygote is not None:  # forked with torch imported: seconds saved per rank
-                    procs.append(zygote.spawn((to_r, from_w, log.fileno()), str(scratch), env))
+                    try:
+                        forked = zygote.spawn((to_r, from_w, log.fileno()), str(scratch), env)
+                    except _ZygoteRefused:
+                        global _ZYGOTE_REFUSED
+                        _ZYGOTE_REFUSED = True
+                if forked is not None:
+                    procs.append(forked)
                 else:
                     procs.append(subprocess.Popen(
                         [sys.executable, "-I", "-B", "-u", "-c", _BOOT, str(package),

@@ -668,6 +668,8 @@ _add(ring_backward, "two ranks, one K/V head for four query heads, not causal, l
      _backward_case, 2, 1, 4, 1, 5, 16, logits=2.5)
 _add(ring_backward, "fresh ranks and heads, float64, causal", _backward_case, causal=True,
      dtype=torch.float64, hidden=True)
+_add(ring_backward, "fresh ranks and heads, not causal, larger logits", _backward_case,
+     logits=2.0, hidden=True)
 
 
 # ============================================================================= causal schedule
