@@ -418,9 +418,12 @@ def _zygote_child(fds, request) -> None:
     """In a process just forked by the zygote: become a fresh rank (its own session, its
     pipes on fds 3 and 4, nothing else inherited), then run :func:`rank_main`."""
     try:
-        to_r, from_w, log = fds
+        import fcntl
+
+        # high copies first, so that no dup2 below overwrites a descriptor not yet moved
+        to_r, from_w, log = (fcntl.fcntl(f, fcntl.F_DUPFD, 1000) for f in fds)
         os.setsid()
-        devnull = os.open(os.devnull, os.O_RDONLY)
+        devnull = fcntl.fcntl(os.open(os.devnull, os.O_RDONLY), fcntl.F_DUPFD, 1000)
         os.dup2(devnull, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
