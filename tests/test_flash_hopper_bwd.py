@@ -688,11 +688,11 @@ def test_the_division_check_catches_a_multiplier_rounded_down():
 
 
 def _persistent_block(steps, stages, rng, bug=None):
-    """One block of the persistent kernel, run on model mbarriers (chapter 14's exercise model)
+    """One block of the persistent kernel, run on model mbarriers (the model of chapter 14's consumer-loop exercise)
     under a random interleaving: the producer and the two consumers as the kernel writes them.
     steps[n]: the query blocks of the block's n-th tile (0: a causal key block no query sees).
     Returns None when every tile is read as it should be, else what went wrong."""
-    from course_utils.specs.ch14 import _Mbarrier
+    from course_utils.hopper_pipeline import _Mbarrier
 
     END = len(steps)
     kv_full, kv_empty = _Mbarrier(1), _Mbarrier(CONSUMERS)
