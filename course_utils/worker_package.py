@@ -23,8 +23,8 @@ again under another name all outlive the swap. So the answers are not in the cop
   module ends in an ImportError). Imports by name at run time are not followed; the one the
   worker makes, ``grader.resolve``, only reaches ``harness``, which is kept whole. ``specs``, the
   grader's side, is never copied (``grader.check`` imports it only outside a worker). Everything
-  else (``hopper``, ``ring``, ``serving``, ``ops``, ``occupancy``, the CUDA sources, ...) is
-  left out: no kept module imports it. ``tests/test_worker_package.py`` checks that every
+  else (``hopper_pipeline``, ``ring``, ``serving``, ``ops``, ``occupancy``, the CUDA sources,
+  ...) is left out: no kept module imports it. ``tests/test_worker_package.py`` checks that every
   ``course_utils`` import of the notebooks resolves in the copy.
 - **Data files** only where a kept module reads them (:data:`DATA_FILES`: the recorded GPU
   results that ``recorded`` loads, the C++ header that ``cuda_cpu`` compiles a kernel with). No
@@ -59,10 +59,11 @@ NAME = PACKAGE.name  # "course_utils"
 
 # Modules (dotted, relative to the package; "__init__" is the package itself) the worker starts
 # from. The notebooks import runtime (cu.setup, cu.device, cu.on_gpu), grader, bench,
-# recorded, mma, cuda, kernels.flash_attention_triton and harness.chNN; sandbox and watch are the
-# worker's own machinery. Every harness module is added by roots().
-ROOTS = ("__init__", "runtime", "grader", "sandbox", "watch", "bench", "recorded", "mma", "cuda",
-         "kernels.flash_attention_triton", "harness")  # fmt: skip
+# recorded, mma, hopper (14.descriptors encodes its words with it), cuda,
+# kernels.flash_attention_triton and harness.chNN; sandbox and watch are the worker's own
+# machinery. Every harness module is added by roots().
+ROOTS = ("__init__", "runtime", "grader", "sandbox", "watch", "bench", "recorded", "mma", "hopper",
+         "cuda", "kernels.flash_attention_triton", "harness")  # fmt: skip
 
 # Never copied, whoever imports them: the grader's side, and this module (the sandbox imports it
 # to build the copy, in the grading process; its copy_package falls back without it). The

@@ -688,8 +688,9 @@ def test_the_division_check_catches_a_multiplier_rounded_down():
 
 
 def _persistent_block(steps, stages, rng, bug=None):
-    """One block of the persistent kernel, run on model mbarriers (the model of chapter 14's consumer-loop exercise)
-    under a random interleaving: the producer and the two consumers as the kernel writes them.
+    """One block of the persistent kernel, run on model mbarriers (those of chapter 14's
+    consumer-loop model) under a random interleaving: the producer and the two consumers as the
+    kernel writes them.
     steps[n]: the query blocks of the block's n-th tile (0: a causal key block no query sees).
     Returns None when every tile is read as it should be, else what went wrong."""
     from course_utils.hopper_pipeline import _Mbarrier

@@ -2,8 +2,9 @@
 
 Each chapter's spec test (``test_specs_chNN*.py``) lists its slips as ``NAMED_MISTAKES``
 (``spec_helpers.Slip``) and checks there that each fails a visible case with the hint that names
-it; the CUDA C++ exercises of chapters 04, 06 and 07 list theirs in ``test_cuda_cpu_exercises``. This test counts them, so that
-an exercise cannot be added, or a slip dropped, without its diagnoses.
+it; the CUDA C++ exercises of chapters 04, 06 and 07 list theirs in ``test_cuda_cpu_exercises``.
+This test counts them, so that an exercise cannot be added, or a slip dropped, without its
+diagnoses.
 """
 
 import importlib
