@@ -163,7 +163,7 @@ def test_the_copy_holds_the_import_closure_and_nothing_else(worker_copy):
                  for pattern in patterns for p in worker_package.PACKAGE.glob(pattern)}
     found = {str(p.relative_to(built)) for p in built.rglob("*") if p.is_file()}
     assert found == expected
-    for left_out in ("hopper.py", "ring.py", "serving.py", "ops.py", "worker_package.py",
+    for left_out in ("hopper_pipeline.py", "ring.py", "serving.py", "ops.py", "worker_package.py",
                      "kernels/flash_attention_forward.cu", "kernels/flash_attention_tma.py"):
         assert left_out not in found, left_out
 
