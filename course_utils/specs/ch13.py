@@ -2,27 +2,27 @@
 
 The lecture shards Q, K and V over R ranks along the sequence, passes K/V blocks around a ring
 and merges each step's partial result by its LSE; it balances causal work with the zig-zag split
-(rank r holds chunks r and 2R - 1 - r of 2R). The exercises are the pieces of that design a
-student can get subtly wrong, as plain functions (no process group, fast), judged here, in the
-grading process, against definitions written another way (loops over chunks and tokens, a float64
-softmax over every key, a brute-force count of a causal mask):
+(rank r holds chunks r and 2R - 1 - r of 2R). Four exercises: two pieces of that design a
+student can get subtly wrong, as plain functions judged against definitions written another way
+(a loop that deals chunks out, a brute-force count of a causal mask), and the ring itself, run
+by the grader in rank processes of its own (:mod:`course_utils.ranks`):
 
 - ``13.zigzag_chunks``: ``zigzag_layout(N, R) -> (index, rank, local)``: the global token
   indices each rank holds, ``index`` ``(R, N // R)``, and the inverse map, ``rank`` and
-  ``local`` ``(N,)``; a ``ValueError`` naming N and 2R when N is not a multiple of 2R. Judged
-  against a loop that deals the 2R chunks out one by one.
-- ``13.ring_merge``: ``merge_step(O, LSE, O_blk, LSE_blk, *, lse_blk_base2=False) -> (O, LSE)``,
-  one ring step's partial folded into the running state, in float32. The spec draws scores,
-  splits the keys into blocks (causal rows that see no key of a block, empty blocks, a block
-  whose empty rows hold NaN, LSE near 250 and differences of 300, base-2 LSE as a Triton kernel
-  returns it, bfloat16 O_blk), folds the blocks in a random order through the candidate and
-  compares after every step with a float64 softmax over the keys folded so far.
+  ``local`` ``(N,)``; a ``ValueError`` naming N and 2R when N is not a multiple of 2R.
 - ``13.causal_schedule``: ``causal_schedule(R, s, C, d) -> (kinds, flops)``: for causal
   zig-zag at ring step s, the kind ("full", "diagonal", "skip") of each (query chunk, key chunk)
-  pair on each rank and the step's FLOPs per rank (chunks of C >= 2 tokens: with one token a
-  chunk's triangle would be a single, full pair). Judged against a count of the causal mask
-  token by token; one case sums the candidate's FLOPs over the R steps and checks the balance
-  claim (every rank's total equal).
+  pair on each rank and the step's FLOPs per rank; one case sums the FLOPs over the R steps and
+  checks the balance claim (every rank's total equal).
+- ``13.ring_forward``: ``ring_forward_gqa(q, k, v, causal=False) -> (O, LSE)``, the
+  double-buffered ring forward with grouped-query K/V (only the Hkv heads travel), run in 2-3
+  ranks; outputs gathered and compared with float64 attention, each rank's recorded transfers
+  judged (peers, bytes, overlap, buffers read before their wait).
+- ``13.ring_backward``: ``ring_backward_gqa(q, k, v, dO, O, LSE, causal=False) -> (dQ, dK,
+  dV)``: dQ stays, each block's dK/dV (summed over its query heads, float32) travel with the
+  block and come home in one last hop; gradients against float64 autograd, transfers judged.
+
+(``13.ring_merge``, a third LSE merge after chapters 02 and 11, was retired.)
 """
 
 from __future__ import annotations
