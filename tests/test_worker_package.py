@@ -655,6 +655,16 @@ def quiet_process(tmp_path, monkeypatch, worker_copy):
     for owner, name in ((os, "kill"), (os, "killpg"), (shutil, "rmtree"),
                         (subprocess, "Popen")):  # fmt: skip
         monkeypatch.setattr(owner, name, _refused(f"{owner.__name__}.{name}"))
+    # Chapter 13's ranks run the cell that defines the candidate, which no callable of the copy
+    # has: refuse at once instead of starting ranks (in a suite where an earlier test started
+    # the zygote, every attempt forked real ranks and the search took most of an hour).
+    from course_utils import ranks
+
+    def no_ranks(*args, **kwargs):
+        raise ranks.RankFailure("error", None, "ranks are not started while the copy's "
+                                "callables are tried")
+
+    monkeypatch.setattr(ranks, "run", no_ranks)
     return modules
 
 
