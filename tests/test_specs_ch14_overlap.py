@@ -39,16 +39,17 @@ def loop(*edits):
     return _modules[edits].consumer_loop
 
 
-def no_overlap(n_tiles, stages):
-    """The loop of variant 0: each product waited for at once, the softmax between them."""
-    ops = []
-    for j in range(n_tiles):
-        p = (j // stages) % 2
-        ops += [("wait_k", j, p), ("fence",), ("issue_s", j), ("commit",), ("wait_group", 0),
-                ("release_k", j), ("softmax", j), ("rescale", j), ("pack_p", j),
-                ("wait_v", j, p), ("fence",), ("issue_pv", j), ("commit",), ("wait_group", 0),
-                ("release_v", j)]
-    return ops
+def _variant_0_loop():
+    """The loop of variant 0 (each product waited for at once, the softmax between them), from
+    the attack notebooks that try to pass it off: one copy of it in the tests."""
+    from attacks_ch14_overlap import NO_OVERLAP
+
+    namespace = {}
+    exec(NO_OVERLAP, namespace)
+    return namespace["consumer_loop"]
+
+
+no_overlap = _variant_0_loop()
 
 
 NAMED_MISTAKES = [
