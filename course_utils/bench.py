@@ -9,6 +9,9 @@
 * :func:`tflops`, :func:`gbps` turn a count and a time into throughput.
 * :func:`table` prints a plain text table with the ratio of every row to a baseline measured in
   the same run (machines are shared and noisy: compare ratios, never absolute numbers).
+* :func:`interleaved` times several functions in interleaved rounds (A B C, A B C, ...), and
+  :func:`ratio_summary` turns two of its series into the median ratio and its spread: the form
+  of every headline figure in the course.
 * :func:`environment_info` describes the machine, to save beside recorded results.
 """
 
@@ -33,6 +36,8 @@ __all__ = [
     "attention_flops",
     "environment_info",
     "gbps",
+    "interleaved",
+    "ratio_summary",
     "table",
     "tflops",
     "time_fn",
@@ -100,6 +105,42 @@ def time_fn(fn, *args, warmup=None, rep=None, flush_l2=False, **kwargs):
     if cuda_device is not None:
         return _time_gpu(fn, args, kwargs, warmup, rep, flush_l2, cuda_device)
     return _time_cpu(fn, args, kwargs, warmup, rep)
+
+
+def interleaved(fns: dict, *args, rounds: int = 5, **time_kwargs) -> dict[str, list[float]]:
+    """Time every function of ``fns`` (name -> callable) in ``rounds`` interleaved rounds.
+
+    Round r times each function once with :func:`time_fn` (its median over many calls), in the
+    order of ``fns``; then round r + 1 starts. A clock or thermal drift during the run then
+    touches every function alike, which timing all rounds of A before any round of B does not.
+
+    Returns:
+        ``{name: [median ms of round 0, round 1, ...]}``.
+    """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    if not fns or not all(callable(f) for f in fns.values()):
+        raise TypeError("fns must map names to functions, e.g. {'course': f, 'sdpa': g}")
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out[name].append(time_fn(fn, *args, **time_kwargs).median_ms)
+    return out
+
+
+def ratio_summary(ms: dict[str, list[float]], kernel: str, baseline: str) -> dict:
+    """The speed of ``kernel`` relative to ``baseline`` (> 1: faster), round by round.
+
+    Each round's ratio is ``baseline ms / kernel ms`` of that round (both measured back to back),
+    and the summary is their median with the lowest and highest round: ``{"median", "lo", "hi",
+    "rounds"}``. Report it as ``median (lo-hi over n rounds)``, never the best round.
+    """
+    a, b = ms[kernel], ms[baseline]
+    if len(a) != len(b) or not a:
+        raise ValueError(f"{kernel!r} and {baseline!r} need the same number (>= 1) of rounds")
+    ratios = [_positive_ms(y) / _positive_ms(x) for x, y in zip(a, b, strict=True)]
+    return {"median": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios),
+            "rounds": len(ratios)}
 
 
 def attention_flops(B, H, Nq, Nk, d, causal=False, mode="fwd"):

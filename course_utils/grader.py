@@ -222,6 +222,7 @@ def _student_error(exc: BaseException) -> str:
 def _run_case(case: Case, candidate) -> tuple[str, str]:
     """(status, message) of one case."""
     from .checks import CheckFailure
+    from .sandbox import Unsendable
 
     try:
         case.run(candidate)
@@ -237,6 +238,8 @@ def _run_case(case: Case, candidate) -> tuple[str, str]:
         return "needs gpu", f"case {case.name!r}: {exc}"
     except CheckFailure as exc:
         return "failed", str(exc)
+    except Unsendable as exc:
+        return "failed", f"case {case.name!r}: what your function returned cannot be checked: {exc}"
     except Exception as exc:  # the candidate crashed: say how, briefly
         return "error", f"case {case.name!r}: your code raised {_student_error(exc)}"
     return "passed", ""

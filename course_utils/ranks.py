@@ -311,7 +311,7 @@ def _lock(job) -> dict:
     return locked
 
 
-def rank_main(fd_in: int, fd_out: int) -> None:
+def _rank_main(fd_in: int, fd_out: int) -> None:
     """A rank: join the group, warm up, lock in, run the cell's function on its shard."""
     channel = sandbox._Channel(fd_in, fd_out)
     job, _ = channel.recv()
@@ -416,7 +416,7 @@ def _to_cpu(torch, x):
 
 def _zygote_child(fds, request) -> None:
     """In a process just forked by the zygote: become a fresh rank (its own session, its
-    pipes on fds 3 and 4, nothing else inherited), then run :func:`rank_main`."""
+    pipes on fds 3 and 4, nothing else inherited), then run :func:`_rank_main`."""
     try:
         import fcntl
 
@@ -436,12 +436,12 @@ def _zygote_child(fds, request) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None
-        rank_main(3, 4)
+        _rank_main(3, 4)
     finally:
         os._exit(7)
 
 
-def zygote_main(fd: int) -> None:
+def _zygote_main(fd: int) -> None:
     """The zygote: import torch once, then fork one fresh rank per request, until its socket
     closes. It runs no cell: each child becomes a rank (:func:`_zygote_child`) and the
     zygote reports the children's exits. It forks only while it has a single thread."""
@@ -496,7 +496,7 @@ class _Zygote:
     student code exists in it): a Python with torch imported that forks the ranks."""
 
     BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from course_utils.ranks import zygote_main; zygote_main(int(sys.argv[2]))")
+            "from course_utils.ranks import _zygote_main; _zygote_main(int(sys.argv[2]))")
 
     def __init__(self):
         import atexit
@@ -677,8 +677,8 @@ def _base_env() -> dict:
 # ============================================================================ the grader's side
 
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from course_utils.ranks import rank_main; "
-         "rank_main(int(sys.argv[2]), int(sys.argv[3]))")
+         "from course_utils.ranks import _rank_main; "
+         "_rank_main(int(sys.argv[2]), int(sys.argv[3]))")
 
 
 def backend_for(world: int) -> str:

@@ -77,6 +77,9 @@ from .grader import Candidate
 
 _WORKER = None  # the worker's channel to the grader, inside a worker
 MAX_HEADER = 64 << 20  # bytes of one message's JSON header
+MAX_ITEMS = 100_000  # values (numbers, strings, lists, ...) in one message; big data goes as arrays
+TOO_MANY = (f"more than {MAX_ITEMS} Python values (numbers, strings, tuples, lists) in one reply: "
+            "no exercise needs that many; return a tensor or an array for large data")
 PACKAGE = Path(__file__).resolve().parent
 
 
@@ -87,6 +90,11 @@ def in_worker() -> bool:
 
 class ProtocolError(Exception):
     """The worker sent something that is not a well-formed message of plain data."""
+
+
+class Unsendable(TypeError):
+    """What the notebook's function returned cannot cross to the grader (a flood of values, an
+    object of another kind): the case fails and says so."""
 
 
 class WorkerLost(BaseException):  # noqa: N818 (not an Exception: no case may catch it)
@@ -127,6 +135,7 @@ class _Encoder:
         self.regions: list[dict] = []
         self.keys: dict = {}  # region key -> index
         self.owners: list = []  # region index -> the object owning the memory (for write-back)
+        self.items = 0  # values encoded so far (bounded by MAX_ITEMS)
         if regions:  # known regions (the arguments'), referenced but not re-sent
             for key, owner, desc in regions:
                 self.keys[key] = len(self.regions)
@@ -179,6 +188,9 @@ class _Encoder:
     def enc(self, x, depth=0):
         if depth > 32:
             raise TypeError("data nested more than 32 levels deep cannot be sent")
+        self.items += 1
+        if self.items > MAX_ITEMS:
+            raise Unsendable(TOO_MANY)
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, int):
@@ -278,6 +290,7 @@ class _Decoder:
         torch = _torch()
         np = _np()
         self.views = []  # per region: a torch uint8 tensor holding its bytes
+        self.items = 0  # values decoded so far: a flood is refused before it costs the grader
         it = iter(buffers)
         for i, desc in enumerate(regions_desc):
             if not isinstance(desc, dict):
@@ -301,6 +314,9 @@ class _Decoder:
     def dec(self, x, depth=0):
         if depth > 34:
             raise ProtocolError("nested too deeply")
+        self.items += 1
+        if self.items > MAX_ITEMS:
+            raise Unsendable(TOO_MANY)
         if x is None or isinstance(x, (bool, str, int)):
             return x
         if isinstance(x, float):
@@ -482,7 +498,8 @@ def _raised(exc) -> dict:
     from .grader import NeedsGPU, _student_error
     from .watch import ForbiddenCall
 
-    kind = ("not implemented" if isinstance(exc, NotImplementedError) else
+    kind = ("unsendable" if isinstance(exc, Unsendable) else
+            "not implemented" if isinstance(exc, NotImplementedError) else
             "forbidden" if isinstance(exc, ForbiddenCall) else
             "needs gpu" if isinstance(exc, NeedsGPU) else "error")  # fmt: skip
     line = _student_error(exc)
@@ -594,7 +611,10 @@ def _serve(channel: _Channel, candidate) -> dict:
             enc = _Encoder(known)
             for i, v in enumerate(dec.views):  # map the args' storages to their regions
                 enc.keys[("torch", v.untyped_storage().data_ptr(), v.numel(), str(v.device))] = i
-            value = enc.enc(out)
+            try:
+                value = enc.enc(out)
+            except TypeError as exc:  # what was returned cannot cross: not the code's crash
+                raise Unsendable(str(exc)) from None
             reply, out_buffers = enc.message({"ok": value})
             back = [v.detach().cpu().numpy() for v in dec.views]
             channel.send(dict(reply, nback=len(back)), [*back, *out_buffers])
@@ -1444,6 +1464,7 @@ def _rebuild_exception(info: dict) -> BaseException:
     kind, name = info.get("kind"), str(info.get("type", "Exception"))[:100]
     message = str(info.get("message", ""))[:4000]
     cls = {"not implemented": NotImplementedError, "forbidden": ForbiddenCall,
+           "unsendable": Unsendable,
            "needs gpu": NeedsGPU}.get(kind)  # fmt: skip
     if cls is None:
         cls = _BUILTIN_ERRORS.get(name)

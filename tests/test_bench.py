@@ -147,3 +147,16 @@ def test_time_fn_on_cuda_uses_events_and_can_flush_l2():
     hot = bench.time_fn(torch.add, small, small, rep=300)
     flushed = bench.time_fn(torch.add, small, small, rep=300, flush_l2=True)
     assert hot.median_ms < flushed.median_ms * 1.2 and hot.n == 300
+
+
+def test_interleaved_rounds_and_the_median_ratio_with_its_spread():
+    calls = []
+    ms = bench.interleaved({"fast": lambda: calls.append("f"), "slow": lambda: calls.append("s")},
+                           rounds=5, warmup=0, rep=1)
+    assert set(ms) == {"fast", "slow"} and all(len(v) == 5 for v in ms.values())
+    summary = bench.ratio_summary({"k": [1.0, 2.0, 1.0, 4.0, 1.0], "b": [2.0] * 5}, "k", "b")
+    assert summary == {"median": 2.0, "lo": 0.5, "hi": 2.0, "rounds": 5}
+    with pytest.raises(ValueError, match="same number"):
+        bench.ratio_summary({"k": [1.0], "b": [1.0, 2.0]}, "k", "b")
+    with pytest.raises(ValueError, match="rounds"):
+        bench.interleaved({"a": lambda: None}, rounds=0)

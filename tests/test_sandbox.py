@@ -1,5 +1,7 @@
 """The sandbox's codec: what crosses between the grader and a notebook, and what cannot."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -90,6 +92,19 @@ def test_malformed_or_hostile_messages_are_rejected(header):
     regions = [{"kind": "torch", "device": "cpu", "nbytes": 16, "sent": True}]
     with pytest.raises((sandbox.ProtocolError, RuntimeError)):
         sandbox._Decoder(regions, [bytes(16)]).dec(header)
+
+
+def test_a_flood_of_values_is_refused_on_both_sides_before_it_costs_time():
+    flood = [("wait", 0)] * sandbox.MAX_ITEMS
+    with pytest.raises(sandbox.Unsendable, match="tensor or an array"):
+        round_trip(flood)  # the honest worker refuses to encode it
+    header = {"t": "list", "v": [{"t": "tuple", "v": ["wait", 0]}] * sandbox.MAX_ITEMS}
+    start = time.monotonic()
+    with pytest.raises(sandbox.Unsendable, match="more than"):
+        sandbox._Decoder([], []).dec(header)  # a hostile one that skips it: the grader refuses
+    assert time.monotonic() - start < 2.0
+    got, _ = round_trip([("wait", 0)] * 1000)  # a real schedule crosses
+    assert got[-1] == ("wait", 0)
 
 
 def test_framing_round_trip_and_size_limit():
