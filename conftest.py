@@ -6,11 +6,14 @@
   forces the simulator on a GPU machine.
 - Makes a failed ``grader.check`` raise, so a solution or lecture notebook whose check fails
   fails its nbval test instead of printing ❌ and passing.
+- Fails a lecture cell (``notebooks/``) that prints more than ``MAX_LECTURE_LINES`` lines: a
+  lecture tells one story, and a long log belongs in a file, a folded view or the lab notes.
 """
 
 import os
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -19,3 +22,38 @@ os.environ["COURSE_CHECKS_RAISE"] = "1"
 import course_utils  # noqa: E402
 
 course_utils.setup(verbose=False)
+
+
+MAX_LECTURE_LINES = 60
+
+
+def printed_lines(outputs) -> int:
+    """Lines a reader scrolls past: streams, and plain text shown without a richer form (an
+    HTML table counts its rows). Images count as none; error tracebacks are nbval's business."""
+    lines = 0
+    for out in outputs or []:
+        kind = out.get("output_type")
+        if kind == "stream":
+            lines += str(out.get("text", "")).count("\n")
+        elif kind in ("execute_result", "display_data"):
+            data = out.get("data", {})
+            if "text/html" in data:
+                lines += str(data["text/html"]).count("<tr")
+            elif not any(k.startswith("image/") for k in data):
+                lines += str(data.get("text/plain", "")).count("\n") + 1
+    return lines
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or report.failed or type(item).__name__ != "IPyNbCell":
+        return
+    if "notebooks" not in item.path.parts:
+        return
+    lines = printed_lines(getattr(item, "test_outputs", None))
+    if lines > MAX_LECTURE_LINES:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.name} printed {lines} lines (at most {MAX_LECTURE_LINES} in a "
+                           "lecture): show an excerpt, fold it, or move it to the lab notes")
