@@ -1,0 +1,53 @@
+"""Headlines: the chapter-14 variant is fixed before timing, and a recording prints as medians
+with their spread (the measurement itself runs on a GPU: `python -m course_utils.headlines`)."""
+
+import pytest
+
+from course_utils import headlines
+
+
+def _row(D, causal, N, mode, med, lo, hi):
+    ratio = {"median": med, "lo": lo, "hi": hi, "rounds": 5}
+    return {"D": D, "causal": causal, "N": N, "B": 1, "H": 1, "mode": mode, "variant": None,
+            "tflops": {"course": 500.0, "sdpa flash": 450.0, "sdpa cudnn": 520.0},
+            "ratio": {"sdpa flash": ratio, "sdpa cudnn": dict(ratio, median=med - 0.1)},
+            "max_abs_vs_float64": 3e-3, "max_abs_vs_flash": 2e-3}
+
+
+DATA = {"chapter": 14, "kernel": "k", "device": "GPU", "rounds": 5, "dtype": "bfloat16",
+        "tokens": 32768, "hidden": 2048, "peak_tflops": 989,
+        "rows": [_row(128, False, N, m, 1.0 + N / 1e5, 0.9, 1.2)
+                 for N in (1024, 4096) for m in ("fwd", "fwd+bwd")]}
+
+
+def test_the_default_variant_is_a_rule_of_the_shape():
+    assert headlines.default_variant(128, False, 16384) == 6
+    assert headlines.default_variant(64, True, 4096) == 3
+    assert headlines.default_variant(128, True, 8192) == 4
+    assert headlines.default_variant(64, True, 8192) == 5
+    with pytest.raises(ValueError, match="d in"):
+        headlines.default_variant(96, True, 8192)
+
+
+def test_summary_is_the_spread_of_the_medians_and_of_single_rounds():
+    got = headlines.summary(DATA, "sdpa flash", mode="fwd", D=128, min_N=4096)
+    assert got["shapes"] == 1 and got["lo"] == got["hi"] == pytest.approx(1.04096)
+    everything = headlines.summary(DATA, "sdpa flash")
+    assert everything["lo"] < everything["hi"] and everything["rounds_lo"] == 0.9
+    with pytest.raises(ValueError, match="no recorded shape"):
+        headlines.summary(DATA, "sdpa flash", D=64)
+
+
+def test_the_table_prints_medians_with_spread_and_fits_a_lecture(capsys):
+    headlines._print(DATA, "recorded somewhere")
+    out = capsys.readouterr().out
+    assert "median (lowest-highest) over 5 interleaved rounds" in out
+    assert "1.01 (0.90-1.20)" in out and len(out.splitlines()) < 60
+
+
+def test_show_on_a_cpu_prints_the_recording_or_says_it_is_missing(capsys):
+    if headlines.runtime_on_gpu():
+        pytest.skip("on a GPU show() measures")
+    headlines.show(10)
+    out = capsys.readouterr().out
+    assert "not recorded yet" in out or "interleaved rounds" in out
