@@ -169,7 +169,8 @@ def _shape_row(chapter, fwd, train, D, causal, N, rounds):
     return rows
 
 
-def measure(chapter: int, *, rounds: int = ROUNDS, Ns=NS, save: bool = True) -> dict:
+def measure(chapter: int, *, rounds: int = ROUNDS, Ns=NS, save: bool = True,
+            progress: bool = False) -> dict:
     """Time chapter ``chapter``'s default kernel against SDPA flash and cuDNN on every shape
     (d in 64 and 128, causal and not, N in ``Ns``; B x N and H x d fixed), in ``rounds``
     interleaved rounds; save the result as ``NN_headline`` while recording."""
@@ -188,6 +189,8 @@ def measure(chapter: int, *, rounds: int = ROUNDS, Ns=NS, save: bool = True) -> 
         for causal in (False, True):
             for N in Ns:
                 rows += _shape_row(chapter, fwd, train, D, causal, N, rounds)
+                if progress:
+                    print(f"  measured d={D}, causal={causal}, N={N}", file=sys.stderr, flush=True)
     data = {"chapter": chapter, "kernel": CHAPTERS[chapter], "device": torch.cuda.get_device_name(),
             "rounds": rounds, "dtype": "bfloat16", "tokens": TOKENS, "hidden": HIDDEN,
             "peak_tflops": BF16_PEAK_TFLOPS, "rows": rows}  # fmt: skip
@@ -245,7 +248,7 @@ def runtime_on_gpu() -> bool:
     return runtime.on_gpu()
 
 
-def show(chapter: int, *, rounds: int = ROUNDS) -> dict | None:
+def show(chapter: int, *, rounds: int = ROUNDS, progress: bool = False) -> dict | None:
     """Measure and print chapter ``chapter``'s headline on a GPU that runs its kernel; print the
     recording elsewhere. Returns the data (None when there is neither)."""
     from . import recorded, runtime
@@ -261,7 +264,7 @@ def show(chapter: int, *, rounds: int = ROUNDS) -> dict | None:
     if live:
         import torch
 
-        data = measure(chapter, rounds=rounds)
+        data = measure(chapter, rounds=rounds, progress=progress)
         _print(data, f"measured now on {torch.cuda.get_device_name()}")
         return data
     name = f"{chapter}_headline"
@@ -276,4 +279,4 @@ def show(chapter: int, *, rounds: int = ROUNDS) -> dict | None:
 
 if __name__ == "__main__":
     for arg in sys.argv[1:] or ["10", "14"]:
-        show(int(arg))
+        show(int(arg), progress=True)
