@@ -1,4 +1,5 @@
-"""Command line: ``python -m course_utils {doctor,grade,record,assign,strip,portability,text}``."""
+"""Command line: ``python -m course_utils {doctor,grade,record,assign,strip,portability,text,
+results}``."""
 
 from __future__ import annotations
 
@@ -110,6 +111,12 @@ def _colab(args) -> int:
     return 1 if problems else 0
 
 
+def _results(args) -> int:
+    from .results import main
+
+    return main(check_only=args.check)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +159,11 @@ def main(argv=None) -> int:
                        "also git's textconv for *.ipynb diffs")
     t.add_argument("notebooks", nargs="+", type=Path)
     t.set_defaults(func=_text)
+    res = sub.add_parser("results", help="generate docs/results.md and the README's chapter "
+                         "table from course_utils/recorded/*.json")
+    res.add_argument("--check", action="store_true",
+                     help="only compare: exit 1 with a diff when the files differ")
+    res.set_defaults(func=_results)
     args = parser.parse_args(argv)
     return args.func(args)
 
