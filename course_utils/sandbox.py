@@ -54,7 +54,7 @@ Limits: without Landlock (older kernels, some containers) a notebook can still r
 the user's files, though never the grades of the others in the same run, and the report says
 "NOT isolated". The forbidden-operation watch runs inside the worker: code that tampers with
 the interpreter during the call itself (``gc`` on a running helper's objects, ``ctypes``) is
-not caught by it, only by the checks of what its code produces (see the README's limits).
+not caught by it, only by the checks of what its code produces (docs/instructors.md: limits).
 """
 
 from __future__ import annotations
@@ -519,7 +519,7 @@ class _Pristine:
     ``harness.ch07.largest_tensor`` for one that reports a small tensor, gets the exercise
     refused as forbidden instead. (Code that tampers during the call itself, e.g. by reaching
     a running helper's objects through ``gc``, is beyond what one process can watch: see the
-    README's limits.)
+    limits in docs/instructors.md.)
     """
 
     def __init__(self):
