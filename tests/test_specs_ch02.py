@@ -62,6 +62,21 @@ def test_stable_softmax_in_place_and_forbidden_and_dtype():
     assert "dtype" in f.detail
 
 
+def test_stable_softmax_nan_is_explained_by_exp_overflow_first():
+    """A softmax without its shift returns NaN: the first words name exp's overflow, not an
+    output left unwritten (that is a kernel's failure, of later chapters)."""
+    def no_shift(x, sink):
+        e = torch.exp(torch.cat([x, sink[:, None]], dim=-1))
+        return (e / e.sum(dim=-1, keepdim=True))[:, :-1]
+
+    r = grader.check("02.stable_softmax", no_shift)
+    assert r.status == "failed"
+    detail = r.message
+    assert "are NaN, at [" in detail and "computed as inf / inf" in detail, detail
+    assert "never written" not in detail and "poisoned" not in detail, detail
+    assert "exp of the logits without a shift" in detail, detail
+
+
 # ----------------------------------------------------------------------------- online softmax
 
 
@@ -460,6 +475,8 @@ NAMED_MISTAKES = [
     Slip("02.stable_softmax", "shift blind to the sink",
          edited("stable_softmax", (SHIFT, "x.amax(dim=-1)[:, None]")),
          "a shift that does not see the sink"),
+    Slip("02.stable_softmax", "no shift", edited("stable_softmax", (SHIFT, "0.0")),
+         "exp of the logits without a shift"),
     Slip("02.stable_softmax", "one shift for the tensor",
          edited("stable_softmax", (SHIFT, "torch.maximum(x.max(), sink.max())")),
          "one shift for the whole tensor"),

@@ -98,6 +98,31 @@ def _mask_randomly(x, fraction):
     return x.masked_fill(drop, -math.inf)
 
 
+WHY_NAN = (
+    "computed as inf / inf, 0 / 0 or inf - inf: exp overflows float32 to inf above 88.7 (a "
+    "logit used without subtracting its row's max), every term of a row underflows to 0 (a "
+    "shift far above that row's own max), or a shift of -inf makes x - m = -inf - (-inf)"
+)
+
+
+def _compare(name, actual, expected, **kwargs):
+    """``checks.compare``, with the cause of a NaN that fits this chapter first.
+
+    The functions graded here return what they computed, and a softmax's NaN comes from exp
+    overflowing or underflowing: the generic message's first cause, an output element never
+    written (a kernel's missing bounds guard, seen through a NaN-poisoned buffer), does not fit
+    them. The kernel exercise (02.softmax_kernel) writes into poisoned buffers and keeps it.
+    """
+    try:
+        return compare(name, actual, expected, **kwargs)
+    except CheckFailure as failure:
+        where = failure.detail.find("]: ")  # "<n> elements of <name> are NaN, at [...]: <why>"
+        if " are NaN, at [" in failure.detail and where > 0:
+            failure.detail = f"{failure.detail[:where + 1]}: {WHY_NAN}"
+            failure.args = (failure.detail,)
+        raise
+
+
 # ----------------------------------------------------------------------------- stable softmax
 
 stable_softmax = Exercise(
@@ -138,6 +163,12 @@ MISTAKE_MAX_WITHOUT_SINK = Mistake(
     "row is well defined (all zeros). The sink is a term of the denominator like the logits: "
     "the shift must take it into account, so that it stays finite",
 )
+MISTAKE_NO_SHIFT = Mistake(
+    "exp of the logits without a shift",
+    "exp(x) overflows float32 to inf above x = 88.7 (inf / inf = NaN) and underflows to 0 "
+    "below -103.3 (0 / 0 = NaN): subtract each row's shift c before exp, from the logits and "
+    "from the sink, with c the largest of them so that every exponent is <= 0",
+)
 MISTAKE_ONE_SHIFT = Mistake(
     "one shift for the whole tensor",
     "rows whose values lie far below the tensor's largest one underflow to 0 / 0 = NaN: each "
@@ -177,7 +208,12 @@ def _sink_mistakes(x, sink):
         w = torch.exp(_with_sink(x, sink) - c)
         return (w / w.sum(dim=-1, keepdim=True))[:, :-1]
 
+    def no_shift():  # computed in float32, as the slip is: inf / inf and 0 / 0 give NaN
+        e, s = torch.exp(x.float()), torch.exp(sink.float())[:, None]
+        return e / (e.sum(dim=-1, keepdim=True) + s)
+
     return [(MISTAKE_SINK_FORGOTTEN, lambda: reference.softmax(x64)),
+            (MISTAKE_NO_SHIFT, no_shift),
             (MISTAKE_SINK_UNSHIFTED, unshifted(top)),
             (MISTAKE_SINK_UNSHIFTED, unshifted(torch.maximum(top, s64))),
             (MISTAKE_MAX_WITHOUT_SINK, blind_to_sink),
@@ -188,7 +224,7 @@ def _sink_case(case, make, hint):
     def run(fn):
         x, sink = make()
         out = _call(fn, (x, sink), ["x", "sink"], case)
-        compare("softmax", out, sink_softmax_reference(x, sink), case=case, dtype=torch.float32,
+        _compare("softmax", out, sink_softmax_reference(x, sink), case=case, dtype=torch.float32,
                 hint=hint, mistakes=_sink_mistakes(x, sink))  # fmt: skip
 
     return run
@@ -346,7 +382,7 @@ def _run_online(candidate, x, block, case, hint):
         invoke(candidate, "course_utils.harness.ch02:block_widths", x, block), 3,
         what="the measured call", case=case)  # fmt: skip
     assert_unchanged(snap, case=case)
-    compare("softmax", out, reference.softmax(x), case=case, dtype=torch.float32, hint=hint,
+    _compare("softmax", out, reference.softmax(x), case=case, dtype=torch.float32, hint=hint,
             mistakes=_online_mistakes(x, block))  # fmt: skip
     limit = R * min(block, N)
     if not isinstance(widest, int) or isinstance(widest, bool) or widest > limit:
@@ -607,9 +643,9 @@ def _merge_case(case, R, N, dv, k, *, std=3.0, empty_parts=False, masked_parts=0
         O = acc.double() / l.double()[:, None]
         LSE = m.double() + torch.log(l.double())
         atol, rtol = tolerance(torch.float32, float(s[torch.isfinite(s)].abs().max()))
-        compare("O = acc / l", O, reference.softmax(s) @ v.double(), case=case, atol=atol,
+        _compare("O = acc / l", O, reference.softmax(s) @ v.double(), case=case, atol=atol,
                 rtol=rtol, hint=HINT_MERGE, mistakes=slips_o)  # fmt: skip
-        compare("LSE = m + log(l)", LSE, reference.logsumexp(s), case=case, atol=atol,
+        _compare("LSE = m + log(l)", LSE, reference.logsumexp(s), case=case, atol=atol,
                 rtol=rtol, hint=HINT_MERGE, mistakes=slips_lse)  # fmt: skip
 
     return run
@@ -789,8 +825,8 @@ def _check_row(result, q, K, V, scale, i, window, case, hint, Bc):
         elif hint is HINT_ROW_EDGES:
             hint = f"NaN has two usual causes here. (1) {HINT_ROW_SKIP} (2) {HINT_ROW_EDGES}"
     slips_o, slips_lse = _row_mistakes(q, K, V, scale, i, window, Bc)
-    compare("o", o, O_ref[0], case=case, atol=atol, rtol=rtol, hint=hint, mistakes=slips_o)
-    compare("lse", lse, LSE_ref[0], case=case, atol=atol, rtol=rtol, hint=HINT_LSE,
+    _compare("o", o, O_ref[0], case=case, atol=atol, rtol=rtol, hint=hint, mistakes=slips_o)
+    _compare("lse", lse, LSE_ref[0], case=case, atol=atol, rtol=rtol, hint=HINT_LSE,
             mistakes=slips_lse)
 
 
