@@ -193,8 +193,9 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
     (query head h reads K/V head ``h // (Hq // Hkv)``). Sequence b: queries
     ``cu_seqlens_q[b] ..``, keys ``cu_seqlens_k[b] ..``; masks as in :func:`visible` (bottom-right).
     Scores ``S = softcap_scores(scale * q k^T)``, scale default ``1 / sqrt(d)``.
-    Returns O ``(Tq, Hq, dv)`` float64 and LSE ``(Tq, Hq)`` float64 (natural log); a row that sees
-    no key has O = 0, LSE = -inf.
+    Returns O ``(Tq, Hq, dv)`` float64 and LSE ``(Hq, Tq)`` float64 (natural log; heads first, as
+    the dense ``(B, H, N)`` and FlashAttention's varlen API); a row that sees no key has O = 0,
+    LSE = -inf.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected "
@@ -206,13 +207,13 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
                          "per sequence + 1 each")
     scale = _scale_of(scale, q.shape[2])
     O = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64, device=q.device)
-    LSE = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+    LSE = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)  # (Tq, Hq)
     for b in range(len(cq) - 1):
         nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
         keep = visible(nq, nk, causal=causal, window=window, device=q.device)
         O[cq[b]:cq[b + 1]], LSE[cq[b]:cq[b + 1]] = _attend(
             q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], keep, scale, softcap)
-    return O, LSE
+    return O, LSE.T.contiguous()
 
 
 # =============================================================================================

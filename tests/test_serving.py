@@ -102,9 +102,10 @@ def test_reference_varlen_matches_a_brute_force_loop(causal, window, softcap):
     O_bf, LSE_bf = _brute_force(q, k, v, lq, lk, causal=causal, window=window, softcap=softcap,
                                 scale=0.4)
     checks.compare("O", O, O_bf, case="reference vs loop", atol=1e-12, rtol=1e-12)
-    checks.compare("LSE", LSE, LSE_bf, case="reference vs loop", atol=1e-12, rtol=1e-12)
+    assert LSE.shape == (4, sum(lq))  # (Hq, Tq): heads first, as FlashAttention's varlen API
+    checks.compare("LSE", LSE, LSE_bf.T, case="reference vs loop", atol=1e-12, rtol=1e-12)
     if causal or window != (-1, -1):  # the sequence with Nq > Nk has rows that see no key
-        assert torch.isinf(LSE).any() and O[torch.isinf(LSE)].eq(0).all()
+        assert torch.isinf(LSE).any() and O[torch.isinf(LSE.T)].eq(0).all()
 
 
 def test_reference_varlen_matches_sdpa_on_equal_lengths():
@@ -142,7 +143,7 @@ def test_reference_decode_is_varlen_with_one_query_dense_and_paged():
     O_v, LSE_v = serving.reference_varlen(q, kk, vv, serving.cu_seqlens([1] * 4),
                                           serving.cu_seqlens(lens), causal=True, window=(3, -1),
                                           softcap=2.0)
-    assert torch.equal(O, O_v) and torch.equal(LSE, LSE_v)
+    assert torch.equal(O, O_v) and torch.equal(LSE, LSE_v.T)  # decode (B, Hq), packed (Hq, Tq)
     assert LSE[3] .eq(-math.inf).all() and O[3].eq(0).all()  # length 0: nothing seen
     kp, vp, table = serving.paginate(k, v, lens, 4, generator=g, fill=NAN)
     O_p, LSE_p = serving.reference_decode(q, kp, vp, torch.tensor(lens), block_table=table,
@@ -350,7 +351,7 @@ def test_varlen_matches_the_reference(case):
     k = _randn(sum(lk), Hkv, D, g=g, dtype=dtype, scale=logit_scale)
     v = _randn(sum(lk), Hkv, D, g=g, dtype=dtype)
     cu_q, cu_k = serving.cu_seqlens(lq, device=DEV), serving.cu_seqlens(lk, device=DEV)
-    out = (torch.full_like(q, NAN), torch.full((sum(lq), Hq), NAN, device=DEV))
+    out = (torch.full_like(q, NAN), torch.full((Hq, sum(lq)), NAN, device=DEV))  # LSE (Hq, Tq)
     O, LSE = fd.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
                                  window=window, softcap=softcap, out=out)
     O_ref, LSE_ref = serving.reference_varlen(q, k, v, cu_q, cu_k, causal=causal, window=window,

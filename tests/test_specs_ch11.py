@@ -55,7 +55,7 @@ def _per_sequence(q, K_prefix, V_prefix, K_suffix, V_suffix, cu_seqlens_q, cu_se
     """Right O and LSE, but the prefix concatenated with each suffix: read B times."""
     Tq, Hq, d = q.shape
     P, Hkv, _ = K_prefix.shape
-    O, LSE = torch.empty_like(q), torch.empty(Tq, Hq, device=q.device)
+    O, LSE = torch.empty_like(q), torch.empty(Hq, Tq, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         K = torch.cat([K_prefix, K_suffix[ck[b]:ck[b + 1]]]).repeat_interleave(Hq // Hkv, 1)
@@ -64,7 +64,7 @@ def _per_sequence(q, K_prefix, V_prefix, K_suffix, V_suffix, cu_seqlens_q, cu_se
         S = scale * torch.einsum("ihd,jhd->hij", q[cq[b]:cq[b + 1]], K)
         j, i = torch.arange(P + n, device=q.device), torch.arange(nq, device=q.device)[:, None]
         S = S.masked_fill((j >= P) & (j - P > n - nq + i), -math.inf)
-        LSE[cq[b]:cq[b + 1]] = torch.logsumexp(S, -1).T
+        LSE[:, cq[b]:cq[b + 1]] = torch.logsumexp(S, -1)
         O[cq[b]:cq[b + 1]] = (torch.softmax(S, -1) @ V.transpose(0, 1)).transpose(0, 1)
     return O, LSE
 
@@ -111,8 +111,9 @@ def test_top_left_suffix_is_named(build):
 def test_gqa_heads_interleaved_is_named(build):
     m = build(("qg = q.view(Tq, Hkv, G, d)", "qg = q.view(Tq, G, Hkv, d).transpose(1, 2)"
                ".contiguous()"),
-              ("return O.view(Tq, Hq, d), LSE.view(Tq, Hq)",
-               "return O.transpose(1, 2).reshape(Tq, Hq, d), LSE.transpose(1, 2).reshape(Tq, Hq)"))
+              ("return O.view(Tq, Hq, d), LSE.view(Tq, Hq).T.contiguous()",
+               "return O.transpose(1, 2).reshape(Tq, Hq, d), "
+               "LSE.transpose(1, 2).reshape(Tq, Hq).T.contiguous()"))
     fails_visibly("11.shared_prefix", m.cascade_attention, "GQA [", "h // G")
 
 

@@ -45,10 +45,9 @@ program per SM, ``splits = floor(SMs / (B * Hkv))`` (1 when ``B * Hkv`` fills th
 at most one split per ``BLOCK_N`` block of the (visible) cache and at most ``MAX_SPLITS``; a
 paged cache takes twice that (a second program per SM hides the block-table load). H100,
 Hq = 32, Hkv = 4: batch 1 -> 33 splits (132 programs), 4 -> 8, 16 -> 2, 64 -> 1. With one split
-the split kernel writes O and LSE itself (no merge). Measured (H100, bf16, d = 128, L2 emptied
-before each call, K + V bytes over 3.35 TB/s) at 128k keys: batch 1 74 %, 4 89 %, 16 93 %,
-64 94 %, as fast as SDPA's cuDNN backend (0.99-1.02x); batch 1 at 4k keys 16 % (15 us: the
-launches are most of it).
+the split kernel writes O and LSE itself (no merge). Its bandwidth against HBM and its time
+against SDPA's backends are in ``recorded/11_decode_benchmark.json`` (device and date inside),
+which chapter 11, section 7, prints.
 
 **Variable lengths.** ``q (Tq, Hq, d)``, ``k, v (Tk, Hkv, d)`` packed, sequence b at rows
 ``cu_seqlens[b] .. cu_seqlens[b + 1] - 1``; grid ``(cdiv(max_seqlen_q, BLOCK_M), Hq, batch)``,
@@ -56,8 +55,10 @@ program ``(i, h, b)`` owns query tile i of sequence b, head h (tiles past the se
 nothing). Query row r sits at key position ``p = r + nk - nq`` (bottom-right) and sees keys
 ``p - left <= j <= p + right`` (causal: right = 0). A tile visits only the key tiles that meet
 its band, in three stages: masked tiles on the left edge, unmasked tiles inside every row's band,
-masked tiles on the right edge (the diagonal, the sequence end). A row that sees no key gives
-O = 0, LSE = -inf.
+masked tiles on the right edge (the diagonal, the sequence end). O is ``(Tq, Hq, d)`` like q; LSE
+is ``(Hq, Tq)``, heads first like the dense ``(B, H, N)`` and FlashAttention's varlen API. A row
+that sees no key gives O = 0, LSE = -inf (FlashAttention's non-split path stores +inf there; see
+chapter 11, section 6).
 
 Scores are kept in base 2 as in chapter 09: ``scale * log2(e)`` is folded into one multiply and
 every exponential is ``exp2``. With a softcap c, ``S = c * tanh(scale * q.k / c)``, with
@@ -327,9 +328,9 @@ def _varlen_inner(acc, l_i, m_i, q, K, V, stride_kt, offs_n, offs_d, p, lo, hi, 
 def _varlen_kernel(Q, K, V, O, LSE, CU_Q, CU_K, score_scale, softcap_log2e,
                    window_left, window_right,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-                   G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, REVERSE: tl.constexpr,
-                   ROWS32: tl.constexpr, CAUSAL: tl.constexpr):
+                   stride_lh, stride_lt, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                   REVERSE: tl.constexpr, ROWS32: tl.constexpr, CAUSAL: tl.constexpr):
     # Program (i, hq, b): query rows start_m .. start_m + BLOCK_M - 1 of sequence b, head hq.
     # window_left / window_right are huge when a side is unlimited (causal: right = 0).
     # CAUSAL: plain causal, no window (the one-comparison mask of _varlen_inner).
@@ -338,7 +339,6 @@ def _varlen_kernel(Q, K, V, O, LSE, CU_Q, CU_K, score_scale, softcap_log2e,
         i = tl.num_programs(0) - 1 - i
     hq = tl.program_id(1)
     b = tl.program_id(2)
-    Hq = tl.num_programs(1)
     q_start = tl.load(CU_Q + b)
     nq = tl.load(CU_Q + b + 1) - q_start
     start_m = i * BLOCK_M
@@ -392,7 +392,7 @@ def _varlen_kernel(Q, K, V, O, LSE, CU_Q, CU_K, score_scale, softcap_log2e,
     o, lse = _finish(acc, l_i, m_i)
     tl.store(O + q_rows[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
              o.to(O.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + q_rows * Hq + hq, lse, mask=row_ok)
+    tl.store(LSE + hq * stride_lh + q_rows * stride_lt, lse, mask=row_ok)  # LSE (Hq, Tq)
 
 
 # =============================================================================================
@@ -712,8 +712,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of :func:`varlen_config`'s.
 
     Returns:
-        O ``(Tq, Hq, d)`` in q's dtype and LSE ``(Tq, Hq)`` float32; a row that sees no key:
-        O = 0, LSE = -inf.
+        O ``(Tq, Hq, d)`` in q's dtype and LSE ``(Hq, Tq)`` float32, natural log, heads first as
+        in the dense ``(B, H, N)`` layout and FlashAttention's ``flash_attn_varlen_func``; a row
+        that sees no key: O = 0, LSE = -inf.
     """
     layout = {"q": "(Tq, Hq, d): packed tokens", "k": "(Tk, Hkv, d): packed tokens",
               "v": "(Tk, Hkv, d): packed tokens"}
@@ -745,7 +746,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if check_values:
         _check_varlen_values(cu_seqlens_q, cu_seqlens_k, Tq, Tk, max_seqlen_q, max_seqlen_k)
 
-    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, (Tq, Hq)), (q.dtype, torch.float32), q.device)
+    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, (Hq, Tq)), (q.dtype, torch.float32), q.device)
     if max_seqlen_q == 0 or Tq == 0:
         return O, LSE
 
@@ -758,8 +759,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q, k, v, O, LSE, cu_seqlens_q, cu_seqlens_k, score_scale, softcap_log2e,
         left if left >= 0 else unlimited, right if right >= 0 else unlimited,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), O.stride(0), O.stride(1),
-        G=Hq // Hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SOFTCAP=softcap > 0,
-        REVERSE=bool(causal), ROWS32=k.numel() < 2**31, CAUSAL=bool(causal) and left < 0,
+        LSE.stride(0), LSE.stride(1), G=Hq // Hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        SOFTCAP=softcap > 0, REVERSE=bool(causal), ROWS32=k.numel() < 2**31,
+        CAUSAL=bool(causal) and left < 0,
         num_warps=warps, num_stages=stages)
     return O, LSE
 

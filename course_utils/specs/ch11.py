@@ -7,7 +7,8 @@ process, against definitions written another way (a float64 softmax over each se
 key list, brute-force enumerations):
 
 - ``11.shared_prefix``: ``cascade_attention(q, K_prefix, V_prefix, K_suffix, V_suffix,
-  cu_seqlens_q, cu_seqlens_k, scale) -> (O, LSE)``. B sequences share a prefix of P keys and
+  cu_seqlens_q, cu_seqlens_k, scale) -> (O, LSE)``, O ``(Tq, Hq, d)``, LSE ``(Hq, Tq)`` (heads
+  first, as every packed LSE of the course). B sequences share a prefix of P keys and
   each has its own suffix; the prefix part is computed for all queries at once and merged by LSE
   with each sequence's suffix part. O and LSE against the float64 softmax over ``prefix +
   suffix`` per sequence; one case counts the prefix elements the operators read
@@ -140,7 +141,7 @@ def cascade_reference(q, K_prefix, V_prefix, K_suffix, V_suffix, cu_seqlens_q, c
     heads = torch.arange(Hq, device=q.device)
     kv_head = heads % Hkv if slip == "heads" else heads // (Hq // Hkv)
     O = torch.zeros(Tq, Hq, d, dtype=torch.float64, device=q.device)
-    LSE = torch.full((Tq, Hq), -math.inf, dtype=torch.float64, device=q.device)
+    LSE = torch.full((Hq, Tq), -math.inf, dtype=torch.float64, device=q.device)  # heads first
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         nq, n = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
@@ -160,7 +161,7 @@ def cascade_reference(q, K_prefix, V_prefix, K_suffix, V_suffix, cu_seqlens_q, c
             keep = (j >= P) & (j - P <= last)
         O_b, LSE_b = _masked_softmax64(S, keep.expand(Hq, -1, -1), V.transpose(0, 1))
         O[cq[b]:cq[b + 1]] = O_b.transpose(0, 1)
-        LSE[cq[b]:cq[b + 1]] = LSE_b.transpose(0, 1)
+        LSE[:, cq[b]:cq[b + 1]] = LSE_b
     return O, LSE
 
 
@@ -220,7 +221,7 @@ def _cascade_case(name, P, suffix_lengths, query_counts, Hq, Hkv, d, hint, *, st
             raise
         compare("LSE", LSE, LSE_ref, case=label, atol=atol, rtol=rtol, dtype=torch.float32,
                 hint="O is right but LSE is not: LSE of a row is logaddexp(LSE_prefix, "
-                     "LSE_suffix), natural log, of the scaled scores; float32, shape (Tq, Hq).")
+                     "LSE_suffix), natural log, of the scaled scores; float32, shape (Hq, Tq).")
         if count_reads:
             once = P * Hkv * d  # the prefix, K or V, read once
             limit = once * (Hq // Hkv)
@@ -596,7 +597,7 @@ def paged_reference(q, K, V, query_counts, scale, *, slip=None):
     ``slip``: ``"top_left"`` (j <= r) or ``"heads"`` (head h reads K/V head h % Hkv)."""
     Tq, Hq, _ = q.shape
     O = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    LSE = torch.full((Tq, Hq), -math.inf, dtype=torch.float64, device=q.device)
+    LSE = torch.full((Hq, Tq), -math.inf, dtype=torch.float64, device=q.device)  # heads first
     start = 0
     for b, nq in enumerate(query_counts):
         nk, Hkv = K[b].shape[0], K[b].shape[1]
@@ -609,7 +610,7 @@ def paged_reference(q, K, V, query_counts, scale, *, slip=None):
         keep = j <= (r if slip == "top_left" else r + nk - nq)
         O_b, LSE_b = _masked_softmax64(S, keep.expand(Hq, -1, -1), Vb.transpose(0, 1))
         O[start:start + nq] = O_b.transpose(0, 1)
-        LSE[start:start + nq] = LSE_b.transpose(0, 1)
+        LSE[:, start:start + nq] = LSE_b
         start += nq
     return O, LSE
 
@@ -644,7 +645,7 @@ def _paged_case(name, query_counts, key_counts, Hq, Hkv, page_size, dtype, hint,
         label = (f"{name} [nq {list(query_counts)}, nk {list(key_counts)}, Hq={Hq}, Hkv={Hkv}, "
                  f"PAGE_SIZE={page_size}, d={D}, {str(dtype).replace('torch.', '')}]")
         O = poisoned(q.shape, dtype, q.device)
-        LSE = poisoned(q.shape[:2], torch.float32, q.device)
+        LSE = poisoned((q.shape[1], q.shape[0]), torch.float32, q.device)  # (Hq, Tq)
         snap = snapshot(q, K_cache, V_cache, table, names=["q", "K_cache", "V_cache",
                                                            "block_table"])
         O, LSE = sequence(invoke(candidate, H + "run_paged_prefill", q, K_cache, V_cache, table,
