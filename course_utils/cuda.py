@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -82,6 +83,11 @@ DEFAULT_MAX_DYNAMIC_SMEM = 48 * 1024  # dynamic shared memory a kernel gets with
 MAX_THREADS_PER_BLOCK = 1024
 BUNDLED_HEADERS_MIN_NVRTC = (13, 3)  # first NVRTC that ships cuda_fp16.h etc. itself
 CACHE_VERSION = "1"  # bump to invalidate every cached compile after a change to this module
+# A first build's time, when no earlier build of that name was timed: seconds, plus seconds per
+# KiB of source. Measured: the smallest load_inline extension took 26-30 s (torch's bindings
+# include <torch/extension.h>); nvcc -cubin of a .cu that includes <torch/types.h>, about 10 s.
+FIRST_BUILD_S = {"extension": (25.0, 1.0), "cubin": (10.0, 1.0)}
+BUILD_TIMES_FILE = "build_times.json"  # in the cache folder: seconds of the last build per name
 # torch's extension builds hold a lock file in their folder for the ~30-90 s of a build; one
 # older than this was left by a build that was killed (a restarted kernel, a timeout)
 STALE_LOCK_S = 600
@@ -163,6 +169,47 @@ def _digest(*parts) -> str:
         h.update(repr(part).encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def _build_times_path() -> Path:
+    return _cache_dir() / BUILD_TIMES_FILE
+
+
+def _expected_build_s(kind: str, name: str, source: str) -> float:
+    """Seconds a build of ``name`` should take: the last timed build of that name, else a
+    rough estimate from the size of the source (``FIRST_BUILD_S``)."""
+    try:
+        last = json.loads(_build_times_path().read_text()).get(f"{kind}:{name}")
+    except (OSError, ValueError, AttributeError):
+        last = None
+    if isinstance(last, (int, float)) and last > 0:
+        return float(last)
+    base, per_kib = FIRST_BUILD_S[kind]
+    return base + per_kib * len(source) / 1024
+
+
+def _record_build_s(kind: str, name: str, seconds: float) -> None:
+    """Remember how long the build of ``name`` took (best effort: a cache that cannot be
+    written only loses the estimate)."""
+    path = _build_times_path()
+    try:
+        times = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(times, dict):
+            times = {}
+        times[f"{kind}:{name}"] = round(seconds, 1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(times, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except (OSError, ValueError):
+        pass
+
+
+def _announce_build(kind: str, name: str, source: str) -> float:
+    """Say that a build starts, and how long it should take; returns the start time."""
+    expected = _expected_build_s(kind, name, source)
+    print(f"compiling {name} (first build, about {max(1, round(expected))} s)", flush=True)
+    return time.perf_counter()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -952,12 +999,14 @@ def _safe_stem(text: str) -> str:
 
 
 def _nvcc_cubin(
-    source: str, *, arch: str, flags, stem: str, display_name: str, verbose: bool = False
+    source: str, *, arch: str, flags, stem: str, display_name: str, verbose: bool = False,
+    announce: bool = False,
 ) -> tuple[str, bool]:
     """Compile ``source`` to a cubin with ``nvcc -cubin -Xptxas -v`` (no GPU needed), cached
     on disk by source, flags, arch and nvcc version. Returns (ptxas log, was it cached). A
     compile that fails is cached too (its log), so that a source known not to compile for an
-    arch (the compile matrix's bf16 mma on sm_75) is not compiled again to say so."""
+    arch (the compile matrix's bf16 mma on sm_75) is not compiled again to say so. With
+    ``announce``, a compile that is not cached is announced with the time it should take."""
     nvcc = nvcc_path()
     assert nvcc is not None
     flags = list(flags)
@@ -993,6 +1042,7 @@ def _nvcc_cubin(
     ]
     if verbose:
         print(" ".join(cmd))
+    started = _announce_build("cubin", stem, source) if announce else None
     try:
         done = subprocess.run(
             cmd, cwd=folder, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S
@@ -1008,6 +1058,8 @@ def _nvcc_cubin(
     tmp = done_file.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(log)
     tmp.replace(done_file)
+    if started is not None:
+        _record_build_s("cubin", stem, time.perf_counter() - started)
     if done.returncode != 0:
         raise failed(log)
     return log, False
@@ -1154,12 +1206,18 @@ def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), ver
     if module_name in _built_modules:
         return _built_modules[module_name]
     started = time.perf_counter()
+    stem = _safe_stem(name or functions[0])
+    built = False  # a built library in torch's folder: loaded, not compiled
     try:
         from torch.utils.cpp_extension import _get_build_directory  # where torch will build
     except ImportError:  # a torch without it: torch's own waiting, unchanged
         pass
     else:
-        _clear_stale_build_lock(_get_build_directory(module_name, verbose=False))
+        build_dir = Path(_get_build_directory(module_name, verbose=False))
+        _clear_stale_build_lock(build_dir)
+        built = (build_dir / f"{module_name}.so").is_file()
+    if not built:
+        started = _announce_build("extension", stem, text)
     saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
     try:
         if arch_list:  # torch turns "9.0a" into -gencode=arch=compute_90a,code=sm_90a
@@ -1190,6 +1248,8 @@ def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), ver
                 os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
             else:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch_list
+    if not built:
+        _record_build_s("extension", stem, time.perf_counter() - started)
     if verbose:
         print(f"built {module_name} in {time.perf_counter() - started:.1f} s")
     _built_modules[module_name] = module
@@ -1229,7 +1289,8 @@ def _load_cuda_compile_only(text, functions, extra, display_name, verbose,
         )
     stem = _safe_stem(Path(display_name).stem if display_name != "<source>" else functions[0])
     log, _cached = _nvcc_cubin(
-        text, arch=arch, flags=extra, stem=stem, display_name=display_name, verbose=verbose
+        text, arch=arch, flags=extra, stem=stem, display_name=display_name, verbose=verbose,
+        announce=True,
     )
     kernels = parse_ptxas_log(log, source=text)
     summary = (

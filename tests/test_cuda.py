@@ -812,3 +812,78 @@ def test_a_killed_builds_lock_is_removed_and_a_fresh_one_is_left(tmp_path, capsy
     os.utime(lock, (old, old))
     assert C._clear_stale_build_lock(tmp_path) and not lock.exists()
     assert "a build that was killed" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# A build that is not cached says so first, with the time it should take
+# ---------------------------------------------------------------------------------------------
+
+FAKE_PTXAS = (
+    "ptxas info    : Compiling entry function '_Z10add_kernelPKfS0_Pfi' for 'sm_90'\n"
+    "ptxas info    : Used 8 registers, 380 bytes cmem[0]\n"
+)
+
+
+def _fake_nvcc(monkeypatch, tmp_path):
+    """nvcc replaced by a stand-in that writes an empty cubin at once; returns its call log."""
+    calls = []
+    real_run = C.subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if cmd[0] != "fake-nvcc":
+            return real_run(cmd, *args, **kwargs)
+        if "--version" in cmd:
+            return C.subprocess.CompletedProcess(cmd, 0, "Cuda compilation tools, fake\n", "")
+        calls.append(cmd)
+        out = Path(kwargs["cwd"]) / cmd[cmd.index("-o") + 1]
+        out.write_bytes(b"")
+        return C.subprocess.CompletedProcess(cmd, 0, "", FAKE_PTXAS)
+
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(C, "nvcc_path", lambda: "fake-nvcc")
+    monkeypatch.setattr(C.subprocess, "run", run)
+    return calls
+
+
+def test_a_first_compile_is_announced_and_a_cached_one_is_silent(cpu_mode, monkeypatch,
+                                                                  tmp_path, capsys):
+    calls = _fake_nvcc(monkeypatch, tmp_path)
+    C.load_cuda(VECTOR_ADD_SRC, ["vector_add"], name="vector_add")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(calls) == 1
+    assert re.fullmatch(r"compiling vector_add \(first build, about \d+ s\)", lines[0]), lines
+    assert lines[1].startswith("compiled with nvcc for sm_90")
+    C.load_cuda(VECTOR_ADD_SRC, ["vector_add"], name="vector_add")  # cached: no word of it
+    out = capsys.readouterr().out
+    assert len(calls) == 1 and "compiling" not in out and "compiled with nvcc" in out
+    # the next first build of that name expects the time the last one took
+    (tmp_path / C.BUILD_TIMES_FILE).write_text('{"cubin:vector_add": 42.0}')
+    C.load_cuda(VECTOR_ADD_SRC + "\n// changed\n", ["vector_add"], name="vector_add")
+    assert "compiling vector_add (first build, about 42 s)" in capsys.readouterr().out
+
+
+def test_a_first_extension_build_is_announced_on_a_gpu(monkeypatch, tmp_path, capsys):
+    import torch.utils.cpp_extension as ext
+
+    built = []
+
+    def load_inline(name, **kwargs):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / f"{name}.so").write_bytes(b"")
+        built.append(name)
+        return f"module {name}"
+
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(ext, "load_inline", load_inline)
+    monkeypatch.setattr(ext, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    src = VECTOR_ADD_SRC + "\n// announce test\n"
+    module = C.load_cuda(src, ["vector_add"], name="announce_test")
+    assert module == f"module {built[0]}"
+    assert re.match(r"compiling announce_test \(first build, about \d+ s\)",
+                    capsys.readouterr().out)
+    assert '"extension:announce_test"' in (tmp_path / "cache" / C.BUILD_TIMES_FILE).read_text()
+    C._built_modules.pop(built[0])  # a new process: torch's built library is found, and loaded
+    C.load_cuda(src, ["vector_add"], name="announce_test")
+    assert len(built) == 2 and "compiling" not in capsys.readouterr().out
+    C._built_modules.pop(built[0])
