@@ -35,7 +35,10 @@ What LBO and SBO mean depends on which dimension of the operand runs along the r
 
 * **K-major** (the reduction dimension K is contiguous; e.g. Q and K in ``S = Q K^T``): element
   ``(mn, k)`` of the 64 x 16 or N x 16 operand is at ``start + (mn % 8) * row + (mn // 8) * SBO +
-  2 k`` before the swizzle. SBO is the distance between groups of 8 rows; LBO is unused.
+  2 k`` before the swizzle. SBO is the distance between groups of 8 rows. LBO is ignored: under
+  the 128-byte swizzle (and the narrower ones) a k-step's 16 elements never leave one swizzled
+  row, and the PTX ISA's table of descriptor strides has the leading byte offset "not used" for
+  swizzled K-major layouts. Any value that encodes will do (16 is customary).
 * **MN-major** (M or N contiguous; e.g. V in ``O = P V``, whose rows are keys, the K dimension):
   element ``(mn, k)`` is at ``start + 2 (mn % W) + (mn // W) * LBO + (k % 8) * row + (k // 8) *
   SBO``, ``W = row / 2`` elements a row: LBO jumps from one panel of W columns to the next, SBO
@@ -196,9 +199,12 @@ def schedule(kind: str, n_blocks: int, t_gemm: float, t_softmax: float) -> dict:
       (each takes twice as long), then both run their softmax at the same time, sharing the exp
       units, while the tensor cores have nothing to do;
     * ``"ping-pong"``: the two take turns on the tensor cores (0, 1, 0, 1, ...: a named barrier
-      in the kernel), so that one's softmax runs while the other's products run;
+      in the kernel), so that one's softmax runs while the other's products run; each product is
+      a turn of its own, two turns a key block, as in variant 1 of the kernel (a turn costs
+      nothing here; on an H100 that variant is slower than none);
     * ``"ping-pong + overlap"``: and inside each consumer, S(j) and PV(j - 1) are issued together,
-      before the softmax of S(j): PV(j - 1) runs under that softmax.
+      in one turn, before the softmax of S(j): PV(j - 1) runs under that softmax. One turn a key
+      block, as variant 3 and FlashAttention-3 take theirs.
 
     A consumer issues a *turn* (one or two products), waits for what its next turn needs (its
     S for the softmax, and without overlap its PV too), and issues the next.

@@ -169,7 +169,8 @@ def run_consumer(ops, *, Q, K, V, block_n, stages, scale, causal=False, q0=0, pr
                  order="late") -> Run:
     """Run the parsed list ``ops`` on Q (rows x d), K and V (keys x d, float32): see the module
     docstring. ``q0`` is the first row's index (causal: key c is masked for row r when c > r,
-    top-left aligned); keys past ``len(K)`` are masked. Raises :class:`PipelineError`."""
+    top-left aligned as in the lecture's kernels, not FlashAttention-2/3's bottom-right); keys past
+    ``len(K)`` are masked. Raises :class:`PipelineError`."""
     rows, n_keys = Q.shape[0], K.shape[0]
     n = -(-(min(n_keys, q0 + rows) if causal else n_keys) // block_n)
     rng = random.Random(order) if order != "late" else None

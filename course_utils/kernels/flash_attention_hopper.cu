@@ -2,7 +2,9 @@
 //
 // Shapes (row-major, contiguous): Q (B, H, Nq, D), K and V (B, H, Nk, D), bf16; O (B, H, Nq, D)
 // bf16; LSE (B, H, Nq) float32 (natural log). D is 64 or 128. Causal is top-left aligned, as in
-// chapters 07 and 10 (key c is masked for query r when c > r).
+// chapters 07 and 10 and torch's is_causal (key c is masked for query r when c > r), also when
+// Nq != Nk; FlashAttention-2 (from 2.1) and FlashAttention-3 align it bottom-right (c masked when
+// c > r + Nk - Nq). The two agree when Nq == Nk.
 //
 // One block computes BLOCK_M = 128 query rows of one head with 3 warpgroups of 128 threads
 // (variant 5: 192 rows, 4 warpgroups, three consumers):
@@ -21,7 +23,10 @@
 //
 // The ladder of chapter 14 is the template flags:
 //   PINGPONG  the two consumers take turns on the tensor cores (named barriers 1 and 2): while
-//             one warpgroup runs its softmax, the other's matmuls run.
+//             one warpgroup runs its softmax, the other's matmuls run. Without OVERLAP a turn is
+//             one product, two turns a key block (variant 1, slower than none on an H100); with
+//             it a turn issues S(j) and P(j - 1) V(j - 1) together, one turn a key block, as
+//             FlashAttention-3's warp_scheduler_barrier_sync / _arrive (variant 3 on).
 //   OVERLAP   inside one warpgroup, S(j + 1) = Q K(j + 1)^T is issued before the softmax of
 //             S(j) and O += P(j) V(j) runs under it: the exp units and the tensor cores work
 //             at the same time.
@@ -223,7 +228,9 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
 
     // descriptors: Q's rows of this consumer (K-major), K (K-major), V (MN-major: D runs along
     // the 128-byte rows); step k of 16 columns inside a panel moves the start by 32 bytes
-    // (each the descriptor of the tile's start plus the k-step's offset: desc_plus)
+    // (each the descriptor of the tile's start plus the k-step's offset: desc_plus). LBO is
+    // ignored for a K-major operand under the 128-byte swizzle (PTX ISA: "not used"), so Q's and
+    // K's 16 is a placeholder; V's is the distance between its 64-column panels.
     const uint64_t q_start = smem_desc(sm.Q + w * 64 * 64, 16, 1024);  // this consumer's Q rows
     auto q_desc = [&](int k) { return desc_plus(q_start, (k / 4) * BLOCK_M * 64 + (k % 4) * 16); };
     auto k_desc = [&](int s, int k) {
@@ -232,7 +239,8 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     auto v_desc = [&](int s, int k) {  // keys 16k .. 16k + 15
         return desc_plus(smem_desc(sm.V[s], BN * 128, 1024), k * 16 * 64);
     };
-    // Turns go round: consumer w waits on barrier 1 + w and hands the turn to w + 1. The last
+    // Turns go round: consumer w waits on barrier 1 + w and hands the turn to w + 1 (a turn: one
+    // product without OVERLAP, S(j) with P(j - 1) V(j - 1) with it). The last
     // consumer opens consumer 0's first turn, so it leaves out its own last hand-over (each
     // barrier then sees as many arrivals as waits).
     auto turn_begin = [&]() { if (PINGPONG) named_sync(1 + w); };
@@ -680,7 +688,7 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
     check_cuda(cudaGetLastError(), "flash_attention_hopper: launch");
 }
 
-// O, LSE = attention(Q, K, V) with TMA and wgmma (sm_90 only). variant: 0 = warp specialized,
+// O, LSE = attention(Q, K, V) with TMA and wgmma (sm_90a: H100/H200 only). variant: 0 = warp specialized,
 // 1 = + ping-pong of the two consumers, 2 = + overlap inside a warpgroup, 3 = both; 4 = 3 with
 // key tiles of 176 instead of 128 (d = 128 only: fewer, longer softmax passes, FlashAttention-3's
 // choice; 88 + 44 + 64 registers of S, P and O a thread); 5 = 3 with three consumers, 192 query

@@ -2,8 +2,9 @@
 //
 // Shapes (row-major, contiguous): Q, O, dO (B, H, Nq, D) bf16; K, V (B, H, Nk, D) bf16; LSE
 // (B, H, Nq) float32 (natural log, as the forward flash_attention_hopper.cu returns it). D is 64
-// or 128. Causal is top-left aligned (key c is masked for query r when c > r). Returns dQ, dK, dV
-// in bf16 with the shapes of Q, K, V. scale = 1 / sqrt(D).
+// or 128. Causal is top-left aligned (key c is masked for query r when c > r), as the forward's,
+// also when Nq != Nk (FlashAttention-2 from 2.1 and FlashAttention-3 align it bottom-right).
+// Returns dQ, dK, dV in bf16 with the shapes of Q, K, V. scale = 1 / sqrt(D).
 //
 // The math (chapter 08), per head, with P the forward's probabilities:
 //   P = exp(scale Q K^T - LSE)    dV = P^T dO    dP = dO V^T    Delta = rowsum(dO * O)
@@ -778,7 +779,7 @@ static void backward_passes(const torch::Tensor& Q, const torch::Tensor& K, cons
     check_cuda(cudaGetLastError(), "flash_attention_hopper_bwd: convert launch");
 }
 
-// dQ, dK, dV of attention(Q, K, V) given the forward's O and LSE and the gradient dO of O (sm_90).
+// dQ, dK, dV of attention(Q, K, V) given the forward's O and LSE and the gradient dO of O (sm_90a).
 std::vector<torch::Tensor> flash_attention_hopper_bwd(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                       torch::Tensor O, torch::Tensor dO,
                                                       torch::Tensor LSE, bool causal) {

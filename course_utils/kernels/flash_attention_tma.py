@@ -12,7 +12,9 @@ The first rungs of the chapter's ladder above chapter 09's FlashAttention-2 forw
 
 Shapes and names are chapter 09's: q ``(B, H, Nq, d)``, k, v ``(B, H, Nk, d)``, contiguous, d in
 (16, 32, 64, 128); O like q (bfloat16 for FP8), LSE ``(B, H, Nq)`` float32 in natural log;
-causal is top-left aligned (query r sees keys c <= r). ``BLOCK_M`` is Br, ``BLOCK_N`` is Bc.
+causal is top-left aligned (query r sees keys c <= r, also when Nq != Nk, as torch's
+``is_causal``; FlashAttention-2 from 2.1 and FlashAttention-3 align it bottom-right,
+``c <= r + Nk - Nq``: the same only when Nq == Nk). ``BLOCK_M`` is Br, ``BLOCK_N`` is Bc.
 The math is chapter 09's too: scores in base 2 with ``qk_scale = scale * log2(e)``, the online
 softmax (m, l), the causal split into unmasked and diagonal key tiles (:func:`causal_split`,
 imported), ``tile_dot`` for the products.
@@ -399,7 +401,8 @@ def attention_forward_tma(q, k, v, causal=False, scale=None, *, num_stages=None,
         q: ``(B, H, Nq, d)``; k, v: ``(B, H, Nk, d)``; contiguous, one dtype and device, d in
             (16, 32, 64, 128). float16 / bfloat16 (float32: exact and slow) on a GPU; float32 /
             float16 in the interpreter.
-        causal: query r sees keys c <= r (top-left aligned); a bool (or 0 / 1).
+        causal: query r sees keys c <= r (top-left aligned, also when Nq != Nk; not
+            FlashAttention-2's and -3's bottom-right); a bool (or 0 / 1).
         scale: scores are ``scale * Q K^T``; default ``1 / sqrt(d)``; must be > 0.
         num_stages: K/V tiles in flight (the software pipeline's depth); default the config's.
             Ignored by the interpreter.
@@ -674,8 +677,10 @@ def attention_forward_fp8(q, k, v, causal=False, scale=None, *, config=None,
       a per-block V scale would cost an extra multiply of a BLOCK_M x d tile per key tile.)
     * **P** is in [0, 1]; it is multiplied by ``P_SCALE = 256`` before the e4m3 rounding, O by
       1/256 at the end (see P_SCALE). The row sums l use the unrounded fp32 P.
-    * V is stored transposed, ``(B, H, d, Nk)``: for O += P V the fp8 tensor cores of an H100
-      read V with the reduction (key) dimension contiguous, which row-major V does not have.
+    * V is stored transposed, ``(B, H, d, Nk)``: an FP8 ``wgmma`` reads its shared-memory
+      operands K-major only (the PTX ISA allows its transpose flags for 16-bit inputs alone), and
+      in O += P V the reduction runs over the keys, down the rows of V; transposed, the keys are
+      contiguous.
 
     ``round_in_fp32``: round P to the e4m3 grid in fp32 (:func:`round_to_e4m3`) before the
     conversion; default on in the interpreter (its conversion is wrong, see there), off on a
