@@ -248,9 +248,10 @@ def runtime_on_gpu() -> bool:
     return runtime.on_gpu()
 
 
-def show(chapter: int, *, rounds: int = ROUNDS, progress: bool = False) -> dict | None:
+def show(chapter: int, *, rounds: int = ROUNDS, progress: bool = False) -> None:
     """Measure and print chapter ``chapter``'s headline on a GPU that runs its kernel; print the
-    recording elsewhere. Returns the data (None when there is neither)."""
+    recording elsewhere. (It returns nothing, so that a notebook cell ending with it does not
+    echo the data: :func:`measure` and ``recorded.load`` give the data.)"""
     from . import recorded, runtime
 
     if chapter not in CHAPTERS:
@@ -266,7 +267,7 @@ def show(chapter: int, *, rounds: int = ROUNDS, progress: bool = False) -> dict 
 
         data = measure(chapter, rounds=rounds, progress=progress)
         _print(data, f"measured now on {torch.cuda.get_device_name()}")
-        return data
+        return None
     name = f"{chapter}_headline"
     try:
         data = recorded.load(name, verbose=False)
@@ -274,7 +275,7 @@ def show(chapter: int, *, rounds: int = ROUNDS, progress: bool = False) -> dict 
         print(f"not recorded yet: {why}")
         return None
     _print(data, recorded.label(name))
-    return data
+    return None
 
 
 if __name__ == "__main__":
