@@ -243,3 +243,10 @@ def test_paged_problem_shuffles_pages_and_poisons_the_rest():
         logical = torch.cat([K_cache[p] for p in table[b].tolist()])[:n]
         assert torch.equal(logical.cpu(), K[b].cpu())
         assert torch.isnan(torch.cat([K_cache[p] for p in table[b].tolist()])[n:]).all()
+
+
+def test_token_first_lse_is_named(build):
+    """LSE (Tq, Hq), the layout chapter 11 used before issue 41: the shape is named, heads first."""
+    m = build(("return O.view(Tq, Hq, d), LSE.view(Tq, Hq).T.contiguous()",
+               "return O.view(Tq, Hq, d), LSE.view(Tq, Hq)"))
+    fails_visibly("11.shared_prefix", m.cascade_attention, "LSE has shape", "a transpose")
