@@ -100,7 +100,7 @@ def run_paged_prefill(kernel, q, K_cache, V_cache, block_table, cu_seqlens_q, se
     q, O ``(Tq, Hq, d)`` (the B sequences' new query tokens, packed); ``cu_seqlens_q`` ``(B + 1,)``
     int32; K_cache, V_cache ``(num_pages, PAGE_SIZE, Hkv, d)``; ``block_table`` ``(B,
     max_pages)`` int32 (logical page -> physical page); ``seqlens_k`` ``(B,)`` int32 (keys in the
-    cache, the new tokens' included); LSE ``(Tq, Hq)`` float32. Grid ``(cdiv(max nq, BLOCK_M),
+    cache, the new tokens' included); LSE ``(Hq, Tq)`` float32. Grid ``(cdiv(max nq, BLOCK_M),
     Hq, B)`` (the lecture's varlen grid) and the arguments::
 
         kernel[grid](Q, K_cache, V_cache, BLOCK_TABLE, CU_SEQLENS_Q, SEQLENS_K, O, LSE,
