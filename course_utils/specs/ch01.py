@@ -55,6 +55,33 @@ from ..grader import Exercise
 from ..harness.ch01 import measured_peak_bytes
 from ..runtime import device
 
+# ----------------------------------------------------------------------------- NaN, computed
+
+
+def compare_computed(name, actual, expected, *, why, **kwargs):
+    """``checks.compare`` for a function that returns what it computed (chapters 01 and 02).
+
+    Where ``actual`` holds NaN, ``compare``'s message begins with an output element never
+    written (a kernel's missing bounds guard, seen through a NaN-poisoned buffer): a cause of
+    later chapters' kernels, not of a function that computes its result in torch. Its NaN was
+    computed; ``why`` says how, in the exercise's own terms, and replaces that explanation.
+    """
+    try:
+        return compare(name, actual, expected, **kwargs)
+    except CheckFailure as failure:
+        where = failure.detail.find("]: ")  # "<n> elements of <name> are NaN, at [...]: <why>"
+        if " are NaN, at [" in failure.detail and where > 0:
+            failure.detail = f"{failure.detail[:where + 1]}: {why}"
+            failure.args = (failure.detail,)
+        raise
+
+
+WHY_NAN_ATTENTION = (
+    "computed as 0 / 0 or inf / inf: a row of S whose scores are all -inf (a row that sees no "
+    "key) has a softmax of 0 / 0 = NaN, and exp of a score above 88.7 is inf in float32, so a "
+    "softmax without the row max subtracted gives inf / inf"
+)
+
 # ----------------------------------------------------------------------------- naive attention
 
 naive_attention = Exercise(
@@ -323,8 +350,9 @@ def check_case(fn, case: AttentionCase, scale: str = "default"):
     if isinstance(O, (tuple, list)):
         raise CheckFailure(case.name, f"the function returned {len(O)} values, not O alone",
                            "return only O, of shape (B, H, Nq, d)")  # fmt: skip
-    compare("O", O, O_ref, case=case.name, atol=atol, rtol=rtol, hint=case.hint,
-            dtype=torch.float32, mistakes=attention_mistakes(q, k, v, case.causal, s))
+    compare_computed("O", O, O_ref, case=case.name, atol=atol, rtol=rtol, hint=case.hint,
+                     dtype=torch.float32, mistakes=attention_mistakes(q, k, v, case.causal, s),
+                     why=WHY_NAN_ATTENTION)
 
 
 def _attention_case(case: AttentionCase, scale: str = "default"):
@@ -368,9 +396,9 @@ def _default_arguments(fn):
                            "alone", "return only O, of shape (B, H, Nq, d)")  # fmt: skip
     max_score = float((q.double() @ k.double().mT).abs().amax()) / math.sqrt(case.d)
     atol, rtol = tolerance(torch.float32, max_score)
-    compare("O", result, O_ref, case=case.name, atol=atol, rtol=rtol, hint=HINT_DEFAULT,
-            dtype=torch.float32,
-            mistakes=attention_mistakes(q, k, v, False, 1.0 / math.sqrt(case.d), True))
+    compare_computed("O", result, O_ref, case=case.name, atol=atol, rtol=rtol,
+                     hint=HINT_DEFAULT, dtype=torch.float32, why=WHY_NAN_ATTENTION,
+                     mistakes=attention_mistakes(q, k, v, False, 1.0 / math.sqrt(case.d), True))
 
 
 @naive_attention.case("fresh random shapes, random scale", hidden=True)

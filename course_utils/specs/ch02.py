@@ -60,6 +60,7 @@ from ..grader import Exercise, invoke
 from ..harness.ch02 import THREADS  # threads per block of 02.softmax_kernel
 from ..runtime import device, kernel_array, pick, synchronize
 from . import require_implemented, returned_text
+from .ch01 import compare_computed
 
 SOFTMAX_FORBIDDEN = ("softmax", "log_softmax", "logsumexp")
 
@@ -106,21 +107,10 @@ WHY_NAN = (
 
 
 def _compare(name, actual, expected, **kwargs):
-    """``checks.compare``, with the cause of a NaN that fits this chapter first.
-
-    The functions graded here return what they computed, and a softmax's NaN comes from exp
-    overflowing or underflowing: the generic message's first cause, an output element never
-    written (a kernel's missing bounds guard, seen through a NaN-poisoned buffer), does not fit
-    them. The kernel exercise (02.softmax_kernel) writes into poisoned buffers and keeps it.
-    """
-    try:
-        return compare(name, actual, expected, **kwargs)
-    except CheckFailure as failure:
-        where = failure.detail.find("]: ")  # "<n> elements of <name> are NaN, at [...]: <why>"
-        if " are NaN, at [" in failure.detail and where > 0:
-            failure.detail = f"{failure.detail[:where + 1]}: {WHY_NAN}"
-            failure.args = (failure.detail,)
-        raise
+    """``checks.compare`` with a softmax's causes of NaN first (``ch01.compare_computed``): the
+    functions graded here return what they computed. The kernel exercise
+    (02.softmax_kernel) writes into NaN-poisoned buffers and keeps compare's own message."""
+    return compare_computed(name, actual, expected, why=WHY_NAN, **kwargs)
 
 
 # ----------------------------------------------------------------------------- stable softmax
