@@ -26,7 +26,8 @@ idle (``--timeout`` seconds per notebook), saves it, then writes into ``--out``:
 status is 1 when a cell raised or a notebook did not finish in time, 2 when a tool is missing
 (Playwright: ``pip install playwright``; Chromium: ``apt-get install chromium`` or
 ``COURSE_CHROMIUM=/path``; JupyterLab: ``pip install jupyterlab``), else 0. The server, its
-kernels and the browser are stopped on every exit.
+kernels and the browser are stopped on every exit. Without an emoji font the checks' ✅ shows
+as a box in the screenshots (``apt-get install fonts-noto-color-emoji``).
 """
 
 from __future__ import annotations
