@@ -27,6 +27,13 @@ Who computes one block: on CUDA chapter 09's Triton kernels (``attention_forward
 ``attention_backward``); on the CPU in float32/bf16 chapter 12's PyTorch FlashAttention-2
 (``ops.attention_forward_torch``); float64 inputs (the checks) a dense float64 block, written
 here. Transfers use ``dist.batch_isend_irecv`` only: gloo on the CPU, NCCL on GPUs.
+
+The contract (:mod:`course_utils.contract`): ``causal`` is ``False``, ``True``, ``"top_left"``
+or ``"bottom_right"``, all the same mask here (the sequence's queries and keys are the same N
+rows, so query i sees key j <= i in global positions); LSE natural log, float32 (float64 for
+float64 inputs), ``(B, H, n)``, -inf for a row that saw no key; :func:`merge` takes -inf or
+FlashAttention's +inf for such a row and refuses NaN. :func:`shard` returns its shards tagged
+with their layout, and :func:`unshard` refuses to put them back in another one.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .contract import ALIGNMENTS, causal_alignment, empty_rows_to_minus_inf
+
 LAYOUTS = ("contiguous", "zigzag")
 # Set in every NCCL process (the lent machines have no NVLink multicast/NVLS to rely on).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -51,6 +60,7 @@ TAG_KV, TAG_DKV = 0, 1  # gloo matches a send to a recv by (peer, tag): one tag 
 __all__ = [
     "LAYOUTS",
     "NCCL_ENV",
+    "Shards",
     "allgather_attention",
     "block_plan",
     "launch",
@@ -95,17 +105,49 @@ def positions(N, R, layout="contiguous"):
     return [torch.cat([chunks[r], chunks[2 * R - 1 - r]]) for r in range(R)]
 
 
+class Shards(list):
+    """The list :func:`shard` returns, tagged with the ``layout`` and ``dim`` it was cut with,
+    so that :func:`unshard` can refuse another layout (which would silently permute rows)."""
+
+    def __init__(self, parts, layout, dim):
+        super().__init__(parts)
+        self.layout, self.dim = layout, dim
+
+
 def shard(x, R, layout="contiguous", dim=-2):
-    """Cut ``x`` along ``dim`` (the sequence) into R shards: a list, shard r for rank r."""
+    """Cut ``x`` along ``dim`` (the sequence) into R shards: a list (:class:`Shards`, tagged
+    with its layout), shard r for rank r."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise TypeError(f"x must be a tensor with a sequence dim, got "
+                        f"{getattr(x, 'shape', type(x).__name__)}")
     N = x.shape[dim]
-    return [x.index_select(dim, p.to(x.device)) for p in positions(N, R, layout)]
+    return Shards([x.index_select(dim, p.to(x.device)) for p in positions(N, R, layout)],
+                  layout, dim % x.dim())
 
 
-def unshard(parts, layout="contiguous", dim=-2):
-    """Inverse of :func:`shard`: the R shards back into one tensor in sequence order."""
+def unshard(parts, layout=None, dim=-2):
+    """Inverse of :func:`shard`: the R shards back into one tensor in sequence order.
+
+    ``layout``: the one the shards were cut with; default the tag of :func:`shard`'s list, else
+    ``"contiguous"``. A tagged list with another layout (or dim) is a ValueError: the rows would
+    come back permuted. Plain lists (shards gathered from ranks) are checked for equal shapes.
+    """
     R = len(parts)
     if R < 1:
         raise ValueError("unshard needs at least one shard")
+    tag = getattr(parts, "layout", None)
+    if layout is None:
+        layout = tag or "contiguous"
+    _check_layout(layout)
+    if tag is not None and tag != layout:
+        raise ValueError(f"these shards were cut with layout={tag!r}, not {layout!r}: unsharding "
+                         "them as another layout would permute the sequence's rows")
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor) or p.shape != parts[0].shape:
+            raise ValueError(f"shard {i} has shape {tuple(getattr(p, 'shape', ()))}, shard 0 "
+                             f"{tuple(parts[0].shape)}: every rank holds a shard of one shape")
+    if tag is not None and getattr(parts, "dim", None) != dim % parts[0].dim():
+        raise ValueError(f"these shards were cut along dim={parts.dim}, not dim={dim}")
     N = sum(p.shape[dim] for p in parts)
     where = torch.cat(positions(N, R, layout)).to(parts[0].device)
     stacked = torch.cat(list(parts), dim=dim)
@@ -226,7 +268,25 @@ def step_work(R, layout, causal=True, n=64):
 def merge(O, LSE, O_s, LSE_s):
     """Merge a step's partial ``(O_s, LSE_s)`` into the running ``(O, LSE)``; returns the new
     pair. O ``(..., n, d)`` and LSE ``(..., n)`` in the accumulation dtype (float32, or float64),
-    both LSE in natural log; a side with LSE = -inf (no key seen yet) weighs nothing."""
+    both LSE in natural log; a side with LSE = -inf (no key seen yet; FlashAttention's +inf for
+    such a row is taken as -inf) weighs nothing. A NaN LSE is a ValueError."""
+    for name, t in (("O", O), ("LSE", LSE), ("O_s", O_s), ("LSE_s", LSE_s)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    if O.shape != O_s.shape or LSE.shape != LSE_s.shape or O.shape[:-1] != LSE.shape:
+        raise ValueError(f"O {tuple(O.shape)}, LSE {tuple(LSE.shape)}, O_s {tuple(O_s.shape)}, "
+                         f"LSE_s {tuple(LSE_s.shape)}: expected O, O_s (..., n, d) and LSE, LSE_s "
+                         "(..., n)")
+    for name, t in (("LSE", LSE), ("LSE_s", LSE_s)):
+        if t.device.type != "meta" and bool(torch.isnan(t).any()):
+            raise ValueError(f"{name} holds NaN: an LSE is a number, or -inf (the course) / +inf "
+                             "(FlashAttention's non-split path) for a row that saw no key")
+    return _merge(O, empty_rows_to_minus_inf(LSE), O_s, empty_rows_to_minus_inf(LSE_s))
+
+
+def _merge(O, LSE, O_s, LSE_s):
+    """:func:`merge` without the checks (the ring's own partials: -inf for an empty row)."""
     LSE_new = torch.logaddexp(LSE, LSE_s)
     safe = torch.where(torch.isfinite(LSE_new), LSE_new, torch.zeros_like(LSE_new))
     w_new = torch.exp(LSE_s - safe)[..., None]  # exp(-inf) = 0 for a side with no key
@@ -253,6 +313,11 @@ def _peer(group, rank):
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def _causal(causal):
+    """The ring's queries and keys are the same N rows: both alignments are one mask (a bool)."""
+    return causal_alignment(causal, supported=ALIGNMENTS, where="ring attention") is not None
+
+
 def _check_shards(q, k, v, layout, scale):
     _check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -264,6 +329,11 @@ def _check_shards(q, k, v, layout, scale):
                          "needs local shards of one shape (B, H, n, d)")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise TypeError("q, k, v must share one dtype and one device")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q, k, v have dtype {q.dtype}: attention takes floating-point tensors")
+    if q.device.type == "meta":
+        raise ValueError("q, k, v are on the meta device, which holds no values: the ring "
+                         "computes and sends numbers; pass CPU (gloo) or CUDA (NCCL) tensors")
     n = q.shape[2]
     if layout == "zigzag" and n % 2:
         raise ValueError(f"zigzag layout: the local shard has n={n} rows, it must hold two "
@@ -321,7 +391,8 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
 
     Args:
         q, k, v: this rank's shards ``(B, H, n, d)`` in ``layout`` (see :func:`shard`).
-        causal: query i sees key j <= i, in *global* positions.
+        causal: query i sees key j <= i, in *global* positions (``True``, ``"top_left"`` and
+            ``"bottom_right"`` are that one mask: Nq = Nk = N).
         layout: ``"contiguous"`` or ``"zigzag"``, as the shards were cut.
         group: process group of the R ranks (default: the world).
         timeline: a list to append this rank's events to (``post``: the transfers posted,
@@ -332,6 +403,7 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
     computed, into a second buffer, and waited for only when the compute is done.
     """
     n, scale = _check_shards(q, k, v, layout, scale)
+    causal = _causal(causal)
     r, R = _group_info(group)
     nxt, prv = _peer(group, (r + 1) % R), _peer(group, (r - 1) % R)
     clock = _Clock(timeline, q.device)
@@ -354,8 +426,8 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
                 if O is None:  # step 0, the diagonal block, which covers every row
                     O, LSE = O_s.to(acc_dtype), LSE_s.to(acc_dtype)
                 else:
-                    O[:, :, rows], LSE[:, :, rows] = merge(O[:, :, rows], LSE[:, :, rows], O_s,
-                                                           LSE_s.to(acc_dtype))
+                    O[:, :, rows], LSE[:, :, rows] = _merge(O[:, :, rows], LSE[:, :, rows],
+                                                            O_s, LSE_s.to(acc_dtype))
         with clock(s, "wait"):
             for w in works:
                 w.wait()  # the next block has arrived, and our send buffer is free again
@@ -379,6 +451,7 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     one more hop brings every block's dK/dV home. Accumulators are float32 (float64 stays).
     """
     n, scale = _check_shards(q, k, v, layout, scale)
+    causal = _causal(causal)
     if dO.shape != q.shape or O.shape != q.shape or LSE.shape != q.shape[:3]:
         raise ValueError(f"dO {tuple(dO.shape)}, O {tuple(O.shape)}, LSE {tuple(LSE.shape)}: "
                          f"expected {tuple(q.shape)}, {tuple(q.shape)}, {tuple(q.shape[:3])}")
@@ -499,6 +572,7 @@ def allgather_attention(q, k, v, *, causal=False, layout="contiguous", group=Non
     transfer and compute. Returns ``(O, LSE)`` like :func:`ring_attention_forward`.
     """
     n, scale = _check_shards(q, k, v, layout, scale)
+    causal = _causal(causal)
     r, R = _group_info(group)
     K, V = _gather_seq(k, R, layout, group), _gather_seq(v, R, layout, group)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -507,8 +581,8 @@ def allgather_attention(q, k, v, *, causal=False, layout="contiguous", group=Non
     for rows, keys, masked in _allgather_blocks(r, R, n, causal, layout):
         keys = keys or slice(0, K.shape[2])
         O_s, LSE_s = block_forward(q[:, :, rows], K[:, :, keys], V[:, :, keys], masked, scale)
-        O[:, :, rows], LSE[:, :, rows] = merge(O[:, :, rows], LSE[:, :, rows], O_s,
-                                               LSE_s.to(acc_dtype))
+        O[:, :, rows], LSE[:, :, rows] = _merge(O[:, :, rows], LSE[:, :, rows], O_s,
+                                                LSE_s.to(acc_dtype))
     return O.to(q.dtype), LSE
 
 
@@ -517,6 +591,7 @@ def allgather_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="c
     """Backward of :func:`allgather_attention`: dK, dV of all N rows summed over the ranks
     (an all-reduce, which every backend has), then this rank's shard kept."""
     n, scale = _check_shards(q, k, v, layout, scale)
+    causal = _causal(causal)
     r, R = _group_info(group)
     K, V = _gather_seq(k, R, layout, group), _gather_seq(v, R, layout, group)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)

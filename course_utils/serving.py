@@ -12,8 +12,9 @@ A server does not run one square attention at a time. It runs
   (:func:`paginate`, :func:`gather_pages`);
 * **variable lengths** packed without padding: the tokens of all sequences one after the other,
   ``cu_seqlens = [0, n0, n0 + n1, ...]`` saying where each starts (:func:`pack`, :func:`unpack`);
-* masks for ``Nq != Nk`` aligned **bottom-right** (the last query sees the last key; SDPA's
-  ``is_causal`` aligns them top-left), **sliding windows**, and a **logit softcap**
+* masks for ``Nq != Nk`` aligned **bottom-right** by default (the last query sees the last key;
+  SDPA's ``is_causal`` aligns them top-left, ``causal="top_left"`` here), **sliding windows**,
+  and a **logit softcap**
   ``S -> c * tanh(S / c)`` (:func:`visible`, :func:`softcap_scores`).
 
 Shapes (one token per row, heads next, the head dim last and contiguous)::
@@ -26,14 +27,28 @@ Shapes (one token per row, heads next, the head dim last and contiguous)::
 
 The references compute in float64 from the definition (scores, mask, softmax, one sequence at
 a time), on the device of the inputs. A query row that sees no key gets ``O = 0`` and
-``LSE = -inf``, never NaN, as in :mod:`course_utils.reference`.
+``LSE = -inf``, never NaN, as in :mod:`course_utils.reference`. The contract
+(:mod:`course_utils.contract`): ``causal`` is ``False``, ``True`` (bottom-right here),
+``"top_left"`` or ``"bottom_right"``; LSE is the natural log, float64 from the references,
+float32 from the PyTorch split-KV, ``-inf`` for a row that sees no key; empty batches and
+zero-length sequences give empty (or all-``-inf``) answers; the merges take ``-inf`` (the course)
+or ``+inf`` (FlashAttention's non-split path) for an empty part and refuse NaN.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
+
+from .contract import (
+    ALIGNMENTS,
+    BOTTOM_RIGHT,
+    causal_alignment,
+    causal_offset,
+    empty_rows_to_minus_inf,
+)
 
 __all__ = [
     "H100_SMS",
@@ -68,6 +83,8 @@ def cu_seqlens(lengths, *, device=None):
     integer tensor of lengths >= 0. ``device``: default the device of ``lengths`` (CPU for a list).
     """
     n = torch.as_tensor(lengths).reshape(-1)
+    if not isinstance(lengths, torch.Tensor) and n.numel() == 0:
+        n = n.to(torch.int64)  # no sequence: [0]
     if n.dtype.is_floating_point or n.dtype == torch.bool:
         raise TypeError(f"lengths must be integers, got dtype {n.dtype}")
     if len(n) and int(n.min()) < 0:
@@ -107,25 +124,57 @@ def unpack(packed, cu):
 
 
 def _window(window):
-    left, right = (int(w) for w in window)
+    """``(left, right)`` as ints; a float (2.7, even 2.0) is refused, never truncated."""
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError(f"window={window!r}: pass a pair of ints (left, right), -1 for unlimited")
+    try:
+        if any(isinstance(w, bool) for w in window):
+            raise TypeError
+        left, right = (operator.index(w) for w in window)
+    except TypeError:
+        raise TypeError(f"window={tuple(window)!r}: each side is a whole number of keys (an int, "
+                        "-1 for unlimited), not a float: round it yourself") from None
     if left < -1 or right < -1:
         raise ValueError(f"window={tuple(window)}: each side is a number of keys >= 0, or -1 "
                          "for unlimited")
     return left, right
 
 
+def _position_offset(causal, nq, nk, where):
+    """Query i sits at key position ``i + offset``: ``nk - nq`` (bottom-right, the default, and
+    the windows' alignment when not causal) or 0 (``causal="top_left"``)."""
+    align = causal_alignment(causal, default=BOTTOM_RIGHT, supported=ALIGNMENTS, where=where)
+    return align, causal_offset(align or BOTTOM_RIGHT, nq, nk)
+
+
+def _length(name, n):
+    try:
+        if isinstance(n, bool):
+            raise TypeError
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"{name}={n!r}: a length is an int >= 0") from None
+    if n < 0:
+        raise ValueError(f"{name}={n}: a length is an int >= 0")
+    return n
+
+
 def visible(nq, nk, *, causal=False, window=(-1, -1), device=None):
     """Which keys each query sees: a bool tensor ``(nq, nk)``, True = visible.
 
-    Alignment is **bottom-right**: query ``i`` sits at key position ``p = i + nk - nq``, so the
-    last query sits at the last key (a decoding step, a chunk of a prompt appended to a cache).
-    ``causal``: key ``j`` is visible iff ``j <= p``. ``window = (left, right)``, -1 = unlimited:
-    ``p - left <= j <= p + right`` (causal is ``right = 0``; with both, both hold).
-    Rows may see no key (``nq > nk`` with causal: the first ``nq - nk`` rows; narrow windows).
-    SDPA's ``is_causal`` is top-left instead (``j <= i``): the two agree only when ``nq == nk``.
+    ``causal``: ``False``, ``True`` = ``"bottom_right"`` (the default alignment here), or
+    ``"top_left"``. Bottom-right: query ``i`` sits at key position ``p = i + nk - nq``, so the
+    last query sits at the last key (a decoding step, a chunk of a prompt appended to a cache);
+    top-left: ``p = i`` (SDPA's ``is_causal``). Causal: key ``j`` is visible iff ``j <= p``.
+    ``window = (left, right)`` ints, -1 = unlimited: ``p - left <= j <= p + right`` (causal is
+    ``right = 0``; with both, both hold; without causal the window is aligned bottom-right).
+    Rows may see no key (``nq > nk`` with bottom-right causal: the first ``nq - nk`` rows;
+    narrow windows). The two alignments agree only when ``nq == nk``.
     """
+    nq, nk = _length("nq", nq), _length("nk", nk)
     left, right = _window(window)
-    p = torch.arange(nq, device=device)[:, None] + (nk - nq)  # each query's key position
+    causal, offset = _position_offset(causal, nq, nk, "serving.visible")
+    p = torch.arange(nq, device=device)[:, None] + offset  # each query's key position
     j = torch.arange(nk, device=device)[None, :]
     keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
     if causal:
@@ -175,10 +224,76 @@ def _attend(q, k, v, keep, scale, softcap):
     return O.transpose(0, 1), LSE.transpose(0, 1)
 
 
+def _check_float(names, tensors, dims, layout):
+    """Clear errors for what the references cannot compute: not a tensor, not floating point,
+    no data (meta), the wrong number of dims."""
+    for name, t, n in zip(names, tensors, dims, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} has dtype {t.dtype}: attention takes floating-point tensors "
+                            f"(convert with {name}.float())")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device, which holds no values: the float64 "
+                             "references compute numbers; pass tensors on the CPU or a GPU")
+        if t.dim() != n:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}: expected {n} dims, {layout}")
+
+
+def _cu_list(name, cu, total):
+    """cu_seqlens as a list of ints: starts at 0, never decreases, ends at ``total`` tokens."""
+    if isinstance(cu, torch.Tensor) and (cu.dim() != 1 or cu.dtype.is_floating_point):
+        raise ValueError(f"{name} has shape {tuple(cu.shape)}, dtype {cu.dtype}: expected a 1-D "
+                         "integer tensor [0, n0, n0 + n1, ...]")
+    out = [operator.index(c) if not isinstance(c, torch.Tensor) else int(c) for c in cu]
+    steps = zip(out[:-1], out[1:], strict=True)
+    if not out or out[0] != 0 or out[-1] != total or any(b < a for a, b in steps):
+        raise ValueError(f"{name}={out}: expected [0, n0, n0 + n1, ...], never decreasing, "
+                         f"ending at the {total} packed tokens")
+    return out
+
+
 def _heads(Hq, Hkv):
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"Hq={Hq} query heads, Hkv={Hkv} K/V heads: Hq must be a multiple of "
                          "Hkv (G = Hq // Hkv query heads share one K/V head)")
+
+
+def _decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window, where):
+    """Checked shapes of a decoding step: ``(B, Hq, d, lengths, window_left)``."""
+    _check_float(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), (3, 4, 4),
+                 "q (B, Hq, d), caches (B, Nmax, Hkv, d) or (num_pages, page_size, Hkv, d)")
+    B, Hq, d = q.shape
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
+                         f"{tuple(v_cache.shape)}: the caches need one (.., .., Hkv) shape and "
+                         f"k_cache the head dim d={d} of q")
+    _heads(Hq, k_cache.shape[2])
+    left, _ = _window(window)
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype.is_floating_point or cache_seqlens.device.type == "meta":
+            raise TypeError(f"cache_seqlens has dtype {cache_seqlens.dtype} on "
+                            f"{cache_seqlens.device}: expected integer lengths with values")
+        cache_seqlens = cache_seqlens.reshape(-1).tolist()
+    lens = [_length("cache_seqlens[b]", n) for n in cache_seqlens]
+    if len(lens) != B:
+        raise ValueError(f"cache_seqlens has {len(lens)} lengths but q has B={B} sequences")
+    if block_table is None:
+        if k_cache.shape[0] != B:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} sequences but q has B={B}; a paged "
+                             "cache needs block_table=")
+        capacity, what = k_cache.shape[1], "Nmax"
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 \
+                or block_table.shape[0] != B or block_table.dtype.is_floating_point:
+            raise ValueError(f"block_table must be an integer tensor (B={B}, max_pages), got "
+                             f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+        capacity, what = block_table.shape[1] * k_cache.shape[1], "max_pages * page_size"
+    for b, n in enumerate(lens):
+        if n > capacity:
+            raise ValueError(f"{where}: cache_seqlens[{b}] = {n} is past the end of the cache, "
+                             f"which holds {what} = {capacity} keys per sequence")
+    return B, Hq, d, lens, left
 
 
 def _scale_of(scale, d):
@@ -195,13 +310,17 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, windo
     Scores ``S = softcap_scores(scale * q k^T)``, scale default ``1 / sqrt(d)``.
     Returns O ``(Tq, Hq, dv)`` float64 and LSE ``(Hq, Tq)`` float64 (natural log; heads first, as
     the dense ``(B, H, N)`` and FlashAttention's varlen API); a row that sees no key has O = 0,
-    LSE = -inf.
+    LSE = -inf. ``causal``: ``True`` is bottom-right; ``"top_left"`` supported. An empty batch
+    (``cu_seqlens = [0]``) or empty sequences give empty / ``-inf`` answers.
     """
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected "
-                         "packed (T, H, d) tensors")
+    _check_float(("q", "k", "v"), (q, k, v), (3, 3, 3), "packed (T, H, d)")
+    if k.shape[:2] != v.shape[:2] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v "
+                         "need the same (Tk, Hkv), and k the head dim d of q")
     _heads(q.shape[1], k.shape[1])
-    cq, ck = [int(c) for c in cu_seqlens_q], [int(c) for c in cu_seqlens_k]
+    causal_alignment(causal, default=BOTTOM_RIGHT, where="serving.reference_varlen")
+    cq = _cu_list("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    ck = _cu_list("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq)} entries and cu_seqlens_k {len(ck)}: one "
                          "per sequence + 1 each")
@@ -262,15 +381,32 @@ def paginate(k, v, seqlens, page_size, *, generator=None, spare_pages=2, fill=0.
     return k_pages, v_pages, block_table.to(k.device)
 
 
-def gather_pages(k_pages, block_table, seqlen, b):
-    """The logical K (or V) of sequence b, ``(seqlen, Hkv, d)``, gathered through the table."""
+def gather_pages(k_pages, block_table, seqlen, b, *, first=0):
+    """The logical K (or V) of sequence b, keys ``first .. seqlen - 1``: ``(seqlen - first, Hkv,
+    d)``, gathered through the table. Only the pages holding those keys are read: the entries
+    before ``first``'s page may be -1 (pages a sliding window left behind, as vLLM frees them)."""
     page_size = k_pages.shape[1]
-    n_pages = -(-int(seqlen) // page_size)
-    pages = block_table[b, :n_pages].long()
-    if n_pages and int(pages.min()) < 0:
-        raise ValueError(f"sequence {b} of length {seqlen} needs {n_pages} pages, but its "
-                         f"block table row has -1 among them: {block_table[b].tolist()}")
-    return k_pages[pages].reshape(-1, *k_pages.shape[2:])[: int(seqlen)]
+    seqlen, first = int(seqlen), int(first)
+    n_pages = -(-seqlen // page_size)
+    if n_pages > block_table.shape[1]:
+        raise ValueError(f"sequence {b} has {seqlen} keys, {n_pages} pages of {page_size}, but "
+                         f"block_table has {block_table.shape[1]} entries per sequence")
+    p0 = min(first // page_size, n_pages)
+    pages = block_table[b, p0:n_pages].long()
+    if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= k_pages.shape[0]):
+        raise ValueError(f"sequence {b} (keys {first} .. {seqlen - 1}) reads logical pages "
+                         f"{p0} .. {n_pages - 1}, but its block table row names a page outside "
+                         f"0 .. {k_pages.shape[0] - 1} (or -1) among them: "
+                         f"{block_table[b].tolist()}")
+    rows = k_pages[pages].reshape(-1, *k_pages.shape[2:])
+    return rows[first - p0 * page_size : seqlen - p0 * page_size]
+
+
+def _gather_visible(pages, block_table, n, b, first):
+    """Keys ``0 .. n - 1`` of sequence b, those before ``first`` zeros (never read)."""
+    out = pages.new_zeros(n, *pages.shape[2:])
+    out[first:] = gather_pages(pages, block_table, n, b, first=first)
+    return out
 
 
 def reference_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, window=(-1, -1),
@@ -281,20 +417,22 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, wi
     own key is already in the cache), so it sees keys ``0 .. cache_seqlens[b] - 1`` (with
     ``window = (left, _)`` only the last ``left + 1`` of them). Caches: dense
     ``(B, Nmax, Hkv, d)``, or with ``block_table`` the pages ``(num_pages, page_size, Hkv, d)``.
-    A sequence of length 0 sees nothing: O = 0, LSE = -inf.
+    A sequence of length 0 sees nothing: O = 0, LSE = -inf; B = 0 gives empty O and LSE. With a
+    window, only the pages holding the visible keys are read (the others may be -1 in the table).
+    A length past the cache (``Nmax``, or ``max_pages * page_size``) is a ValueError.
     """
-    B, Hq, d = q.shape
-    _heads(Hq, k_cache.shape[2])
+    B, Hq, d, lens, left = _decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window,
+                                        "serving.reference_decode")
     scale = _scale_of(scale, d)
     O = torch.zeros(B, Hq, v_cache.shape[3], dtype=torch.float64, device=q.device)
     LSE = torch.full((B, Hq), -math.inf, dtype=torch.float64, device=q.device)
     for b in range(B):
-        n = int(cache_seqlens[b])
+        n = lens[b]
+        first = max(0, n - 1 - left) if left >= 0 else 0  # keys before it are outside the window
         if block_table is None:
             K, V = k_cache[b, :n], v_cache[b, :n]
-        else:
-            K = gather_pages(k_cache, block_table, n, b)
-            V = gather_pages(v_cache, block_table, n, b)
+        else:  # keys before `first` stay 0 (masked): their pages may be -1 in the table
+            K, V = (_gather_visible(c, block_table, n, b, first) for c in (k_cache, v_cache))
         keep = visible(1, n, causal=True, window=window, device=q.device)
         Ob, LSEb = _attend(q[b : b + 1], K, V, keep, scale, softcap)
         O[b], LSE[b] = Ob[0], LSEb[0]
@@ -312,14 +450,18 @@ def merge_partials(O_parts, LSE_parts):
     O_parts ``(S, ..., d)``: each part's *normalised* output over its keys; LSE_parts
     ``(S, ...)``: each part's logsumexp (natural log). With ``LSE = log sum_s exp(LSE_s)``,
     ``O = sum_s exp(LSE_s - LSE) O_s``: part s holds ``exp(LSE_s)`` of the softmax denominator.
-    An empty part (no key: LSE_s = -inf, any O_s, even NaN) gets weight 0; if every part is
-    empty, O = 0 and LSE = -inf. Computed in float32 at least (float64 stays float64).
+    An empty part (no key: LSE_s = -inf as in the course, or +inf as FlashAttention's non-split
+    path writes it; any O_s, even NaN) gets weight 0; if every part is empty, O = 0 and
+    LSE = -inf. A NaN LSE is refused (ValueError). Computed in float32 at least (float64 stays
+    float64).
     """
-    if O_parts.shape[:-1] != LSE_parts.shape:
+    for name, t in (("O_parts", O_parts), ("LSE_parts", LSE_parts)):
+        _check_float((name,), (t,), (t.dim() if isinstance(t, torch.Tensor) else -1,), "")
+    if O_parts.dim() < 2 or O_parts.shape[:-1] != LSE_parts.shape:
         raise ValueError(f"O_parts {tuple(O_parts.shape)} and LSE_parts {tuple(LSE_parts.shape)}"
                          ": expected (S, ..., d) and (S, ...)")
     dtype = torch.promote_types(O_parts.dtype, torch.float32)
-    Op, Lp = O_parts.to(dtype), LSE_parts.to(dtype)
+    Op, Lp = O_parts.to(dtype), _merge_lse("LSE_parts", LSE_parts.to(dtype))
     m = Lp.amax(0)  # the largest part: exp(LSE_s - m) <= 1 never overflows
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(Lp - m_safe)  # (S, ...): 0 for an empty part
@@ -330,14 +472,28 @@ def merge_partials(O_parts, LSE_parts):
     return (weights[..., None] * Op).sum(0), LSE
 
 
+def _merge_lse(name, lse):
+    """An LSE ready to merge: FlashAttention's +inf for an empty row becomes -inf; NaN refused."""
+    if bool(torch.isnan(lse).any()):
+        raise ValueError(f"{name} holds NaN: a partial's LSE is a number, or -inf (the course) / "
+                         "+inf (FlashAttention's non-split path) for a row that saw no key; a NaN "
+                         "came from the inputs or the kernel that made this part")
+    return empty_rows_to_minus_inf(lse)
+
+
 def split_ranges(seqlen, num_splits, block_n, *, first=0):
     """The key ranges ``[(start, end), ...]`` of the splits, as the Triton kernel cuts them.
 
     The visible keys ``first .. seqlen - 1`` are covered by whole blocks of ``block_n`` keys
     (the first block starts at ``first`` rounded down to a block); each split takes
     ``ceil(blocks / num_splits)`` consecutive blocks. Later splits may be empty ``(s, s)``
-    when there are fewer blocks than splits.
+    when there are fewer blocks than splits. ``seqlen``, ``first`` >= 0; ``num_splits``,
+    ``block_n`` >= 1 (ValueError otherwise).
     """
+    seqlen, first = _length("seqlen", seqlen), _length("first", first)
+    for name, x in (("num_splits", num_splits), ("block_n", block_n)):
+        if _length(name, x) < 1:
+            raise ValueError(f"{name}={x}: at least 1 (a split count and a block size)")
     lo = (first // block_n) * block_n
     blocks = max(0, -(-(seqlen - lo) // block_n))
     per_split = -(-blocks // num_splits) if blocks else 0
@@ -360,22 +516,22 @@ def decode_split_kv_torch(q, k_cache, v_cache, cache_seqlens, num_splits, *, blo
     float32; returns O ``(B, Hq, d)`` in q's dtype and LSE ``(B, Hq)`` float32, and with
     ``return_partials`` also O_parts ``(S, B, Hq, d)`` and LSE_parts ``(S, B, Hq)`` float32.
     """
-    B, Hq, d = q.shape
+    B, Hq, d, lens, left = _decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window,
+                                        "serving.decode_split_kv_torch")
+    split_ranges(0, num_splits, block_n)  # checks num_splits and block_n
     Hkv = k_cache.shape[2]
-    _heads(Hq, Hkv)
     G = Hq // Hkv
     scale = _scale_of(scale, d)
-    left, _ = _window(window)
     O_parts = torch.zeros(num_splits, B, Hkv, G, d, dtype=torch.float32, device=q.device)
     LSE_parts = torch.full((num_splits, B, Hkv, G), -math.inf, device=q.device)
     for b in range(B):
-        n = int(cache_seqlens[b])
+        n = lens[b]
+        first = max(0, n - 1 - left) if left >= 0 else 0
         if block_table is None:
             K, V = k_cache[b, :n].float(), v_cache[b, :n].float()
-        else:
-            K = gather_pages(k_cache, block_table, n, b).float()
-            V = gather_pages(v_cache, block_table, n, b).float()
-        first = max(0, n - 1 - left) if left >= 0 else 0
+        else:  # keys before `first` stay 0 (masked below): their pages may be -1 in the table
+            K, V = (_gather_visible(c, block_table, n, b, first).float()
+                    for c in (k_cache, v_cache))
         qg = q[b].float().view(Hkv, G, d)  # the G query heads of each K/V head, side by side
         for s, (start, end) in enumerate(split_ranges(n, num_splits, block_n, first=first)):
             if end <= start:

@@ -6,6 +6,7 @@ Public API (import after ``course_utils.setup()``, as chapter 09's kernels)::
                               num_splits=None, window=(-1, -1), softcap=0.0, scale=None)
     O, LSE = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal=False, window=(-1, -1), softcap=0.0, scale=None)
+                              # causal: False, True (= "bottom_right"), or "top_left"
     S = default_num_splits(batch, kv_heads, seqlen_k)
 
 Shapes, masks and the float64 references are those of :mod:`course_utils.serving`; the names are
@@ -37,8 +38,9 @@ blocks than splits, the last splits are empty and write ``LSE = -inf``.
 ``block_table[b, j // page_size]``. When a page holds whole ``BLOCK_N`` blocks (page_size >=
 BLOCK_N) a tile reads one table entry; smaller pages (a block spans several) are looked up per
 key (a cached int32 load, the same address for the keys of one page), so any power-of-two page
-size >= 16 works with any ``BLOCK_N``. Table entries past a sequence's last page are never
-read: unused entries may hold anything (:func:`serving.paginate` writes -1).
+size >= 16 works with any ``BLOCK_N``. Table entries past a sequence's last page, and with a
+window those before the page of its first visible key, are never read: they may hold anything
+(:func:`serving.paginate` writes -1 past the end; vLLM leaves -1 behind a sliding window).
 
 **Number of splits** (:func:`default_num_splits`): the most whose grid fits in one wave of one
 program per SM, ``splits = floor(SMs / (B * Hkv))`` (1 when ``B * Hkv`` fills the SMs alone),
@@ -52,13 +54,16 @@ which chapter 11, section 7, prints.
 **Variable lengths.** ``q (Tq, Hq, d)``, ``k, v (Tk, Hkv, d)`` packed, sequence b at rows
 ``cu_seqlens[b] .. cu_seqlens[b + 1] - 1``; grid ``(cdiv(max_seqlen_q, BLOCK_M), Hq, batch)``,
 program ``(i, h, b)`` owns query tile i of sequence b, head h (tiles past the sequence's end do
-nothing). Query row r sits at key position ``p = r + nk - nq`` (bottom-right) and sees keys
+nothing). Query row r sits at key position ``p = r + nk - nq`` (bottom-right, ``causal=True``
+or ``"bottom_right"``; ``causal="top_left"`` puts it at ``p = r``, SDPA's alignment) and sees keys
 ``p - left <= j <= p + right`` (causal: right = 0). A tile visits only the key tiles that meet
 its band, in three stages: masked tiles on the left edge, unmasked tiles inside every row's band,
 masked tiles on the right edge (the diagonal, the sequence end). O is ``(Tq, Hq, d)`` like q; LSE
 is ``(Hq, Tq)``, heads first like the dense ``(B, H, N)`` and FlashAttention's varlen API. A row
 that sees no key gives O = 0, LSE = -inf (FlashAttention's non-split path stores +inf there; see
-chapter 11, section 6).
+chapter 11, section 6). Empty inputs give empty outputs: ``decode_attention`` with B = 0 returns
+O ``(0, Hq, d)`` and LSE ``(0, Hq)``; ``varlen_attention`` with no token (or ``cu_seqlens = [0]``)
+returns O ``(0, Hq, d)`` and LSE ``(Hq, 0)``.
 
 Scores are kept in base 2 as in chapter 09: ``scale * log2(e)`` is folded into one multiply and
 every exponential is ``exp2``. With a softcap c, ``S = c * tanh(scale * q.k / c)``, with
@@ -84,6 +89,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import ALIGNMENTS, BOTTOM_RIGHT, TOP_LEFT, causal_alignment
 from .flash_attention_triton import (
     INTERPRETED,
     LOG2E,
@@ -206,21 +212,22 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART, O, LSE
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n  # logical key positions
-        in_cache = cols < seqlen
+        # the visible keys: in the cache and inside the window. Keys before `first` are never
+        # loaded, nor their block-table entries (a sliding window's old pages may be -1).
+        live = (cols < seqlen) & (cols >= first)
         if PAGED and PAGE_SIZE >= BLOCK_N:  # the block lies inside one page: one entry
             page = tl.load(BLOCK_TABLE + b * stride_bt + start_n // PAGE_SIZE)
             rows = page.to(tl.int64) * stride_kp + (cols % PAGE_SIZE) * stride_kn
         elif PAGED:  # key j: row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE]
-            page = tl.load(BLOCK_TABLE + b * stride_bt + cols // PAGE_SIZE, mask=in_cache,
-                           other=0)
+            page = tl.load(BLOCK_TABLE + b * stride_bt + cols // PAGE_SIZE, mask=live, other=0)
             rows = page.to(tl.int64) * stride_kp + (cols % PAGE_SIZE) * stride_kn
         else:
             rows = b * stride_kp + cols.to(tl.int64) * stride_kn
         kv_ptrs = rows[:, None] + kv_head + offs_d[None, :]  # whole rows: d contiguous elements
-        k = tl.load(K + kv_ptrs, mask=in_cache[:, None], other=0.0)
-        v = tl.load(V + kv_ptrs, mask=in_cache[:, None], other=0.0)
+        k = tl.load(K + kv_ptrs, mask=live[:, None], other=0.0)
+        v = tl.load(V + kv_ptrs, mask=live[:, None], other=0.0)
         S = _scores(q, k, score_scale, softcap_log2e, SOFTCAP)  # (BLOCK_G, BLOCK_N)
-        S = tl.where((in_cache & (cols >= first))[None, :], S, float("-inf"))
+        S = tl.where(live[None, :], S, float("-inf"))
         if SOFTCAP:
             acc, l_i, m_i = _online_update(acc, l_i, m_i, S, v, 1.0)
         else:
@@ -330,8 +337,10 @@ def _varlen_kernel(Q, K, V, O, LSE, CU_Q, CU_K, score_scale, softcap_log2e,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
                    stride_lh, stride_lt, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                   REVERSE: tl.constexpr, ROWS32: tl.constexpr, CAUSAL: tl.constexpr):
+                   REVERSE: tl.constexpr, ROWS32: tl.constexpr, CAUSAL: tl.constexpr,
+                   TOP_LEFT: tl.constexpr):
     # Program (i, hq, b): query rows start_m .. start_m + BLOCK_M - 1 of sequence b, head hq.
+    # TOP_LEFT: query row r sits at key position r (SDPA's alignment), else r + nk - nq.
     # window_left / window_right are huge when a side is unlimited (causal: right = 0).
     # CAUSAL: plain causal, no window (the one-comparison mask of _varlen_inner).
     i = tl.program_id(0)
@@ -360,11 +369,12 @@ def _varlen_kernel(Q, K, V, O, LSE, CU_Q, CU_K, score_scale, softcap_log2e,
     K += k_start.to(tl.int64) * stride_kt + (hq // G) * stride_kh  # K/V head hq // G
     V += k_start.to(tl.int64) * stride_kt + (hq // G) * stride_kh
 
-    # Bottom-right: row r sits at key position p = r + nk - nq. The real rows of the tile see
-    # keys in [lo, hi) at most; every one of them sees all of [full_lo, full_hi).
-    p = offs_m + (nk - nq)
-    p_first = start_m + (nk - nq)
-    p_last = tl.minimum(start_m + BLOCK_M, nq) - 1 + (nk - nq)
+    # Bottom-right: row r sits at key position p = r + nk - nq (top-left: p = r). The real rows
+    # of the tile see keys in [lo, hi) at most; every one of them sees all of [full_lo, full_hi).
+    shift = 0 if TOP_LEFT else nk - nq
+    p = offs_m + shift
+    p_first = start_m + shift
+    p_last = tl.minimum(start_m + BLOCK_M, nq) - 1 + shift
     hi = tl.maximum(tl.minimum(p_last + window_right + 1, nk), 0)
     lo = tl.minimum(tl.maximum(p_first - window_left, 0), hi)
     tile_lo = (lo // BLOCK_N) * BLOCK_N
@@ -608,7 +618,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
     if k_cache.shape[3] != d:
         raise ValueError(f"q has head dim d={d} but the caches have {k_cache.shape[3]}")
     _check_heads(Hq, Hkv, d)
-    if B < 1 or B > MAX_GRID_YZ or Hkv > MAX_GRID_YZ:
+    if B > MAX_GRID_YZ or Hkv > MAX_GRID_YZ:
         raise ValueError(f"B={B}, Hkv={Hkv}: the grid is (splits, Hkv, B), and y and z must be "
                          f"1 .. {MAX_GRID_YZ}: split the batch into chunks")
     _check_index("cache_seqlens", cache_seqlens, (B,), q.device, "one length per sequence")
@@ -632,8 +642,11 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
                              "paged cache needs block_table=")
         capacity = k_cache.shape[1]
     left, _, softcap, score_scale, softcap_log2e = _options(window, softcap, scale, d)
+    if B == 0:  # an empty batch: empty outputs, no launch (a grid of 0 programs is an error)
+        return _empty_decode(q, Hq, d, num_splits, return_partials, out)
     if check_values:
-        _check_decode_values(cache_seqlens, block_table, capacity, page_size, k_cache.shape[0])
+        _check_decode_values(cache_seqlens, block_table, capacity, page_size, k_cache.shape[0],
+                             left)
 
     block_n, warps, stages = (_config("config", config, 3) if config
                               else decode_config(q.dtype, 1 if paged else B * Hkv))
@@ -672,13 +685,27 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
     return O, LSE
 
 
-def _check_decode_values(cache_seqlens, block_table, capacity, page_size, num_pages):
-    """One device-to-host copy: lengths in 0 .. capacity, used table entries are pages."""
+def _empty_decode(q, Hq, d, num_splits, return_partials, out):
+    """B = 0: O (0, Hq, d) and LSE (0, Hq) (the caller's ``out`` if given), and empty parts."""
+    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, (0, Hq)), (q.dtype, torch.float32), q.device)
+    if not return_partials:
+        return O, LSE
+    S = 1 if num_splits is None else num_splits
+    return (O, LSE, torch.empty(S, 0, Hq, d, device=q.device),
+            torch.empty(S, 0, Hq, device=q.device))
+
+
+def _check_decode_values(cache_seqlens, block_table, capacity, page_size, num_pages, left=-1):
+    """One device-to-host copy: lengths in 0 .. capacity, the table entries the kernel reads
+    are pages. It reads the pages of the visible keys only: with a window (``left`` >= 0), the
+    pages wholly before key ``seqlen - 1 - left`` may hold anything (vLLM leaves -1 there)."""
     n = cache_seqlens.long()
     stats = [n.min(), n.max()]
     if block_table is not None:
-        used = (torch.arange(block_table.shape[1], device=n.device)[None, :]
-                < ((n + page_size - 1) // page_size)[:, None])
+        logical = torch.arange(block_table.shape[1], device=n.device)[None, :]
+        first = (n - 1 - left).clamp(min=0) if left >= 0 else torch.zeros_like(n)
+        used = ((logical < ((n + page_size - 1) // page_size)[:, None])
+                & (logical >= (first // page_size)[:, None]))
         bad = used & ((block_table < 0) | (block_table >= num_pages))
         stats.append(bad.any().long())
     values = torch.stack(stats).tolist()
@@ -688,8 +715,9 @@ def _check_decode_values(cache_seqlens, block_table, capacity, page_size, num_pa
                          f"0 .. {capacity} (the cache holds {where} = {capacity} keys)")
     if block_table is not None and values[2]:
         raise ValueError(f"block_table names a page outside 0 .. {num_pages - 1} (or -1) among "
-                         "the pages the sequences use: every logical page below "
-                         "ceil(cache_seqlens[b] / page_size) must map to a physical page")
+                         "the pages the kernel reads: every logical page from the window's "
+                         "first key's page (page 0 without a window) to "
+                         "ceil(cache_seqlens[b] / page_size) - 1 must map to a physical page")
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -704,9 +732,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             (Tk), never decreasing: sequence b has queries ``cu_seqlens_q[b] ..`` and keys
             ``cu_seqlens_k[b] ..`` (lengths may differ, and be 0).
         max_seqlen_q, max_seqlen_k: the largest query and key lengths (the grid's size).
-        causal: bottom-right: query r of a sequence sits at key ``r + nk - nq`` and sees keys
-            up to it. window: ``(left, right)`` keys around that position, -1 = unlimited
-            (causal makes right 0). softcap, scale: as in :func:`decode_attention`.
+        causal: ``False``; ``True`` or ``"bottom_right"`` (the default alignment): query r of
+            a sequence sits at key ``r + nk - nq`` and sees keys up to it; ``"top_left"``: it
+            sits at key r (SDPA's ``is_causal``). window: ``(left, right)`` keys around that
+            position, -1 = unlimited (causal makes right 0; without causal the window is
+            aligned bottom-right). softcap, scale: as in :func:`decode_attention`.
         out: optional ``(O, LSE)`` to write into.
         check_values: check the cu_seqlens and max lengths (one device-to-host copy).
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of :func:`varlen_config`'s.
@@ -714,8 +744,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Returns:
         O ``(Tq, Hq, d)`` in q's dtype and LSE ``(Hq, Tq)`` float32, natural log, heads first as
         in the dense ``(B, H, N)`` layout and FlashAttention's ``flash_attn_varlen_func``; a row
-        that sees no key: O = 0, LSE = -inf.
+        that sees no key: O = 0, LSE = -inf. No token (Tq = 0, or ``cu_seqlens = [0]``):
+        O ``(0, Hq, d)``, LSE ``(Hq, 0)``.
     """
+    align = causal_alignment(causal, default=BOTTOM_RIGHT, supported=ALIGNMENTS,
+                             where="flash_decoding.varlen_attention")
     layout = {"q": "(Tq, Hq, d): packed tokens", "k": "(Tk, Hkv, d): packed tokens",
               "v": "(Tk, Hkv, d): packed tokens"}
     _check_float_inputs(("q", "k", "v"), (q, k, v), (3, 3, 3), layout)
@@ -727,7 +760,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise ValueError(f"q has head dim d={d} but k and v have {k.shape[2]}")
     _check_heads(Hq, Hkv, d)
     _is_tensor("cu_seqlens_q", cu_seqlens_q)
-    if cu_seqlens_q.dim() != 1 or len(cu_seqlens_q) < 2:
+    if cu_seqlens_q.dim() != 1 or len(cu_seqlens_q) < 1:
         raise ValueError(f"cu_seqlens_q has shape {tuple(cu_seqlens_q.shape)}: expected "
                          "(batch + 1,), [0, n0, n0 + n1, ...] (serving.cu_seqlens(lengths))")
     batch = len(cu_seqlens_q) - 1
@@ -743,7 +776,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if max_seqlen_q + 2 * max_seqlen_k >= 2**31:
         raise ValueError("sequences this long overflow the kernel's int32 positions")
     left, right, softcap, score_scale, softcap_log2e = _options(window, softcap, scale, d)
-    if check_values:
+    if batch == 0 and (Tq or Tk):
+        raise ValueError(f"cu_seqlens_q = [0] (no sequence) but Tq={Tq}, Tk={Tk} packed tokens")
+    if check_values and batch:
         _check_varlen_values(cu_seqlens_q, cu_seqlens_k, Tq, Tk, max_seqlen_q, max_seqlen_k)
 
     O, LSE = _outputs(out, ("O", "LSE"), (q.shape, (Hq, Tq)), (q.dtype, torch.float32), q.device)
@@ -751,7 +786,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return O, LSE
 
     unlimited = max_seqlen_q + max_seqlen_k + 1  # farther than any key can be from any query
-    right = 0 if causal else right
+    right = 0 if align else right
     BLOCK_M, BLOCK_N, warps, stages = (_config("config", config, 4) if config
                                        else varlen_config(d, q.dtype))
     grid = (triton.cdiv(max_seqlen_q, BLOCK_M), Hq, batch)
@@ -760,8 +795,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         left if left >= 0 else unlimited, right if right >= 0 else unlimited,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), O.stride(0), O.stride(1),
         LSE.stride(0), LSE.stride(1), G=Hq // Hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        SOFTCAP=softcap > 0, REVERSE=bool(causal), ROWS32=k.numel() < 2**31,
-        CAUSAL=bool(causal) and left < 0,
+        SOFTCAP=softcap > 0, REVERSE=align is not None, ROWS32=k.numel() < 2**31,
+        # the one-comparison causal mask holds bottom-right only (there p < nk for a real row;
+        # top-left rows past nk need the key bound too): top-left takes the general mask
+        CAUSAL=align == BOTTOM_RIGHT and left < 0, TOP_LEFT=align == TOP_LEFT,
         num_warps=warps, num_stages=stages)
     return O, LSE
 
