@@ -28,6 +28,10 @@ Modules (import them as ``from course_utils import grader`` etc.):
 - ``ops``       the course's attention as a ``torch.library`` operator (chapter 12)
 - ``tinygpt``   a small GPT with pluggable attention, trained on generated sums (chapter 12)
 - ``ring``      ring attention over ranks of torch.distributed, gloo or NCCL (chapter 13)
+- ``attention`` the front door, callable: ``cu.attention(q, k, v, causal=..., impl="triton" |
+                "mma" | "hopper" | "cuda" | "torch" | "reference", layout="bhnd" | "bnhd" |
+                "bnd")`` with autograd; ``cu.attention.available(q)`` lists the impls that run
+                here (docs/contract.md: the contract every attention function keeps)
 
 Command line: ``python -m course_utils doctor | grade | record | assign | strip``.
 """
@@ -59,3 +63,13 @@ __all__ = [
     "setup",
     "synchronize",
 ]
+
+
+def __getattr__(name):
+    """``course_utils.attention`` (the front door) imported on first use: importing the package
+    stays as light as before (no kernels, no Triton)."""
+    if name == "attention":
+        import importlib
+
+        return importlib.import_module(".attention", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,8 @@ Every kernel in the course is checked against these. They are written from ``exp
 exactly the formulas of the lecture::
 
     S = scale * Q K^T                     (Nq, Nk)   scores
-    S[i, j] = -inf where masked           causal: keep j <= i
+    S[i, j] = -inf where masked           causal: keep j <= i + offset (0 top-left,
+                                          Nk - Nq bottom-right)
     m = rowmax(S)                         (Nq,)      the row max, subtracted for stability
     l = rowsum(exp(S - m))                (Nq,)      the softmax denominator (shifted)
     P = exp(S - m) / l                    (Nq, Nk)   probabilities
@@ -23,6 +24,8 @@ import math
 
 import torch
 
+from .contract import TOP_LEFT, causal_alignment, causal_offset
+
 __all__ = ["attention", "logsumexp", "softmax"]
 
 
@@ -34,15 +37,21 @@ def attention(q, k, v, causal=False, scale=None, mask=None):
             batch dims. Any floating dtype.
         k: keys ``K``, shape ``(..., Nk, d)``, same leading dims as ``q``.
         v: values ``V``, shape ``(..., Nk, dv)``, same leading dims; ``dv`` may differ from ``d``.
-        causal: if True, query ``i`` sees only keys ``j <= i``, counted from the top-left corner
-            even when ``Nq != Nk`` (exactly SDPA's ``is_causal``).
+        causal: ``False``; ``True`` or ``"top_left"``: query ``i`` sees keys ``j <= i``, counted
+            from the top-left corner even when ``Nq != Nk`` (exactly SDPA's ``is_causal``; the
+            default alignment); ``"bottom_right"``: query ``i`` sees keys ``j <= i + Nk - Nq``
+            (FlashAttention-2 from 2.1 and -3, a decode step that appends Nq queries to Nk
+            keys). With ``Nq == Nk`` both are the same mask.
         scale: multiplies the scores, ``S = scale * Q K^T``. Default ``1 / sqrt(d)``.
         mask: optional bool tensor broadcastable to ``(..., Nq, Nk)``; True = keep the score,
             False = drop it (SDPA's boolean ``attn_mask`` convention). Combined with ``causal``.
 
     Returns:
         ``O``: float64, shape ``(..., Nq, dv)``, and ``LSE``: float64, shape ``(..., Nq)``, the
-        natural-log logsumexp of each scaled, masked score row. Both on ``q.device``.
+        natural-log logsumexp of each scaled, masked score row. Both on ``q.device``. Any
+        strides are accepted. Empty leading dims (B = 0) give empty outputs; Nq = 0 gives
+        ``(..., 0, dv)`` and ``(..., 0)``; Nk = 0 is a ValueError. No autograd (the inputs are
+        detached): ``course_utils.attention(..., impl="reference")`` is the differentiable one.
 
     A row in which every key is masked has no key to attend to: its softmax is 0/0. Here such a
     row gets ``O = 0`` and ``LSE = -inf`` (log of an empty sum), which is what a FlashAttention
@@ -51,7 +60,16 @@ def attention(q, k, v, causal=False, scale=None, mask=None):
     0 (the math backend of recent PyTorch), or an average of V (seen with float16 on an H100).
     Compare the two only on rows that see a key.
     """
+    if not isinstance(causal, (bool, str, type(None))) and causal in (0, 1):
+        causal = bool(causal)  # a numpy bool or a 0 / 1 flag, as before
+    align = causal_alignment(causal, default=TOP_LEFT, where="reference.attention")
     q64, k64, v64 = _validated(q, k, v)
+    return _attention64(q64, k64, v64, align, scale, mask)
+
+
+def _attention64(q64, k64, v64, align, scale, mask=None):
+    """The formulas on float64 tensors, differentiable (``course_utils.attention`` calls it on
+    tensors that keep their graph). ``align``: None, "top_left" or "bottom_right"."""
     Nq, d = q64.shape[-2], q64.shape[-1]
     Nk = k64.shape[-2]
     if scale is None:
@@ -61,8 +79,9 @@ def attention(q, k, v, causal=False, scale=None, mask=None):
     S = (q64 @ k64.transpose(-2, -1)) * scale  # (..., Nq, Nk)
 
     keep = torch.ones(Nq, Nk, dtype=torch.bool, device=q64.device)
-    if causal:
-        keep = keep.tril()  # keep[i, j] = j <= i (top-left aligned, like SDPA's is_causal)
+    offset = causal_offset(align, Nq, Nk)
+    if offset is not None:  # keep[i, j] = j <= i + offset (0: top-left, as SDPA's is_causal)
+        keep = keep.tril(diagonal=offset)
     if mask is not None:
         keep = keep & _validated_mask(mask, S.shape, q64.device)
     S = S.masked_fill(~keep, -math.inf)

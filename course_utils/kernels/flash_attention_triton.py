@@ -7,6 +7,17 @@ Public API (inputs ``(B, H, N, d)``, contiguous, one device; outputs in the inpu
     dQ, dK, dV = attention_backward(q, k, v, O, LSE, dO, causal, scale)
     D = compute_delta(O, dO)                                           # (B, H, Nq) float32
 
+The contract (docs/contract.md): ``causal`` is False, True (top-left, the default alignment:
+query i sees keys j <= i, as SDPA's ``is_causal``), ``"top_left"`` or ``"bottom_right"`` (query
+i sees keys j <= i + Nk - Nq, as FlashAttention-2 from 2.1). The kernels mask top-left; a
+bottom-right call with Nq != Nk runs them on two pieces (Nk > Nq: the first Nk - Nq keys
+unmasked and the last Nq keys top-left, merged by their LSEs; Nq > Nk: the first Nq - Nk rows
+see no key, the last Nk rows are a top-left square), so it costs no more than the mask itself.
+LSE: ``(B, H, Nq)`` float32, natural log; a row that sees no key has O = 0 and LSE = -inf.
+Strided views are refused (the kernels index ``(B, H, N, d)`` rows directly): call
+``.contiguous()``, or use ``course_utils.attention``, which does. B = 0 returns empty outputs;
+Nq = 0 or Nk = 0 is a ValueError.
+
 Names follow the math of chapters 07 and 08: a program (Triton's word for a CUDA block) owns one
 tile. ``BLOCK_M`` is **Br**, the number of query rows of a tile, and ``BLOCK_N`` is **Bc**, the
 number of key rows, in every kernel here:
@@ -60,6 +71,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from ..contract import ALIGNMENTS, BOTTOM_RIGHT, TOP_LEFT, causal_alignment, causal_offset
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton does
 
@@ -757,7 +770,7 @@ def validate_inputs(q, k, v):
         raise ValueError(f"Nq={Nq}, Nk={Nk}: attention needs at least one query and one key")
     _check_grid(B, H)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_contiguous():
+        if not t.is_contiguous() and t.numel() > 0:
             raise ValueError(f"{name} is not contiguous (strides {t.stride()}): call "
                              f"{name}.contiguous() first (e.g. after a transpose of heads)")
     return B, H, Nq, Nk, d
@@ -799,15 +812,26 @@ def _check_dtype_and_device(t):
                             "course_utils.half_dtype() picks the right one for the GPU")
 
 
-def _causal(causal):
-    """``causal`` as a bool; anything else (a string, None, 2, a tensor) is a TypeError: a
-    non-empty string such as "no" would otherwise be silently True."""
-    if isinstance(causal, (bool, np.bool_)):
-        return bool(causal)
-    if isinstance(causal, int) and causal in (0, 1):  # 0 / 1 as a flag: unambiguous
-        return bool(causal)
+def _alignment(causal, supported=ALIGNMENTS, where="chapter 09's kernels"):
+    """``causal`` as None / "top_left" / "bottom_right" (``True``: top-left). Anything else (a
+    string that names no alignment, None, 2, a tensor) is a TypeError: a non-empty string such
+    as "no" would otherwise be silently True. An alignment outside ``supported`` is a
+    NotImplementedError naming the ones that work (:func:`course_utils.contract.causal_alignment`).
+    """
+    if isinstance(causal, (bool, np.bool_)) or (isinstance(causal, int) and causal in (0, 1)):
+        return causal_alignment(bool(causal), default=TOP_LEFT, supported=supported, where=where)
+    if isinstance(causal, str) and causal.strip().lower().replace("-", "_") in ALIGNMENTS:
+        return causal_alignment(causal, default=TOP_LEFT, supported=supported, where=where)
     raise TypeError(f"causal={causal!r} ({type(causal).__name__}): pass True (query i sees "
-                    "keys j <= i) or False (every query sees every key)")
+                    "keys j <= i, top-left) or False (every query sees every key), or name the "
+                    "alignment: 'top_left' or 'bottom_right' (query i sees keys j <= i + Nk - Nq)")
+
+
+def _causal(causal, where="this kernel"):
+    """``causal`` as a bool for a kernel that masks top-left only (chapter 14's TMA kernels):
+    True, 1 or "top_left" is True; "bottom_right" is a NotImplementedError; anything else a
+    TypeError (see :func:`_alignment`)."""
+    return _alignment(causal, supported=(TOP_LEFT,), where=where) is not None
 
 
 MAX_GRID_YZ = 65535  # CUDA's limit on grid y and z
@@ -835,17 +859,25 @@ def attention_forward(q, k, v, causal=False, scale=None, *, out=None, config=Non
 
     Args:
         q: ``(B, H, Nq, d)``; k, v: ``(B, H, Nk, d)``; contiguous, one dtype and device.
-        causal: query i sees keys j <= i (top-left aligned, as SDPA's ``is_causal``). A bool
-            (or 0 / 1); anything else, e.g. the string "no", is a TypeError.
+            B = 0 gives empty outputs; Nq = 0 or Nk = 0 is a ValueError.
+        causal: False; True or "top_left": query i sees keys j <= i (top-left, as SDPA's
+            ``is_causal``: the default alignment); "bottom_right": query i sees keys
+            j <= i + Nk - Nq (FlashAttention-2 from 2.1; run as two top-left pieces, see the
+            module's docstring). A bool, 0 / 1 or one of the two names; anything else, e.g. the
+            string "no", is a TypeError.
         scale: scores are ``scale * Q K^T``; default ``1 / sqrt(d)``; must be > 0.
         out: optional ``(O, LSE)`` to write into (shapes and dtypes as returned).
         config: a ``triton.Config`` with BLOCK_M (Br) and BLOCK_N (Bc), to skip autotuning.
         inner, split: replace :func:`forward_inner` / :func:`causal_split` (``@triton.jit``
             functions with the same signature) inside the kernel: how the exercises plug in.
+
+    Returns ``O`` like q and ``LSE`` ``(B, H, Nq)`` float32, natural log; a row that sees no
+    key (bottom-right with Nq > Nk: the first Nq - Nk rows) has O = 0 and LSE = -inf.
     """
     B, H, Nq, Nk, d = validate_inputs(q, k, v)
     scale = _scale(scale, d)
-    causal = _causal(causal)
+    align = _alignment(causal)
+    offset = causal_offset(align, Nq, Nk)
     if out is None:
         O = torch.empty_like(q)
         LSE = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
@@ -853,6 +885,18 @@ def attention_forward(q, k, v, causal=False, scale=None, *, out=None, config=Non
         O, LSE = out
     _check_output("O", O, q.shape, q.dtype, q.device)
     _check_output("LSE", LSE, (B, H, Nq), torch.float32, q.device)
+    if B == 0 or H == 0:
+        return O, LSE
+    if align == BOTTOM_RIGHT and offset != 0:
+        from ..attention import bottom_right_forward
+
+        O_br, LSE_br = bottom_right_forward(
+            lambda q, k, v, causal: attention_forward(q, k, v, causal, scale, config=config,
+                                                      inner=inner, split=split), q, k, v)
+        O.copy_(O_br)
+        LSE.copy_(LSE_br)
+        return O, LSE
+    causal = offset is not None  # top-left (or bottom-right with Nq == Nk: the same mask)
 
     def grid(meta):
         return (triton.cdiv(Nq, meta["BLOCK_M"]), H, B)  # not B * H: y and z stop at 65535
@@ -882,7 +926,8 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=Non
     """FlashAttention-2 backward: ``(dQ, dK, dV)`` in the input dtype, shapes of q, k, v.
 
     Args:
-        q, k, v, causal, scale: as in :func:`attention_forward`.
+        q, k, v, causal, scale: as in :func:`attention_forward` (bottom-right with Nq != Nk:
+            the same two pieces, each given the whole forward's O and LSE).
         o: the forward's O ``(B, H, Nq, d)``; lse: its LSE ``(B, H, Nq)`` float32.
         do: dL/dO, like o (made contiguous here).
         out: optional ``(dQ, dK, dV)`` to write into.
@@ -893,7 +938,8 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=Non
     """
     B, H, Nq, Nk, d = validate_inputs(q, k, v)
     scale = _scale(scale, d)
-    causal = _causal(causal)
+    align = _alignment(causal)
+    offset = causal_offset(align, Nq, Nk)
     do = do.contiguous()
     _check_output("O", o, q.shape, q.dtype, q.device)
     _check_output("dO", do, q.shape, q.dtype, q.device)
@@ -904,10 +950,26 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=Non
         dQ, dK, dV = out
     for name, t, like in (("dQ", dQ, q), ("dK", dK, k), ("dV", dV, v)):
         _check_output(name, t, like.shape, like.dtype, like.device)
+    if dlse is not None:
+        _check_output("dLSE", dlse, (B, H, Nq), torch.float32, q.device)
+    if B == 0 or H == 0:
+        return dQ, dK, dV
+    if align == BOTTOM_RIGHT and offset != 0:
+        from ..attention import bottom_right_backward
+
+        def piece(q, k, v, o, lse, do, dlse, causal):
+            return attention_backward(q, k, v, o, lse, do, causal, scale, dkdv_config=dkdv_config,
+                                      dq_config=dq_config, dkdv_inner=dkdv_inner, split=split,
+                                      dlse=dlse)
+
+        grads = bottom_right_backward(piece, q, k, v, o, lse, do, dlse)
+        for t, g in zip((dQ, dK, dV), grads, strict=True):
+            t.copy_(g)
+        return dQ, dK, dV
+    causal = offset is not None
 
     Dv = compute_delta(o, do)
     if dlse is not None:
-        _check_output("dLSE", dlse, (B, H, Nq), torch.float32, q.device)
         Dv = Dv - dlse
     args = (q, k, v, do, lse, Dv)
     qk_scale = scale * LOG2E
@@ -970,12 +1032,15 @@ def flash_attention_triton(q, k, v, causal=False, scale=None):
 
     q ``(B, H, Nq, d)``, k, v ``(B, H, Nk, d)``: contiguous, d in SUPPORTED_D, float16 or
     bfloat16 on a GPU (float32 too, exact and slow), float32 or float16 in the interpreter.
-    ``causal`` must be a bool (or 0 / 1): a string such as "no" is a TypeError, not True.
+    ``causal``: False; True or "top_left" (query i sees keys j <= i, as SDPA: the default
+    alignment); "bottom_right" (query i sees keys j <= i + Nk - Nq, as FlashAttention-2 from
+    2.1). A bool, 0 / 1 or one of the two names: a string such as "no" is a TypeError, not True.
     Returns O like q. ``O.backward(dO)`` runs the Triton backward (D, dK/dV, dQ kernels).
-    A row that sees no key (possible only with a custom ``split`` / ``inner``) gets O = 0 and
-    LSE = -inf, as in ``reference.attention``, and zero gradient.
+    A row that sees no key (bottom-right with Nq > Nk, or a custom ``split`` / ``inner``) gets
+    O = 0 and LSE = -inf, as in ``reference.attention``, and zero gradient. B = 0: empty O.
+    For other layouts ((B, N, H, d), (B, N, d), strided views) use ``course_utils.attention``.
     """
-    return _FlashAttentionTriton.apply(q, k, v, _causal(causal), scale)
+    return _FlashAttentionTriton.apply(q, k, v, _alignment(causal) or False, scale)
 
 
 def kernel_source(fn):
