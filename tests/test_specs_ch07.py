@@ -86,7 +86,8 @@ NAMED_MISTAKES = [
          "Nq=Nk=33", "last K/V tile skipped"),
     Slip(F, "m = the guarded max", lambda: forward(("m = m_next", "m = base")),
          "scores near -120", "the running max must stay the max"),
-    Slip(F, "every tile visited", _every_tile, "NaN outside tiles", "visit only the tiles"),
+    Slip(F, "every tile visited", _every_tile, "NaN outside tiles", "visit only the tiles",
+         "are NaN, at [", "computed: a K or V row outside the query tile's tiles was read"),
     # 07.online_update
     Slip(O, "old o not reweighted", lambda: online(("o[k] *= share", "o[k] *= 1.0")),
          "old o not reweighted"),

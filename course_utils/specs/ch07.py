@@ -61,6 +61,7 @@ from ..grader import Exercise, invoke
 from ..harness.ch07 import COMBINE_KERNEL, KERNEL_PATH, ONLINE_BC, ONLINE_BR, ONLINE_D
 from ..runtime import device, kernel_array, on_gpu, synchronize
 from . import compiled_resources, require_implemented, source_of
+from .ch01 import compare_computed
 
 FORBIDDEN = ("scaled_dot_product_attention", "softmax", "log_softmax", "logsumexp")
 
@@ -123,6 +124,14 @@ def _forward_problem(case, window, inputs=None):
     return (q, k, v), (O, LSE), max_score
 
 
+WHY_NAN_TILED = (
+    "computed: a K or V row outside the query tile's tiles was read (some cases fill those with "
+    "NaN, and 0 * NaN is NaN even behind a mask), exp(-inf - (-inf)) in a row whose tiles so "
+    "far hold none of its keys (m still -inf), or exp overflowing without the running max; or, "
+    "less likely, rows of a torch.empty output that no tile wrote"
+)
+
+
 def _check_forward(got, want, case, max_score, mistakes=None, rows=slice(None)):
     """Compare (O, LSE) with ``want`` on the query rows ``rows``; ``mistakes`` maps "O" and
     "LSE" to the (Mistake, wrong) pairs of :func:`forward_mistakes`."""
@@ -131,10 +140,10 @@ def _check_forward(got, want, case, max_score, mistakes=None, rows=slice(None)):
     atol, rtol = tolerance(torch.float32, max_score)
     for name, g, w in zip(("O", "LSE"), got, want, strict=True):
         g = validated(g, w.shape, what=name, case=case.name)
-        compare(name, g[:, :, rows], w[:, :, rows], case=case.name, atol=atol, rtol=rtol,
-                dtype=torch.float32, hint=case.hint,
-                mistakes=[(slip, _rows_of(wrong, rows))
-                          for slip, wrong in (mistakes or {}).get(name, ())])  # fmt: skip
+        compare_computed(name, g[:, :, rows], w[:, :, rows], case=case.name, atol=atol,
+                         rtol=rtol, dtype=torch.float32, hint=case.hint, why=WHY_NAN_TILED,
+                         mistakes=[(slip, _rows_of(wrong, rows))
+                                   for slip, wrong in (mistakes or {}).get(name, ())])  # fmt: skip
 
 
 def _rows_of(wrong, rows):

@@ -66,6 +66,7 @@ from ..grader import Exercise, invoke
 from ..harness.ch08 import DKDV_BC, DKDV_BR, DKDV_D, DKDV_G, GRAD_TOL, SCORE_ATOL
 from ..runtime import device, kernel_array, synchronize
 from . import require_implemented
+from .ch01 import compare_computed
 from .ch07 import same_range, window_keep
 
 FORBIDDEN = ("scaled_dot_product_attention", "softmax", "log_softmax", "logsumexp",
@@ -251,6 +252,12 @@ _HD_OVERFLOW = ("D has inf or NaN: exp of a score of +-150 overflows float32 (ex
                 "the first tile starts from m = -inf, where exp(m_old - m_new) = 0")
 
 
+WHY_NAN_D = (
+    "computed as inf / inf or inf - inf: exp of a score above 88.7 overflows float32 (no running "
+    "max subtracted), or exp(m_old - m_new) = exp(-inf - (-inf)) on the first tile"
+)
+
+
 def _check_D(got, want, extra, name, Bc):
     B, H, Nq = want.shape
     if not isinstance(got, torch.Tensor):
@@ -262,8 +269,8 @@ def _check_D(got, want, extra, name, Bc):
     got = validated(got, (B, H, Nq), what="D", case=name)  # no broadcast or overlap
     hint = _HD if bool(torch.isfinite(got).all()) else _HD_OVERFLOW
     atol = GRAD_TOL + SCORE_ATOL * extra["max_score"]
-    compare("D", got, want, case=name, atol=atol, rtol=GRAD_TOL, dtype=torch.float32, hint=hint,
-            mistakes=_delta_mistakes(extra, Bc))  # fmt: skip
+    compare_computed("D", got, want, case=name, atol=atol, rtol=GRAD_TOL, dtype=torch.float32,
+                     hint=hint, mistakes=_delta_mistakes(extra, Bc), why=WHY_NAN_D)  # fmt: skip
 
 
 def _delta_case(*shapes):
