@@ -461,7 +461,12 @@ def merge_partials(O_parts, LSE_parts):
         raise ValueError(f"O_parts {tuple(O_parts.shape)} and LSE_parts {tuple(LSE_parts.shape)}"
                          ": expected (S, ..., d) and (S, ...)")
     dtype = torch.promote_types(O_parts.dtype, torch.float32)
-    Op, Lp = O_parts.to(dtype), _merge_lse("LSE_parts", LSE_parts.to(dtype))
+    return _merge_partials(O_parts.to(dtype), _merge_lse("LSE_parts", LSE_parts.to(dtype)))
+
+
+def _merge_partials(Op, Lp):
+    """:func:`merge_partials` without the checks (the split-KV's own parts: a NaN in q or the
+    cache gives NaN parts, and NaN goes through to O and LSE, as in the references)."""
     m = Lp.amax(0)  # the largest part: exp(LSE_s - m) <= 1 never overflows
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(Lp - m_safe)  # (S, ...): 0 for an empty part
@@ -546,7 +551,7 @@ def decode_split_kv_torch(q, k_cache, v_cache, cache_seqlens, num_splits, *, blo
             O_parts[s, b] = (P @ Vs) / torch.where(l > 0, l, torch.ones_like(l))
             LSE_parts[s, b] = (m + torch.log(l)).squeeze(-1)
     O_parts, LSE_parts = O_parts.view(num_splits, B, Hq, d), LSE_parts.view(num_splits, B, Hq)
-    O, LSE = merge_partials(O_parts, LSE_parts)
+    O, LSE = _merge_partials(O_parts, LSE_parts)
     if return_partials:
         return O.to(q.dtype), LSE, O_parts, LSE_parts
     return O.to(q.dtype), LSE

@@ -161,8 +161,10 @@ def _online_update(acc, l_i, m_i, S, v, s_scale):
 
 @triton.jit
 def _finish(acc, l_i, m_i):
-    """O = acc / l and LSE = (m + log2 l) ln 2; a row with l = 0 (no key): O = 0, LSE = -inf."""
-    seen = l_i > 0.0
+    """O = acc / l and LSE = (m + log2 l) ln 2; a row with l = 0 (no key): O = 0, LSE = -inf.
+    A NaN score (a NaN in q or k) makes l NaN: O and LSE are NaN, never the -inf of no key (a
+    merge would give that row weight 0 and hide the NaN)."""
+    seen = l_i != 0.0  # NaN != 0: a NaN row is "seen"
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
     return acc * inv_l[:, None], lse
@@ -276,7 +278,7 @@ def _decode_merge_kernel(O_PART, LSE_PART, O, LSE, num_splits, stride_ob, stride
     w = tl.exp2(m - m_all)
     l_all = tl.sum(l * w, 0)
     o = tl.sum(acc * w[:, None], 0)
-    seen = l_all > 0.0
+    seen = l_all != 0.0  # no split saw a key: l = 0; a NaN stays NaN (as in _finish)
     o = o * tl.where(seen, 1.0 / tl.where(seen, l_all, 1.0), 0.0)
     lse = tl.where(seen, (m_all + tl.log2(tl.where(seen, l_all, 1.0))) * _LN2, float("-inf"))
     tl.store(O + b * stride_ob + hq * stride_oh + offs_d, o.to(O.dtype.element_ty))
