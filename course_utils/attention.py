@@ -46,6 +46,7 @@ An impl that cannot run here (no GPU, wrong architecture, dtype, head dim) raise
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import types
@@ -273,6 +274,7 @@ _WHY = {"triton": _why_triton, "mma": _why_cuda_bf16("chapter 10's mma.sync kern
         "numba": _why_numba, "torch": _why_torch, "reference": _why_reference}  # fmt: skip
 
 
+@functools.cache
 def _kernels(impl):
     """``(fwd(q, k, v, causal, scale) -> (O, LSE), bwd(q, k, v, O, LSE, dO, dLSE, causal,
     scale) -> (dQ, dK, dV), takes_dlse)`` of a kernel impl; top-left causal, bool."""

@@ -285,9 +285,10 @@ def _forward_kernel(Q, K, V, O, LSE, qk_scale, Nq, Nk, NQ_BUCKET, NK_BUCKET,
 
     # With top-left causal every real row sees key 0, so l_i > 0; a row that saw no key (a
     # custom SPLIT or INNER: bottom-right, windows, padding) has l_i = 0: O = 0, LSE = -inf.
-    seen = l_i > 0.0
-    acc = acc * tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    # (l_i == 0, not l_i > 0: a NaN in the inputs makes l_i NaN, and O and LSE stay NaN.)
+    empty = l_i == 0.0
+    acc = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
     o_ptrs = O + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     if EVEN_M:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty))
