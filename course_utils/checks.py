@@ -664,11 +664,12 @@ def _compare_finite(name, a, e, *, case, atol, rtol, hint, poisoned):
                 "or a read of a shared-memory slot that no thread stored)"
             )
         else:
+            # the output was not pre-filled with NaN, so the NaN was most likely computed; an
+            # element left unwritten in torch.empty memory is NaN only by chance
             why = (
-                "either never written (if the output was pre-filled with NaN, as checks.poisoned "
-                "does: e.g. the last partial tile or a missing bounds guard), or computed as "
-                "0/0 or inf - inf (exp overflowing because the row max m was not subtracted, a "
-                "row sum l of 0)"
+                "computed as 0/0 or inf - inf (exp overflowing because the row max m was not "
+                "subtracted, a row sum l of 0), or, less likely, never written (an output "
+                "allocated with torch.empty and left unwritten where a tile or guard skipped it)"
             )
         raise CheckFailure(
             case,
