@@ -16,7 +16,7 @@
 "mma"          chapter 10's ``mma.sync`` kernel (CUDA, sm_80+): bf16, d = 64 or 128
 "hopper"       chapter 14's TMA + ``wgmma`` kernel (sm_90a: H100/H200): bf16, d = 64 or 128
 "cuda"         chapters 07/08's CUDA C++ kernels (any CUDA GPU): fp32, d in 16, 32, 64, 128
-"numba"        not shipped: the Numba attention kernels are the ones written in the notebooks
+"numba"        not shipped: the course's Numba kernels are the ones written in the notebooks
 "torch"        chapter 12's FlashAttention-2 in PyTorch (``ops.attention_forward_torch``: key
                tiles, online softmax), any device, any floating dtype
 "reference"    the float64 oracle (``reference.attention``'s formulas), autograd through torch
@@ -26,8 +26,9 @@ Every impl has a backward (autograd). The contract, the same for all (docs/contr
 
 * ``layout``: ``"bhnd"`` (B, H, N, d), ``"bnhd"`` (B, N, H, d: a model's projection reshaped,
   no transpose needed) or ``"bnd"`` (B, N, d: one head). Any strides: the kernels get
-  contiguous ``(B, H, N, d)`` copies where they need them. O comes back in the same layout
-  (contiguous) and in q's dtype.
+  contiguous ``(B, H, N, d)`` copies where they need them. K and V may have fewer heads than Q
+  (grouped-query attention, Hk dividing Hq: query head h reads K/V head ``h // (Hq // Hk)``).
+  O comes back in the same layout (contiguous) and in q's dtype.
 * ``causal``: False; True or ``"top_left"`` (query i sees keys j <= i, as SDPA's
   ``is_causal``: the default); ``"bottom_right"`` (j <= i + Nk - Nq, as FlashAttention-2 from
   2.1 and -3). A kernel that masks top-left runs bottom-right as two top-left pieces merged by
@@ -105,9 +106,12 @@ def _check(q, k, v):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, "
                          f"{v.device}): move them to one device first")
     B, H, Nq, d = q.shape
-    if k.shape[:2] != (B, H) or v.shape[:2] != (B, H):
+    Hk = k.shape[1]
+    if k.shape[0] != B or v.shape[:2] != k.shape[:2] or (H % Hk if Hk else H):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (as "
-                         "(B, H, N, d)): batch and head dims must be the same for all three")
+                         "(B, H, N, d)): the batch must be the same for all three, and k and v "
+                         "have the same heads, as many as q's or a divisor of them (grouped-"
+                         "query attention: query head h reads K/V head h // (Hq // Hk))")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k has Nk={k.shape[2]} keys but v has {v.shape[2]} rows: one value "
                          "row per key")
@@ -250,8 +254,9 @@ def _why_cuda(q, k, v, scale):
 
 
 def _why_numba(q, k, v, scale):
-    return ("course_utils ships no Numba attention kernel: the Numba kernels of chapters 02-06 "
-            "are the ones written in their notebooks")
+    return ("course_utils ships no Numba attention kernel: the course's Numba kernels are the "
+            "ones written in the notebooks of chapters 00-08 (impl='cuda' runs chapters 07/08's "
+            "CUDA C++ ones)")
 
 
 def _why_torch(q, k, v, scale):
@@ -428,7 +433,8 @@ def attention(q, k, v, *, causal=False, scale=None, impl="triton", layout="bhnd"
     Args:
         q: queries, k, v: keys and values, in ``layout``: ``"bhnd"`` (B, H, N, d), ``"bnhd"``
             (B, N, H, d) or ``"bnd"`` (B, N, d); any strides; one dtype and device. Nq and Nk
-            may differ.
+            may differ; k and v may have fewer heads than q, a divisor of them (grouped-query
+            attention: query head h reads K/V head ``h // (Hq // Hk)``; expanded here).
         causal: False; True or ``"top_left"``: query i sees keys j <= i (as SDPA's
             ``is_causal``: the default alignment); ``"bottom_right"``: query i sees keys
             j <= i + Nk - Nq (FlashAttention-2 from 2.1 and -3).
@@ -456,6 +462,9 @@ def attention(q, k, v, *, causal=False, scale=None, impl="triton", layout="bhnd"
     q4, k4, v4 = _to_bhnd(q, "q", layout), _to_bhnd(k, "k", layout), _to_bhnd(v, "v", layout)
     _check(q4, k4, v4)
     scale = _scale(scale, q4.shape[3])
+    if k4.shape[1] != q4.shape[1]:  # GQA: each K/V head serves Hq // Hk query heads
+        group = q4.shape[1] // k4.shape[1]
+        k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
     probes = _probes(q4, k4, v4)
     reason = _WHY[impl](*probes, scale)
     if reason is not None:

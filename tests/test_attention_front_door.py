@@ -101,6 +101,21 @@ def test_layouts_and_strided_views_need_no_glue(impl):
 
 
 @pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_grouped_query_heads(impl):
+    q, _, _ = _qkv(1, 4, 5, 7)
+    _, k, v = _qkv(1, 2, 5, 7, seed=1)  # query heads 0, 1 read K/V head 0; 2, 3 read head 1
+    kv = [t.clone().requires_grad_() for t in (k, v)]
+    O = cu.attention(q, *kv, causal="bottom_right", impl=impl, layout="bhnd")
+    O.sum().backward()
+    wide = [t.repeat_interleave(2, dim=1) for t in (k, v)]
+    torch.testing.assert_close(O.double(), _expected(q, *wide, "bottom_right")[0], atol=2e-5,
+                               rtol=1e-4)
+    assert kv[0].grad.shape == k.shape and torch.isfinite(kv[0].grad).all()
+    with pytest.raises(ValueError, match="grouped-query"):
+        cu.attention(q, k[:, :1].expand(1, 3, 7, D), v[:, :1].expand(1, 3, 7, D), impl=impl)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 def test_gradients_match_float64(impl):
     for shape, causal in (((1, 2, 5, 9), "bottom_right"), ((1, 2, 9, 5), "bottom_right"),
                           ((2, 1, 7, 7), True), ((1, 2, 6, 11), False), ((1, 1, 1, 4), True)):
@@ -211,8 +226,8 @@ def test_bad_arguments_are_clear_errors():
         cu.attention(q, k, v, scale=-1.0)
     with pytest.raises(TypeError, match="dtypes"):
         cu.attention(q, k.double(), v, impl="reference")
-    with pytest.raises(ValueError, match="batch and head dims"):
-        cu.attention(q, k[:, :0], v, impl="reference")
+    with pytest.raises(ValueError, match="the batch must be the same"):
+        cu.attention(q, k[:0], v[:0], impl="reference")
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
