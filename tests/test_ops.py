@@ -204,8 +204,9 @@ def test_data_is_deterministic_and_structured():
     (lambda q: (q[0], q, q), ValueError, "expected 4 dims"),
     (lambda q: (q, q.double(), q), TypeError, "must match"),
     (lambda q: (q, q[:, :, :, :8].contiguous(), q), ValueError, "k and v must be"),
+    (lambda q: (q, q[:, :1].expand(1, 3, 8, D), q[:, :1].expand(1, 3, 8, D)), ValueError,
+     "must divide the query heads"),
     (lambda q: (q[..., :8], q[..., :8], q[..., :8]), ValueError, "head dim d=8"),
-    (lambda q: (q[:, :, :0], q, q), ValueError, "at least one query"),
     (lambda q: (q.int(), q.int(), q.int()), TypeError, "dtype"),
     (lambda q: (q.tolist(), q, q), TypeError, "must be a torch.Tensor"),
 ])
@@ -215,10 +216,21 @@ def test_bad_input_errors(make, error, match):
         ops.flash_attention(*make(q))
 
 
+def test_empty_inputs_give_empty_outputs():
+    """No query: an empty O; no key: every row sees nothing, O = 0 and LSE = -inf."""
+    q, k, v = _inputs(1, 2, 8, 8)
+    O = ops.flash_attention(q[:, :, :0], k, v)
+    assert O.shape == (1, 2, 0, D)
+    O, LSE = torch.ops.course.flash_attn_fwd(q, k[:, :, :0], v[:, :, :0], True, 0.25)
+    assert not O.any() and bool((LSE == -math.inf).all())
+
+
 def test_bad_flags_error():
     q, k, v = _inputs(1, 1, 8, 8)
-    with pytest.raises(TypeError, match="causal"):
+    with pytest.raises(ValueError, match="causal='no'"):
         ops.flash_attention(q, k, v, causal="no")
+    with pytest.raises(TypeError, match="causal"):
+        ops.flash_attention(q, k, v, causal=1)
     for scale in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="scale"):
             ops.flash_attention(q, k, v, scale=scale)
