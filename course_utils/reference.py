@@ -81,7 +81,8 @@ def _attention64(q64, k64, v64, align, scale, mask=None):
     keep = torch.ones(Nq, Nk, dtype=torch.bool, device=q64.device)
     offset = causal_offset(align, Nq, Nk)
     if offset is not None:  # keep[i, j] = j <= i + offset (0: top-left, as SDPA's is_causal)
-        keep = keep.tril(diagonal=offset)
+        i = torch.arange(Nq, device=q64.device)[:, None]
+        keep = torch.arange(Nk, device=q64.device)[None, :] <= i + offset
     if mask is not None:
         keep = keep & _validated_mask(mask, S.shape, q64.device)
     S = S.masked_fill(~keep, -math.inf)
