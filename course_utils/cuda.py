@@ -1093,6 +1093,27 @@ class _NeedsGpu:
         return f"<{self.__name__}: needs a GPU to run>"
 
 
+def _resource_summary(kernels, listed: int = 6) -> str:
+    """ptxas's registers and spills: one line per kernel for a few kernels; for many, their
+    range, with every kernel that spills named (``resource_usage`` keeps each one)."""
+    if not kernels:
+        return "no __global__ kernels in the source"
+
+    def line(k):
+        return f"{k.name}: {k.registers} registers, {k.spill_store_bytes} bytes spilled"
+
+    if len(kernels) == 1:
+        return line(kernels[0])
+    if len(kernels) <= listed:
+        return "\n  " + "\n  ".join(line(k) for k in kernels)
+    regs = [k.registers for k in kernels]
+    spilled = [k for k in kernels if k.spill_store_bytes]
+    out = (f"{len(kernels)} kernels, {min(regs)}-{max(regs)} registers a thread, "
+           f"{'none' if not spilled else len(spilled)} spilling (the module's resource_usage "
+           "lists each)")  # fmt: skip
+    return out + "".join(f"\n  {line(k)}" for k in spilled[:listed])
+
+
 class CompileOnlyModule(types.SimpleNamespace):
     """What load_cuda returns without a GPU: one attribute per requested function (calling it
     raises RuntimeError), plus ``resource_usage`` (list of KernelResources, or None when nothing
@@ -1293,14 +1314,7 @@ def _load_cuda_compile_only(text, functions, extra, display_name, verbose,
         announce=True,
     )
     kernels = parse_ptxas_log(log, source=text)
-    summary = (
-        "; ".join(
-            f"{k.name} {k.registers} registers, {k.spill_store_bytes} bytes spilled"
-            for k in kernels
-        )
-        or "no __global__ kernels in the source"
-    )
-    print(f"compiled with nvcc for {arch} (compile-only, no GPU): {summary}")
+    print(f"compiled with nvcc for {arch} (compile-only, no GPU): {_resource_summary(kernels)}")
     return CompileOnlyModule(
         **{f: _NeedsGpu(f, compiled=True) for f in functions},
         resource_usage=kernels,

@@ -411,7 +411,7 @@ def test_load_cuda_compiles_without_gpu(compile_only_module, cpu_mode, capsys):
         m.vector_add(torch.ones(3), torch.ones(3))
     again = C.load_cuda(VECTOR_ADD_SRC, ["vector_add"])  # from the disk cache: instant
     out = capsys.readouterr().out
-    assert "compiled with nvcc for sm_90 (compile-only, no GPU): add_kernel" in out
+    assert "compiled with nvcc for sm_90 (compile-only, no GPU): add_kernel:" in out
     assert "0 bytes spilled" in out
     assert again.resource_usage == m.resource_usage
 
@@ -675,6 +675,7 @@ def _flash_check(fwd, bwd, Q, K, V, dO, causal, case):
 def test_flash_cu_host_checks_compile_without_gpu(cpu_mode, capsys):
     # The (T, H, B) grids, the grid-limit and alignment checks (TORCH_CHECK_VALUE) compile with
     # torch's headers: nvcc parses the host functions too. No spill in any kernel.
+    kernels = []
     for stem in ("forward", "backward"):
         path = KERNELS_DIR / f"flash_attention_{stem}.cu"
         source = path.read_text()
@@ -682,10 +683,10 @@ def test_flash_cu_host_checks_compile_without_gpu(cpu_mode, capsys):
         assert "is not 16-byte aligned" in source and "at most 65535" in source
         module = C.load_cuda(path, [f"flash_attention_{stem}"])
         assert "compile-only" in repr(module)
+        kernels += module.resource_usage
     report = capsys.readouterr().out
-    assert "registers" in report and "bytes spilled" in report
-    spills = re.findall(r"(\d+) bytes spilled", report)
-    assert len(spills) == 4 + 13 and set(spills) == {"0"}, report
+    assert "registers" in report and "none spilling" in report, report  # many kernels: a summary
+    assert len(kernels) == 4 + 13 and all(k.spill_store_bytes == 0 for k in kernels), kernels
 
 
 @needs_gpu
