@@ -185,6 +185,38 @@ def test_minus_one_where_a_kernel_would_read_is_refused():
 
 
 # =============================================================================================
+# Strided views go in as they are
+# =============================================================================================
+
+
+def test_the_kernels_take_strided_views():
+    lq, lk = [5, 3], [4, 7]
+    # (H, T, d) buffers seen as packed (T, H, d): strides (d, T d, 1), no copy needed
+    q = _randn(4, sum(lq), D, seed=60).transpose(0, 1)
+    k, v = (_randn(2, sum(lk), D, seed=s).transpose(0, 1) for s in (61, 62))
+    assert not q.is_contiguous()
+    cu_q, cu_k = serving.cu_seqlens(lq, device=DEV), serving.cu_seqlens(lk, device=DEV)
+    O_ref, LSE_ref = serving.reference_varlen(q, k, v, cu_q, cu_k, causal=True)
+    O, LSE = fd.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True)
+    _close("O (strided varlen)", O, O_ref)
+    _close("LSE (strided varlen)", LSE, LSE_ref, torch.float32)
+    # decode: q a slice of a wider tensor, the caches (B, Hkv, N, d) buffers seen as (B, N, Hkv, d)
+    qd = _randn(2, 6, D, seed=63)[:, 1:5]
+    kd, vd = (_randn(2, 2, 32, D, seed=s).transpose(1, 2) for s in (64, 65))
+    vd = vd.contiguous()  # v with other strides than k: both are copied
+    lens = torch.tensor([7, 30], dtype=torch.int32, device=DEV)
+    O_ref, LSE_ref = serving.reference_decode(qd, kd, vd, lens)
+    for splits in (1, 3):
+        O, LSE = fd.decode_attention(qd, kd, vd, lens, num_splits=splits)
+        _close(f"O (strided decode, {splits} splits)", O, O_ref)
+        _close(f"LSE (strided decode, {splits} splits)", LSE, LSE_ref, torch.float32)
+        O, LSE = fd.decode_attention(qd, kd, kd.clone().transpose(1, 2).contiguous()
+                                     .transpose(1, 2), lens, num_splits=splits)
+        O_ref2, _ = serving.reference_decode(qd, kd, kd, lens)
+        _close(f"O (strided decode, shared strides, {splits} splits)", O, O_ref2)
+
+
+# =============================================================================================
 # Causal alignment, named
 # =============================================================================================
 

@@ -507,10 +507,21 @@ def _check_float_inputs(names, tensors, dims, layout):
         raise ValueError(f"{', '.join(names)} are on devices "
                          f"{', '.join(str(t.device) for t in tensors)}: move them to one device")
     _check_dtype_and_device(first)
-    for name, t in zip(names, tensors, strict=True):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} is not contiguous (strides {t.stride()}): call "
-                             f"{name}.contiguous() first")
+
+
+def _strided(q, k, v):
+    """q, k, v as the kernels read them: any strides over the rows and heads (views such as a
+    transposed (H, T, d) -> (T, H, d) go in as they are), the head dim contiguous, and v with
+    k's strides (one set of K/V strides per kernel); a tensor that is not so is copied."""
+    q = q if q.stride(-1) == 1 or q.shape[-1] == 1 else q.contiguous()
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
+
+
+def _extent(t):
+    """1 + the largest element offset of a view: what its int32 offsets must hold."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n)
 
 
 def _check_index(name, t, shape, device, what):
@@ -588,6 +599,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
             exact and slow), float32 / float16 in the interpreter.
         k_cache, v_cache: dense ``(B, Nmax, Hkv, d)``, or with ``block_table`` paged
             ``(num_pages, page_size, Hkv, d)`` (page_size a power of two >= 16); q's dtype.
+            Any strides (the head dim is copied contiguous if it is not; v with k's strides).
         cache_seqlens: ``(B,)`` int32 on q's device: sequence b has keys
             ``0 .. cache_seqlens[b] - 1`` and its query sits at the last one (sees them all).
             0 is allowed: O = 0, LSE = -inf.
@@ -620,6 +632,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
     if k_cache.shape[3] != d:
         raise ValueError(f"q has head dim d={d} but the caches have {k_cache.shape[3]}")
     _check_heads(Hq, Hkv, d)
+    q, k_cache, v_cache = _strided(q, k_cache, v_cache)
     if B > MAX_GRID_YZ or Hkv > MAX_GRID_YZ:
         raise ValueError(f"B={B}, Hkv={Hkv}: the grid is (splits, Hkv, B), and y and z must be "
                          f"1 .. {MAX_GRID_YZ}: split the batch into chunks")
@@ -729,7 +742,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Args:
         q: ``(Tq, Hq, d)``; k, v: ``(Tk, Hkv, d)``, ``Hq % Hkv == 0`` (GQA: query head h reads
-            K/V head ``h // (Hq // Hkv)``); contiguous, one dtype and device.
+            K/V head ``h // (Hq // Hkv)``); one dtype and device; any strides (a view such as
+            a transposed ``(H, T, d)`` goes in as it is; a head dim that is not contiguous, or
+            v with other strides than k, is copied).
         cu_seqlens_q, cu_seqlens_k: ``(batch + 1,)`` int32 on q's device, from 0 up to Tq
             (Tk), never decreasing: sequence b has queries ``cu_seqlens_q[b] ..`` and keys
             ``cu_seqlens_k[b] ..`` (lengths may differ, and be 0).
@@ -761,6 +776,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if k.shape[2] != d:
         raise ValueError(f"q has head dim d={d} but k and v have {k.shape[2]}")
     _check_heads(Hq, Hkv, d)
+    q, k, v = _strided(q, k, v)
     _is_tensor("cu_seqlens_q", cu_seqlens_q)
     if cu_seqlens_q.dim() != 1 or len(cu_seqlens_q) < 1:
         raise ValueError(f"cu_seqlens_q has shape {tuple(cu_seqlens_q.shape)}: expected "
@@ -797,7 +813,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         left if left >= 0 else unlimited, right if right >= 0 else unlimited,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), O.stride(0), O.stride(1),
         LSE.stride(0), LSE.stride(1), G=Hq // Hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        SOFTCAP=softcap > 0, REVERSE=align is not None, ROWS32=k.numel() < 2**31,
+        SOFTCAP=softcap > 0, REVERSE=align is not None, ROWS32=_extent(k) < 2**31,
         # the one-comparison causal mask holds bottom-right only (there p < nk for a real row;
         # top-left rows past nk need the key bound too): top-left takes the general mask
         CAUSAL=align == BOTTOM_RIGHT and left < 0, TOP_LEFT=align == TOP_LEFT,
