@@ -101,9 +101,9 @@ KNOWN: dict[tuple[str, str], str] = {
     ("ring.allgather_attention", "NaN"): "ops.attention_forward_torch computes the CPU blocks "
                                          "(helper B): " + _NAN_LSE,
 }
-if cu.on_gpu():  # on a GPU the TMA and Triton kernels run compiled; the CPU blocks are not used
-    for key in [key for key in KNOWN if key[0].startswith(("flash_attention_tma", "ring."))]:
-        del KNOWN[key]
+# Seen in CPU mode. On a GPU the kernels run compiled (the TMA ones only on sm_90, elsewhere a
+# clear error) and the ring's blocks go to chapter 09's kernel: not verified there, not strict.
+STRICT = not cu.on_gpu()
 
 BAD_INPUTS = ("base", "int64", "meta", "rank", "d mismatch", "non-contiguous", "N = 0",
               "B = 0", "NaN", "past the end")
@@ -537,7 +537,7 @@ def _params():
     for name in SPEC_NAMES:
         for kind in BAD_INPUTS:
             reason = KNOWN.get((name, kind))
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            marks = [pytest.mark.xfail(strict=STRICT, reason=reason)] if reason else []
             out.append(pytest.param(name, kind, id=f"{name}-{kind}", marks=marks))
     return out
 

@@ -617,8 +617,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
         config: ``(BLOCK_N, num_warps, num_stages)`` instead of :func:`decode_config`'s.
 
     Returns:
-        O ``(B, Hq, d)`` in q's dtype, LSE ``(B, Hq)`` float32 (natural log), and with
-        ``return_partials`` also ``O_parts, LSE_parts``.
+        O ``(B, Hq, d)`` in q's dtype, LSE ``(B, Hq)`` float32 (natural log; -inf for a
+        sequence of length 0, whose O is 0), and with ``return_partials`` also ``O_parts,
+        LSE_parts``. B = 0: O ``(0, Hq, d)`` and LSE ``(0, Hq)``, no launch.
     """
     _check_float_inputs(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), (3, 4, 4), {
         "q": "(B, Hq, d): one query per sequence",
