@@ -1394,3 +1394,9 @@ class CheckSummary:
             f"✅ {self.cases} cases passed ({dtype} on {self.device}; worst error "
             f"{self.worst_error:.1e}, tolerance {self.tolerance:.1e})"
         )
+
+    def __repr__(self):  # what a notebook cell ending with the check shows: short, not a wall
+        dtype = str(self.dtype).replace("torch.", "")
+        return (f"CheckSummary(cases={self.cases}, worst_error={self.worst_error:.2e}, "
+                f"tolerance={self.tolerance:.2e}, dtype={dtype}, device={self.device!r},\n"
+                f"             worst_case={self.worst_case!r})")

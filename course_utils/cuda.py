@@ -42,6 +42,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 import types
 from dataclasses import dataclass
@@ -1108,7 +1109,7 @@ def _resource_summary(kernels, listed: int = 6) -> str:
         return "\n  " + "\n  ".join(line(k) for k in kernels)
     regs = [k.registers for k in kernels]
     spilled = [k for k in kernels if k.spill_store_bytes]
-    out = (f"{len(kernels)} kernels, {min(regs)}-{max(regs)} registers a thread, "
+    out = (f"\n  {len(kernels)} kernels, {min(regs)}-{max(regs)} registers a thread, "
            f"{'none' if not spilled else len(spilled)} spilling (the module's resource_usage "
            "lists each)")  # fmt: skip
     return out + "".join(f"\n  {line(k)}" for k in spilled[:listed])
@@ -1858,7 +1859,10 @@ class CudaKernel:
 
     def __repr__(self) -> str:
         regs = f", {self.resource_usage.registers} registers" if self.resource_usage else ""
-        return f"<CudaKernel {_signature_text(self.expression, self.params)} for {self.arch}{regs}>"
+        text = f"<CudaKernel {_signature_text(self.expression, self.params)} for {self.arch}{regs}>"
+        # a long parameter list wraps at its commas (a notebook shows it, not a 250-column line)
+        return textwrap.fill(text, 96, subsequent_indent="    ", break_long_words=False,
+                             break_on_hyphens=False)
 
     def arguments(self, *args, device_index=None) -> list:
         """The converted arguments a launch would pass (checks included), without launching."""
