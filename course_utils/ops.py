@@ -169,9 +169,11 @@ def attention_forward_torch(q, k, v, causal, scale, block_n=CPU_BLOCK_N):
         l = l * alpha + P.sum(-1, keepdim=True)
         acc = acc * alpha + P @ V_j
         m = m_new
-    seen = l > 0  # False only for a row with no key (Nk = 0): O = 0, LSE = -inf
-    O = (acc / torch.where(seen, l, 1.0)).to(q.dtype)
-    LSE = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+    # Only l == 0 means a row with no key (Nk = 0): O = 0, LSE = -inf. A NaN l (NaN inputs)
+    # stays NaN in both: read as "no key", a merge would weight it 0 and hide the NaN.
+    empty = l == 0
+    O = (acc / torch.where(empty, 1.0, l)).to(q.dtype)
+    LSE = torch.where(empty, -math.inf, m + torch.log(torch.where(empty, 1.0, l)))
     return O.reshape(B, H, Nq, d).contiguous(), LSE.reshape(B, H, Nq).contiguous()
 
 

@@ -95,11 +95,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("flash_attention_tma.attention_backward_tma", "B = 0"): _TMA_EMPTY,
     ("flash_attention_tma.flash_attention_tma", "B = 0"): _TMA_EMPTY,
     ("flash_attention_tma.attention_forward_tma", "NaN"): "flash_attention_tma.py: " + _NAN_LSE,
-    ("ops.attention_forward_torch", "NaN"): "ops.py (helper B): " + _NAN_LSE,
-    ("ring.ring_attention_forward", "NaN"): "ops.attention_forward_torch computes the CPU "
-                                            "blocks (helper B): " + _NAN_LSE,
-    ("ring.allgather_attention", "NaN"): "ops.attention_forward_torch computes the CPU blocks "
-                                         "(helper B): " + _NAN_LSE,
 }
 # Seen in CPU mode. On a GPU the kernels run compiled (the TMA ones only on sm_90, elsewhere a
 # clear error) and the ring's blocks go to chapter 09's kernel: not verified there, not strict.
