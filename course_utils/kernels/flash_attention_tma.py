@@ -56,6 +56,7 @@ In Triton's interpreter (the course's CPU mode) every function runs with small f
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -236,10 +237,11 @@ def _mask_scores(S, offs_m, cols, Nk, DIAGONAL: tl.constexpr, EVEN_N: tl.constex
 @triton.jit
 def _finish(acc, l_i, m_i):
     """``(O, LSE)`` of a query tile: O = acc / l (fp32), LSE = (m + log2 l) ln 2; a row that saw
-    no key (l = 0) gets O = 0 and LSE = -inf, as in chapter 09."""
-    seen = l_i > 0.0
-    O = acc * tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    no key (l = 0) gets O = 0 and LSE = -inf, as in chapter 09. Only l == 0 is that row: a NaN
+    l (NaN inputs) keeps O and LSE NaN, which a merge must not read as an empty row."""
+    empty = l_i == 0.0
+    O = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
     return O, lse
 
 
@@ -429,6 +431,10 @@ def attention_forward_tma(q, k, v, causal=False, scale=None, *, num_stages=None,
     _check_shared(bm, bn, launch["num_stages"], d, q.element_size(),
                   q.element_size() if persistent else 0)
     O, LSE = _outputs(out, q, B, H, Nq, q.dtype)
+    if B * H * Nq == 0 or Nk == 0:  # nothing to launch (a descriptor needs sizes >= 1)
+        O.zero_()
+        LSE.fill_(-math.inf)  # every row sees no key
+        return O, LSE
 
     descs = (_descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(O, bm))
     consts = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, EVEN_M=Nq % bm == 0,
@@ -1017,6 +1023,10 @@ def attention_backward_tma(q, k, v, o, lse, do, causal=False, scale=None, *, con
     for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dQ", dQ), ("dK", dK),
                     ("dV", dV)):
         _check_tma(name, t)
+    if B * H * Nq == 0 or Nk == 0:  # no score: every gradient is zero (nothing to launch)
+        for t in (dQ, dK, dV):
+            t.zero_()
+        return dQ, dK, dV
     configs = _backward_configs(config, d, q.dtype)
     tiles = {}
     for kind in BACKWARD_KINDS:
