@@ -134,58 +134,23 @@ def _scale(scale, d):
 # =============================================================================================
 
 
-def _rows(t, lo, hi=None):
-    return t[:, :, lo:hi].contiguous()
-
-
 def bottom_right_forward(fwd, q, k, v):
     """Bottom-right causal ``(O, LSE)`` from ``fwd(q, k, v, causal: bool) -> (O, LSE)`` that
-    masks top-left, on ``(B, H, N, d)`` tensors.
+    masks top-left, on ``(B, H, N, d)`` tensors: chapter 09's two pieces (see
+    :func:`course_utils.kernels.flash_attention_triton._bottom_right_forward`), for any kernel."""
+    _ensure_mode()
+    from .kernels.flash_attention_triton import _bottom_right_forward
 
-    With ``off = Nk - Nq``: off > 0: keys ``[0, off)`` are seen by every query (one unmasked
-    call), keys ``[off, Nk)`` form a top-left square with the queries (one causal call); the
-    two are merged with weights ``exp(LSE_piece - LSE)``. off < 0: query rows ``[0, -off)`` see
-    no key (O = 0, LSE = -inf), rows ``[-off, Nq)`` and the keys form a top-left square.
-    off = 0: one top-left call.
-    """
-    Nq, Nk = q.shape[2], k.shape[2]
-    off = Nk - Nq
-    if off == 0:
-        return fwd(q, k, v, True)
-    if off > 0:
-        O1, L1 = fwd(q, _rows(k, 0, off), _rows(v, 0, off), False)
-        O2, L2 = fwd(q, _rows(k, off), _rows(v, off), True)
-        LSE = torch.logaddexp(L1, L2)  # every row sees the first piece: finite
-        O = (torch.exp(L1 - LSE)[..., None] * O1.float()
-             + torch.exp(L2 - LSE)[..., None] * O2.float())  # fmt: skip
-        return O.to(q.dtype), LSE
-    O2, L2 = fwd(_rows(q, -off), k, v, True)
-    O = torch.cat([q.new_zeros(*q.shape[:2], -off, v.shape[3]), O2], dim=2)
-    LSE = torch.cat([L2.new_full((*q.shape[:2], -off), -math.inf), L2], dim=2)
-    return O, LSE
+    return _bottom_right_forward(fwd, q, k, v)
 
 
 def bottom_right_backward(bwd, q, k, v, O, LSE, dO, dLSE=None):
     """``(dQ, dK, dV)`` of :func:`bottom_right_forward` from a top-left backward
-    ``bwd(q, k, v, O, LSE, dO, dLSE, causal: bool)``.
+    ``bwd(q, k, v, O, LSE, dO, dLSE, causal: bool)``: each piece gets the whole O and LSE."""
+    _ensure_mode()
+    from .kernels.flash_attention_triton import _bottom_right_backward
 
-    Each piece gets the whole forward's O and LSE: with them a piece's P = exp(S - LSE) is the
-    whole softmax's probability and D = rowsum(dO * O) - dLSE the whole row's, so the pieces'
-    dK, dV are the right rows of the whole dK, dV and their dQ add up.
-    """
-    Nq, Nk = q.shape[2], k.shape[2]
-    off = Nk - Nq
-    if off == 0:
-        return bwd(q, k, v, O, LSE, dO, dLSE, True)
-    if off > 0:
-        dq1, dk1, dv1 = bwd(q, _rows(k, 0, off), _rows(v, 0, off), O, LSE, dO, dLSE, False)
-        dq2, dk2, dv2 = bwd(q, _rows(k, off), _rows(v, off), O, LSE, dO, dLSE, True)
-        dQ = (dq1.float() + dq2.float()).to(q.dtype)
-        return dQ, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2)
-    sub = (_rows(q, -off), k, v, _rows(O, -off), _rows(LSE, -off), _rows(dO, -off),
-           None if dLSE is None else _rows(dLSE, -off))  # fmt: skip
-    dq2, dK, dV = bwd(*sub, True)
-    return torch.cat([q.new_zeros(*q.shape[:2], -off, q.shape[3]), dq2], dim=2), dK, dV
+    return _bottom_right_backward(bwd, q, k, v, O, LSE, dO, dLSE)
 
 
 # =============================================================================================

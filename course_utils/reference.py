@@ -51,7 +51,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None):
         natural-log logsumexp of each scaled, masked score row. Both on ``q.device``. Any
         strides are accepted. Empty leading dims (B = 0) give empty outputs; Nq = 0 gives
         ``(..., 0, dv)`` and ``(..., 0)``; Nk = 0 is a ValueError. No autograd (the inputs are
-        detached): ``course_utils.attention(..., impl="reference")`` is the differentiable one.
+        detached): the front door's ``impl="reference"`` (``cu.attention``) is the
+        differentiable one.
 
     A row in which every key is masked has no key to attend to: its softmax is 0/0. Here such a
     row gets ``O = 0`` and ``LSE = -inf`` (log of an empty sum), which is what a FlashAttention

@@ -889,9 +889,7 @@ def attention_forward(q, k, v, causal=False, scale=None, *, out=None, config=Non
     if B == 0 or H == 0:
         return O, LSE
     if align == BOTTOM_RIGHT and offset != 0:
-        from ..attention import bottom_right_forward
-
-        O_br, LSE_br = bottom_right_forward(
+        O_br, LSE_br = _bottom_right_forward(
             lambda q, k, v, causal: attention_forward(q, k, v, causal, scale, config=config,
                                                       inner=inner, split=split), q, k, v)
         O.copy_(O_br)
@@ -908,6 +906,61 @@ def attention_forward(q, k, v, causal=False, scale=None, *, out=None, config=Non
     _launch("forward", grid, (q, k, v, O, LSE, scale * LOG2E, *_lengths(Nq, Nk)), consts, config,
             q.dtype)
     return O, LSE
+
+
+def _rows(t, lo, hi=None):
+    """Rows lo:hi of (B, H, N, d) as a fresh contiguous tensor (the kernels index it flat)."""
+    return t[:, :, lo:hi].contiguous()
+
+
+def _bottom_right_forward(fwd, q, k, v):
+    """Bottom-right causal ``(O, LSE)`` from ``fwd(q, k, v, causal: bool) -> (O, LSE)`` that
+    masks top-left, on ``(B, H, N, d)`` tensors.
+
+    With ``off = Nk - Nq``: off > 0: keys ``[0, off)`` are seen by every query (one unmasked
+    call), keys ``[off, Nk)`` form a top-left square with the queries (one causal call); the
+    two are merged with weights ``exp(LSE_piece - LSE)``. off < 0: query rows ``[0, -off)`` see
+    no key (O = 0, LSE = -inf), rows ``[-off, Nq)`` and the keys form a top-left square.
+    off = 0: one top-left call.
+    """
+    Nq, Nk = q.shape[2], k.shape[2]
+    off = Nk - Nq
+    if off == 0:
+        return fwd(q, k, v, True)
+    if off > 0:
+        O1, L1 = fwd(q, _rows(k, 0, off), _rows(v, 0, off), False)
+        O2, L2 = fwd(q, _rows(k, off), _rows(v, off), True)
+        LSE = torch.logaddexp(L1, L2)  # every row sees the first piece: finite
+        O = (torch.exp(L1 - LSE)[..., None] * O1.float()
+             + torch.exp(L2 - LSE)[..., None] * O2.float())  # fmt: skip
+        return O.to(q.dtype), LSE
+    O2, L2 = fwd(_rows(q, -off), k, v, True)
+    O = torch.cat([q.new_zeros(*q.shape[:2], -off, v.shape[3]), O2], dim=2)
+    LSE = torch.cat([L2.new_full((*q.shape[:2], -off), -math.inf), L2], dim=2)
+    return O, LSE
+
+
+def _bottom_right_backward(bwd, q, k, v, O, LSE, dO, dLSE=None):
+    """``(dQ, dK, dV)`` of :func:`_bottom_right_forward` from a top-left backward
+    ``bwd(q, k, v, O, LSE, dO, dLSE, causal: bool)``.
+
+    Each piece gets the whole forward's O and LSE: with them a piece's P = exp(S - LSE) is the
+    whole softmax's probability and D = rowsum(dO * O) - dLSE the whole row's, so the pieces'
+    dK, dV are the right rows of the whole dK, dV and their dQ add up.
+    """
+    Nq, Nk = q.shape[2], k.shape[2]
+    off = Nk - Nq
+    if off == 0:
+        return bwd(q, k, v, O, LSE, dO, dLSE, True)
+    if off > 0:
+        dq1, dk1, dv1 = bwd(q, _rows(k, 0, off), _rows(v, 0, off), O, LSE, dO, dLSE, False)
+        dq2, dk2, dv2 = bwd(q, _rows(k, off), _rows(v, off), O, LSE, dO, dLSE, True)
+        dQ = (dq1.float() + dq2.float()).to(q.dtype)
+        return dQ, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2)
+    sub = (_rows(q, -off), k, v, _rows(O, -off), _rows(LSE, -off), _rows(dO, -off),
+           None if dLSE is None else _rows(dLSE, -off))  # fmt: skip
+    dq2, dK, dV = bwd(*sub, True)
+    return torch.cat([q.new_zeros(*q.shape[:2], -off, q.shape[3]), dq2], dim=2), dK, dV
 
 
 def compute_delta(o, do):
@@ -956,14 +1009,12 @@ def attention_backward(q, k, v, o, lse, do, causal=False, scale=None, *, out=Non
     if B == 0 or H == 0:
         return dQ, dK, dV
     if align == BOTTOM_RIGHT and offset != 0:
-        from ..attention import bottom_right_backward
-
         def piece(q, k, v, o, lse, do, dlse, causal):
             return attention_backward(q, k, v, o, lse, do, causal, scale, dkdv_config=dkdv_config,
                                       dq_config=dq_config, dkdv_inner=dkdv_inner, split=split,
                                       dlse=dlse)
 
-        grads = bottom_right_backward(piece, q, k, v, o, lse, do, dlse)
+        grads = _bottom_right_backward(piece, q, k, v, o, lse, do, dlse)
         for t, g in zip((dQ, dK, dV), grads, strict=True):
             t.copy_(g)
         return dQ, dK, dV
