@@ -18,7 +18,7 @@
 "cuda"         chapters 07/08's CUDA C++ kernels (any CUDA GPU): fp32, d in 16, 32, 64, 128
 "numba"        not shipped: the course's Numba kernels are the ones written in the notebooks
 "torch"        chapter 12's FlashAttention-2 in PyTorch (``ops.attention_forward_torch``: key
-               tiles, online softmax), any device, any floating dtype
+               tiles, online softmax), CPU or GPU: fp32, fp16, bf16, d as ``ops`` takes it
 "reference"    the float64 oracle (``reference.attention``'s formulas), autograd through torch
 =============  ==========================================================================
 
@@ -436,7 +436,6 @@ def attention(q, k, v, *, causal=False, scale=None, impl="triton", layout="bhnd"
         can = [name for name in IMPLS if _WHY[name](*probes, scale) is None]
         raise ImplUnavailable(f"impl={impl!r} cannot run here: {reason}. Impls that can run on "
                               f"these inputs here: {', '.join(repr(c) for c in can)}")
-    B, H, Nq, _ = q4.shape
     if q4.numel() == 0 or k4.shape[2] == 0:
         O, LSE = _empty(q4, k4, v4)
     elif impl == "reference":
