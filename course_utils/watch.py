@@ -140,8 +140,11 @@ _ANSWER_FUNCTIONS = {
     "course_utils.reference": None,  # every public function of the module
     "course_utils.serving": None,  # chapter 11: merges, masks, references (chapters 11 and 13)
     "course_utils.ring": None,  # chapter 13: layouts, merges, step work
+    "course_utils.attention": ("attention",),  # the front door: every impl computes the answer
     "scipy.special": ("softmax", "log_softmax", "logsumexp"),
 }
+# Private functions that return the answer too (a module's None above covers its public ones).
+_PRIVATE_ANSWERS = {"course_utils.reference": ("_attention64",)}
 
 # torch_only: at most this many values may leave torch as Python numbers in one call. The
 # solutions need at most B + 1 offsets twice (cu_seqlens.tolist() in chapter 11, B <= 8 there).
@@ -280,6 +283,7 @@ def _answer_functions() -> list:
                 names = [n for n, v in vars(module).items()
                          if isinstance(v, types.FunctionType) and v.__module__ == module_name
                          and not n.startswith("_")]  # fmt: skip
+            names = [*names, *_PRIVATE_ANSWERS.get(module_name, ())]
             for name in names:
                 fn = getattr(module, name, None)
                 found[id(fn)] = fn

@@ -488,6 +488,14 @@ def attack_restore_reference(Q, K, V):
 _SAVED_REFERENCE_CODE = __import__("course_utils.reference").reference.attention.__code__
 
 
+@attack("the reference's private float64 core called directly", FORWARD, ANSWER)
+def attack_private_reference(Q, K, V):
+    from course_utils import reference
+
+    out = reference._attention64(Q.double(), K.double(), V.double(), None, None)
+    return out[0].float()
+
+
 # --- library routes to the forbidden operation --------------------------------------------------
 @attack("torch._refs.softmax (exp / amax / sum in Python)", SOFTMAX, ANSWER)
 def attack_refs_softmax(x):
