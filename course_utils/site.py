@@ -45,6 +45,22 @@ DEFAULT_OUT = ROOT / "_build" / "site"
 MATHJAX = SITE / "node_modules" / "mathjax" / "es5"  # `npm ci --prefix site` installs it
 DEFAULT_TIMEOUT = 1800  # seconds for one notebook (and for any one of its cells)
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
+CHROMIUM_ARGS = [  # Chromium on a machine whose network reaches no outside host
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+def chromium() -> str | None:
+    """Debian's Chromium, or the browser that COURSE_CHROMIUM names (then only that one): what
+    the site's browser test and ``tools/lab_walk.py`` drive through Playwright."""
+    chosen = os.environ.get("COURSE_CHROMIUM")
+    candidates = [chosen] if chosen else ["/usr/bin/chromium", shutil.which("chromium"),
+                                          shutil.which("chromium-browser")]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
 
 
 class SiteError(RuntimeError):

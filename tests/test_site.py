@@ -16,10 +16,8 @@ import functools
 import http.server
 import importlib.util
 import os
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -27,30 +25,13 @@ from course_utils import site
 
 CHAPTER = "07_flash_attention_forward"
 FIGURES = "02_softmax_stable_and_online"  # a chapter with matplotlib figures
-CHROMIUM_ARGS = [  # Chromium on a machine whose network reaches no outside host
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
-
-
-def _chromium() -> str | None:
-    """Debian's Chromium, or the browser that COURSE_CHROMIUM names (then only that one)."""
-    chosen = os.environ.get("COURSE_CHROMIUM")
-    candidates = [chosen] if chosen else ["/usr/bin/chromium", shutil.which("chromium"),
-                                          shutil.which("chromium-browser")]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
 def _missing_tools() -> list[str]:
     missing = []
     if importlib.util.find_spec("jupyter_book") is None:
         missing.append('Jupyter Book (pip install -e ".[site]")')
     if importlib.util.find_spec("playwright") is None:
         missing.append('Playwright (pip install -e ".[site]")')
-    if _chromium() is None:
+    if site.chromium() is None:
         missing.append("Chromium (apt-get install chromium, or set COURSE_CHROMIUM)")
     return missing
 
@@ -100,7 +81,8 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=site.chromium(), headless=True,
+                              args=site.CHROMIUM_ARGS)
         yield b
         b.close()
 

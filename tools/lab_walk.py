@@ -48,11 +48,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from course_utils import site
+
 REPO = Path(__file__).resolve().parents[1]
-CHROMIUM_ARGS = [  # Chromium on a machine whose network reaches no outside host
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 VIEWPORT = {"width": 1280, "height": 1000}
 # JupyterLab settings for the walk: every cell rendered (no windowing, so a screenshot and a
 # measurement see them all), cell timings recorded in the saved notebook, no autosave (the lab
@@ -65,17 +63,6 @@ LAB_SETTINGS = {
 }
 
 
-def chromium() -> str | None:
-    """Debian's Chromium, or the browser that COURSE_CHROMIUM names (then only that one)."""
-    chosen = os.environ.get("COURSE_CHROMIUM")
-    candidates = [chosen] if chosen else ["/usr/bin/chromium", shutil.which("chromium"),
-                                          shutil.which("chromium-browser")]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
 def missing_tools() -> list[str]:
     """The tools the walk needs and cannot find, as install hints."""
     missing = []
@@ -83,7 +70,7 @@ def missing_tools() -> list[str]:
         missing.append("JupyterLab (pip install jupyterlab)")
     if importlib.util.find_spec("playwright") is None:
         missing.append("Playwright (pip install playwright)")
-    if chromium() is None:
+    if site.chromium() is None:
         missing.append("Chromium (apt-get install chromium, or set COURSE_CHROMIUM)")
     return missing
 
@@ -543,8 +530,8 @@ def walk(notebooks: list[Path], out: Path, root: Path, timeout: float, tall: int
         with open(out / "lab_server.log", "w") as log, \
                 lab_server(staged_root, scratch, log) as url, sync_playwright() as p:
             say(f"JupyterLab at {url}; starting Chromium")
-            browser = p.chromium.launch(executable_path=chromium(), headless=True,
-                                        args=CHROMIUM_ARGS)
+            browser = p.chromium.launch(executable_path=site.chromium(), headless=True,
+                                        args=site.CHROMIUM_ARGS)
             try:
                 for notebook, name in zip(notebooks, names, strict=True):
                     prefix = number(notebook)
