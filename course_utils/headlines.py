@@ -51,56 +51,23 @@ def default_variant(D: int, causal: bool, Nk: int) -> int:
 
 
 def _course_kernels(chapter: int):
-    """(forward(q, k, v, causal) -> O, autograd function(q, k, v, causal) -> O) of a chapter."""
-    import torch
-
-    from .cuda import load_cuda
-
-    if chapter == 10:
-        mod = load_cuda(KERNELS / "flash_attention_mma.cu",
-                        ["flash_attention_mma", "flash_attention_mma_backward"],
-                        name="flash_attention_mma")  # fmt: skip
-
-        def fwd(q, k, v, causal):
-            return mod.flash_attention_mma(q, k, v, causal)[0]
-
-        def bwd(q, k, v, O, dO, lse, causal):
-            return mod.flash_attention_mma_backward(q, k, v, O, dO, lse, causal)
-    elif chapter == 14:
-        mod = load_cuda(KERNELS / "flash_attention_hopper.cu", ["flash_attention_hopper"],
-                        name="flash_attention_hopper", arch="sm_90a")
-        bwd_mod = load_cuda(KERNELS / "flash_attention_hopper_bwd.cu",
-                            ["flash_attention_hopper_bwd"], name="flash_attention_hopper_bwd",
-                            arch="sm_90a")  # fmt: skip
-
-        def fwd(q, k, v, causal):
-            variant = default_variant(q.shape[-1], causal, k.shape[-2])
-            return mod.flash_attention_hopper(q, k, v, causal, variant)[0]
-
-        def bwd(q, k, v, O, dO, lse, causal):
-            return bwd_mod.flash_attention_hopper_bwd(q, k, v, O, dO, lse, causal)
-    else:
+    """(forward(q, k, v, causal) -> O, autograd function(q, k, v, causal) -> O) of a chapter:
+    the front door's builds of the same kernels (``course_utils.attention``, impl "mma" or
+    "hopper"; chapter 14's forward variant from :func:`default_variant`)."""
+    if chapter not in CHAPTERS:
         raise ValueError(f"chapters with a headline: {sorted(CHAPTERS)}, not {chapter!r}")
+    from .attention import _KernelAttention, _pair
+    from .contract import TOP_LEFT
 
-    class Attention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, causal):
-            if chapter == 10:
-                O, lse = mod.flash_attention_mma(q, k, v, causal)
-            else:
-                O, lse = mod.flash_attention_hopper(
-                    q, k, v, causal, default_variant(q.shape[-1], causal, k.shape[-2]))
-            ctx.save_for_backward(q, k, v, O, lse)
-            ctx.causal = causal
-            return O
+    impl = {10: "mma", 14: "hopper"}[chapter]
 
-        @staticmethod
-        def backward(ctx, dO):
-            q, k, v, O, lse = ctx.saved_tensors
-            dq, dk, dv = bwd(q, k, v, O, dO.contiguous(), lse, ctx.causal)
-            return dq, dk, dv, None
+    def fwd(q, k, v, causal):
+        return _pair(q, k, v, causal, impl)[0]
 
-    return fwd, Attention.apply
+    def train(q, k, v, causal):
+        return _KernelAttention.apply(q, k, v, impl, TOP_LEFT if causal else None, None)[0]
+
+    return fwd, train
 
 
 def _sdpa(backend):
