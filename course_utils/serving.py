@@ -260,7 +260,8 @@ def _heads(Hq, Hkv):
 
 
 def _decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window, where):
-    """Checked shapes of a decoding step: ``(B, Hq, d, lengths, window_left)``."""
+    """Checked shapes of a decoding step: ``(B, Hq, d, lengths, window_left)`` (q is 3-dim
+    ``(B, Hq, d)``; :func:`reference_decode` views a 4-dim q's tokens as sequences first)."""
     _check_float(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), (3, 4, 4),
                  "q (B, Hq, d), caches (B, Nmax, Hkv, d) or (num_pages, page_size, Hkv, d)")
     B, Hq, d = q.shape
@@ -411,32 +412,56 @@ def _gather_visible(pages, block_table, n, b, first):
 
 def reference_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, window=(-1, -1),
                      softcap=0.0, scale=None):
-    """One decoding step in float64: ``(O, LSE)``, O ``(B, Hq, dv)``, LSE ``(B, Hq)``.
+    """One decoding step in float64: ``(O, LSE)``.
 
     q ``(B, Hq, d)``: the new query of each sequence, at position ``cache_seqlens[b] - 1`` (its
     own key is already in the cache), so it sees keys ``0 .. cache_seqlens[b] - 1`` (with
-    ``window = (left, _)`` only the last ``left + 1`` of them). Caches: dense
-    ``(B, Nmax, Hkv, d)``, or with ``block_table`` the pages ``(num_pages, page_size, Hkv, d)``.
-    A sequence of length 0 sees nothing: O = 0, LSE = -inf; B = 0 gives empty O and LSE. With a
-    window, only the pages holding the visible keys are read (the others may be -1 in the table).
-    A length past the cache (``Nmax``, or ``max_pages * page_size``) is a ValueError.
+    ``window = (left, _)`` only the last ``left + 1`` of them). O ``(B, Hq, dv)``, LSE
+    ``(B, Hq)``.
+
+    q ``(B, Lq, Hq, d)``: ``Lq`` new tokens per sequence (speculative decoding verifies drafted
+    tokens so), the last Lq keys of the cache, causal among themselves: aligned
+    **bottom-right**, token t sits at key position ``cache_seqlens[b] - Lq + t`` and sees keys
+    up to it (with a window, the ``left + 1`` up to it). O ``(B, Lq, Hq, dv)``, LSE
+    ``(B, Hq, Lq)`` (heads before tokens, as the contract's ``(B, H, N)``). A sequence must hold
+    its Lq new tokens: a length from 1 to Lq - 1 is a ValueError.
+
+    Caches: dense ``(B, Nmax, Hkv, d)``, or with ``block_table`` the pages
+    ``(num_pages, page_size, Hkv, d)``. A sequence of length 0 (an idle slot) sees nothing:
+    O = 0, LSE = -inf; B = 0 gives empty O and LSE. With a window, only the pages holding the
+    visible keys are read (the others may be -1 in the table). A length past the cache
+    (``Nmax``, or ``max_pages * page_size``) is a ValueError.
     """
-    B, Hq, d, lens, left = _decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window,
+    many = isinstance(q, torch.Tensor) and q.dim() == 4
+    q3 = q[:, -1] if many else q  # the shape checks of one token
+    B, Hq, d, lens, left = _decode_args(q3, k_cache, v_cache, cache_seqlens, block_table, window,
                                         "serving.reference_decode")
+    Lq = q.shape[1] if many else 1
+    short = [b for b, n in enumerate(lens) if 0 < n < Lq]
+    if short:
+        raise ValueError(f"serving.reference_decode: cache_seqlens[{short[0]}] = "
+                         f"{lens[short[0]]} < Lq = {Lq}: the Lq new tokens are the last Lq keys "
+                         "of the cache, so a sequence holds at least Lq keys (or 0, idle)")
     scale = _scale_of(scale, d)
-    O = torch.zeros(B, Hq, v_cache.shape[3], dtype=torch.float64, device=q.device)
-    LSE = torch.full((B, Hq), -math.inf, dtype=torch.float64, device=q.device)
+    q4 = q if many else q[:, None]
+    O = torch.zeros(B, Lq, Hq, v_cache.shape[3], dtype=torch.float64, device=q.device)
+    LSE = torch.full((B, Hq, Lq), -math.inf, dtype=torch.float64, device=q.device)
     for b in range(B):
         n = lens[b]
-        first = max(0, n - 1 - left) if left >= 0 else 0  # keys before it are outside the window
+        if n == 0:
+            continue
+        # keys before `first` are outside every new token's window
+        first = max(0, n - Lq - left) if left >= 0 else 0
         if block_table is None:
             K, V = k_cache[b, :n], v_cache[b, :n]
         else:  # keys before `first` stay 0 (masked): their pages may be -1 in the table
             K, V = (_gather_visible(c, block_table, n, b, first) for c in (k_cache, v_cache))
-        keep = visible(1, n, causal=True, window=window, device=q.device)
-        Ob, LSEb = _attend(q[b : b + 1], K, V, keep, scale, softcap)
-        O[b], LSE[b] = Ob[0], LSEb[0]
-    return O, LSE
+        keep = visible(Lq, n, causal=True, window=window, device=q.device)
+        O[b], LSEb = _attend(q4[b], K, V, keep, scale, softcap)
+        LSE[b] = LSEb.transpose(0, 1)
+    if many:
+        return O, LSE
+    return O[:, 0], LSE[:, :, 0]
 
 
 # =============================================================================================

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -100,12 +101,17 @@ from .flash_attention_triton import (
 
 __all__ = [
     "DECODE_BLOCK_N",
+    "DecodePlan",
+    "MAX_NEW_TOKENS",
     "MAX_SPLITS",
     "PAGED_PROGRAMS_PER_SM",
     "TARGET_WAVES",
     "decode_attention",
     "decode_config",
+    "decode_plan",
+    "decode_programs_per_sm",
     "default_num_splits",
+    "make_plan",
     "varlen_attention",
     "varlen_config",
 ]
@@ -119,6 +125,8 @@ MERGE_BLOCK_S = 16  # splits the merge kernel reads per step
 TARGET_WAVES = 1  # waves of one program per SM that the split grid may fill, never more
 PAGED_PROGRAMS_PER_SM = 2  # paged: a key block's address waits on a block-table load
 MAX_SPLITS = 256
+MAX_NEW_TOKENS = 8  # new tokens per sequence in one decoding step (speculative decoding: 2-8)
+MERGE_WARPS = 4
 MIN_SPLIT_BLOCKS = 4  # key blocks per split at least: a split's fixed costs need work to hide
 H100_SMS = 132
 MAX_GRID_YZ = 65535  # CUDA's limit on grid y and z
@@ -176,96 +184,194 @@ def _finish(acc, l_i, m_i):
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART, O, LSE,
-                         score_scale, softcap_log2e, window_left,
-                         stride_qb, stride_qh, stride_kp, stride_kn, stride_kh, stride_bt,
-                         stride_ob, stride_oh,
-                         G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                         SOFTCAP: tl.constexpr, DIRECT: tl.constexpr):
-    # Program (s, h, b): split s of sequence b's keys, K/V head h, for its G query heads.
-    # DIRECT (one split): the result is final, written to O and LSE with no merge kernel.
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)  # 64-bit: b * stride can pass 2**31
-    num_splits = tl.num_programs(0)
-    Hq = tl.num_programs(1) * G
+def _decode_tiles(acc, l_i, m_i, q, K, V, BLOCK_TABLE, bt_row, kv_base, stride_kp, stride_kn,
+                  pos, lo, hi, seqlen, first, window_left, score_scale, softcap_log2e,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  PAGED: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+                  ROW_MASK: tl.constexpr):
+    """The online softmax of the rows of q over the key blocks ``range(lo, hi, BLOCK_N)``.
 
-    # The visible keys first .. seqlen - 1 (window_left is huge when there is no window),
-    # cut into whole BLOCK_N blocks from first's block on, per_split blocks per split.
-    seqlen = tl.load(SEQLENS + b)
-    first = tl.maximum(seqlen - 1 - window_left, 0)
-    lo = (first // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(seqlen - lo, BLOCK_N), num_splits)
-    start = lo + s * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, seqlen)  # start >= end: an empty split
-
-    offs_g = tl.arange(0, BLOCK_G)  # rows of the dot: the G query heads, then padding
+    MASKED: blocks on the edges of the visible keys (the sequence's end, the window's start, the
+    new tokens' diagonal), masked per key; else blocks every row sees whole: no mask at all.
+    ROW_MASK (several new tokens): row r, at key position pos[r], sees keys
+    ``pos[r] - window_left <= j <= pos[r]``; one new token: the key mask alone is that.
+    ``kv_base``: the offset of K/V head h (and, dense, of sequence b's rows).
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    heads = h * G + offs_g
-    real = offs_g < G
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=real[:, None], other=0.0)  # padding rows: q = 0, never stored
-    kv_head = h.to(tl.int64) * stride_kh
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # logical key positions
-        # the visible keys: in the cache and inside the window. Keys before `first` are never
-        # loaded, nor their block-table entries (a sliding window's old pages may be -1).
+        # the keys in the cache and inside the window. Keys before `first` are never loaded,
+        # nor their block-table entries (a sliding window's old pages may be -1).
         live = (cols < seqlen) & (cols >= first)
         if PAGED and PAGE_SIZE >= BLOCK_N:  # the block lies inside one page: one entry
-            page = tl.load(BLOCK_TABLE + b * stride_bt + start_n // PAGE_SIZE)
+            page = tl.load(BLOCK_TABLE + bt_row + start_n // PAGE_SIZE)
             rows = page.to(tl.int64) * stride_kp + (cols % PAGE_SIZE) * stride_kn
         elif PAGED:  # key j: row j % PAGE_SIZE of page block_table[b, j // PAGE_SIZE]
-            page = tl.load(BLOCK_TABLE + b * stride_bt + cols // PAGE_SIZE, mask=live, other=0)
+            if MASKED:
+                page = tl.load(BLOCK_TABLE + bt_row + cols // PAGE_SIZE, mask=live, other=0)
+            else:
+                page = tl.load(BLOCK_TABLE + bt_row + cols // PAGE_SIZE)
             rows = page.to(tl.int64) * stride_kp + (cols % PAGE_SIZE) * stride_kn
         else:
-            rows = b * stride_kp + cols.to(tl.int64) * stride_kn
-        kv_ptrs = rows[:, None] + kv_head + offs_d[None, :]  # whole rows: d contiguous elements
-        k = tl.load(K + kv_ptrs, mask=live[:, None], other=0.0)
-        v = tl.load(V + kv_ptrs, mask=live[:, None], other=0.0)
-        S = _scores(q, k, score_scale, softcap_log2e, SOFTCAP)  # (BLOCK_G, BLOCK_N)
-        S = tl.where(live[None, :], S, float("-inf"))
+            rows = cols.to(tl.int64) * stride_kn
+        kv_ptrs = kv_base + rows[:, None] + offs_d[None, :]  # whole rows: d contiguous elements
+        if MASKED:
+            k = tl.load(K + kv_ptrs, mask=live[:, None], other=0.0)
+            v = tl.load(V + kv_ptrs, mask=live[:, None], other=0.0)
+        else:
+            k = tl.load(K + kv_ptrs)
+            v = tl.load(V + kv_ptrs)
+        S = _scores(q, k, score_scale, softcap_log2e, SOFTCAP)  # (BLOCK_M, BLOCK_N)
+        if MASKED and ROW_MASK:  # token at pos sees pos - left .. pos (bottom-right causal)
+            keep = ((cols[None, :] <= pos[:, None])
+                    & (cols[None, :] >= pos[:, None] - window_left) & live[None, :])
+            S = tl.where(keep, S, float("-inf"))
+        elif MASKED:
+            S = tl.where(live[None, :], S, float("-inf"))
         if SOFTCAP:
             acc, l_i, m_i = _online_update(acc, l_i, m_i, S, v, 1.0)
         else:
             acc, l_i, m_i = _online_update(acc, l_i, m_i, S, v, score_scale)
-
-    o, lse = _finish(acc, l_i, m_i)
-    if DIRECT:
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(O.dtype.element_ty), mask=real[:, None])
-        tl.store(LSE + b * Hq + heads, lse, mask=real)
-    else:
-        part = (b * Hq + heads) * num_splits + s  # workspace (B, Hq, num_splits, d)
-        tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=real[:, None])
-        tl.store(LSE_PART + part, lse, mask=real)
+    return acc, l_i, m_i
 
 
 @triton.jit
-def _decode_merge_kernel(O_PART, LSE_PART, O, LSE, num_splits, stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    # Program (hq, b): merge the num_splits partial (O_s, LSE_s) of query head hq, sequence b.
+def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, WORK, O_PART, LSE_PART, O, LSE,
+                         score_scale, softcap_log2e, window_left,
+                         stride_qb, stride_qt, stride_qh, stride_kp, stride_kn, stride_kh,
+                         stride_bt, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                         stride_lt,
+                         G: tl.constexpr, LQ: tl.constexpr, BLOCK_M: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
+                         PLAN: tl.constexpr):
+    # Fixed split count (grid (num_splits, Hkv, B)): program (s, h, b) takes split s of sequence
+    # b's keys, K/V head h. DIRECT (one split): the result is final, written to O and LSE.
+    # PLAN (grid (work items, Hkv)): program (w, h) takes the key range of work item w, a row
+    # (b, start, end, part) of WORK made on the host (decode_plan); part < 0: the sequence's only
+    # split, written to O and LSE directly; else slot `part` of the workspace (P, LQ, Hq, d).
+    h = tl.program_id(1)
+    Hq = tl.num_programs(1) * G
+    if PLAN:
+        w = tl.program_id(0)
+        b = tl.load(WORK + 4 * w).to(tl.int64)  # 64-bit: b * stride can pass 2**31
+        start = tl.load(WORK + 4 * w + 1)
+        end = tl.load(WORK + 4 * w + 2)
+        part = tl.load(WORK + 4 * w + 3)
+        seqlen = tl.load(SEQLENS + b)
+        first = tl.maximum(seqlen - LQ - window_left, 0)
+    else:
+        s = tl.program_id(0)
+        b = tl.program_id(2).to(tl.int64)
+        num_splits = tl.num_programs(0)
+        # The visible keys first .. seqlen - 1 (window_left is huge when there is no window),
+        # cut into whole BLOCK_N blocks from first's block on, per_split blocks per split.
+        seqlen = tl.load(SEQLENS + b)
+        first = tl.maximum(seqlen - LQ - window_left, 0)  # the first new token's first key
+        lo = (first // BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(seqlen - lo, BLOCK_N), num_splits)
+        start = lo + s * per_split * BLOCK_N
+        end = tl.minimum(start + per_split * BLOCK_N, seqlen)  # start >= end: an empty split
+
+    # Rows of the dot: r = t * G + g is new token t of query head h * G + g; then padding up to
+    # BLOCK_M (>= 16, the smallest M of tl.dot). Every key block is loaded once for all of them.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    t = offs_m // G
+    heads = h * G + offs_m % G
+    real = offs_m < G * LQ
+    pos = seqlen - LQ + t  # token t's key position: bottom-right, the last token at seqlen - 1
+    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=real[:, None], other=0.0)  # padding rows: q = 0
+    if PAGED:
+        kv_base = h.to(tl.int64) * stride_kh
+    else:
+        kv_base = b * stride_kp + h.to(tl.int64) * stride_kh
+    bt_row = b * stride_bt
+
+    # Three stages: masked blocks on the left (the window's start), blocks every row sees whole
+    # (no mask), masked blocks on the right (the sequence's end, the new tokens' diagonal).
+    full_lo = tl.cdiv(tl.maximum(seqlen - 1 - window_left, 0), BLOCK_N) * BLOCK_N
+    full_hi = (tl.maximum(seqlen - LQ + 1, 0) // BLOCK_N) * BLOCK_N
+    a_end = tl.minimum(tl.maximum(full_lo, start), end)
+    b_end = tl.minimum(tl.maximum(full_hi, a_end), end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, K, V, BLOCK_TABLE, bt_row, kv_base,
+                                  stride_kp, stride_kn, pos, start, a_end, seqlen, first,
+                                  window_left, score_scale, softcap_log2e, BLOCK_N, HEAD_DIM,
+                                  PAGE_SIZE, PAGED, SOFTCAP, True, LQ > 1)
+    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, K, V, BLOCK_TABLE, bt_row, kv_base,
+                                  stride_kp, stride_kn, pos, a_end, b_end, seqlen, first,
+                                  window_left, score_scale, softcap_log2e, BLOCK_N, HEAD_DIM,
+                                  PAGE_SIZE, PAGED, SOFTCAP, False, LQ > 1)
+    acc, l_i, m_i = _decode_tiles(acc, l_i, m_i, q, K, V, BLOCK_TABLE, bt_row, kv_base,
+                                  stride_kp, stride_kn, pos, b_end, end, seqlen, first,
+                                  window_left, score_scale, softcap_log2e, BLOCK_N, HEAD_DIM,
+                                  PAGE_SIZE, PAGED, SOFTCAP, True, LQ > 1)
+
+    o, lse = _finish(acc, l_i, m_i)
+    out_ptrs = O + b * stride_ob + t[:, None] * stride_ot + heads[:, None] * stride_oh \
+        + offs_d[None, :]
+    lse_ptrs = LSE + b * stride_lb + heads * stride_lh + t * stride_lt
+    if PLAN:
+        if part < 0:
+            tl.store(out_ptrs, o.to(O.dtype.element_ty), mask=real[:, None])
+            tl.store(lse_ptrs, lse, mask=real)
+        else:
+            slot = (part.to(tl.int64) * LQ + t) * Hq + heads  # workspace (P, LQ, Hq, d)
+            tl.store(O_PART + slot[:, None] * HEAD_DIM + offs_d[None, :], o, mask=real[:, None])
+            tl.store(LSE_PART + slot, lse, mask=real)
+    elif DIRECT:
+        tl.store(out_ptrs, o.to(O.dtype.element_ty), mask=real[:, None])
+        tl.store(lse_ptrs, lse, mask=real)
+    else:
+        slot = ((b * LQ + t) * Hq + heads) * num_splits + s  # workspace (B, LQ, Hq, S, d)
+        tl.store(O_PART + slot[:, None] * HEAD_DIM + offs_d[None, :], o, mask=real[:, None])
+        tl.store(LSE_PART + slot, lse, mask=real)
+
+
+@triton.jit
+def _decode_merge_kernel(O_PART, LSE_PART, O, LSE, SPLITS, OFFSETS, num_splits,
+                         stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_lt,
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PLAN: tl.constexpr):
+    # Program (hq, t, b): merge the partial (O_s, LSE_s) of query head hq, new token t, sequence
+    # b. Fixed split count: num_splits parts at slots ((b, t, hq), s) of (B, LQ, Hq, S, d).
+    # PLAN: SPLITS[b] parts at slots (OFFSETS[b] + s, t, hq) of (P, LQ, Hq, d); a sequence
+    # with one split was written by the split kernel (nothing to do here), one with none
+    # (length 0) gets O = 0, LSE = -inf.
     # Lane j of a BLOCK_S vector keeps a running merge (m, l, acc) of splits j, j + BLOCK_S, ...
     # (the online softmax again, over splits instead of keys), and the lanes merge at the end.
     hq = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    base = (b * tl.num_programs(0) + hq) * num_splits
+    t = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    Hq = tl.num_programs(0)
+    LQ = tl.num_programs(1)
+    if PLAN:
+        n = tl.load(SPLITS + b)
+        if n == 1:  # the split kernel wrote this sequence's O and LSE
+            return
+        base = (tl.load(OFFSETS + b).to(tl.int64) * LQ + t) * Hq + hq
+        step = LQ * Hq
+    else:
+        n = num_splits
+        base = ((b * LQ + t) * Hq + hq) * num_splits
+        step = 1
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     m = tl.full([BLOCK_S], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_S, HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
+    for s0 in range(0, n, BLOCK_S):
         split = s0 + offs_s
-        ok = split < num_splits
-        lse = tl.load(LSE_PART + base + split, mask=ok, other=float("-inf")) * _LOG2E
-        o = tl.load(O_PART + (base + split)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=ok[:, None], other=0.0)
+        ok = split < n
+        slot = base + split * step
+        lse = tl.load(LSE_PART + slot, mask=ok, other=float("-inf")) * _LOG2E
+        o = tl.load(O_PART + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
+                    other=0.0)
         m_new = tl.maximum(m, lse)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet
         alpha = tl.exp2(m - m_use)
@@ -280,9 +386,11 @@ def _decode_merge_kernel(O_PART, LSE_PART, O, LSE, num_splits, stride_ob, stride
     o = tl.sum(acc * w[:, None], 0)
     seen = l_all != 0.0  # no split saw a key: l = 0; a NaN stays NaN (as in _finish)
     o = o * tl.where(seen, 1.0 / tl.where(seen, l_all, 1.0), 0.0)
-    lse = tl.where(seen, (m_all + tl.log2(tl.where(seen, l_all, 1.0))) * _LN2, float("-inf"))
-    tl.store(O + b * stride_ob + hq * stride_oh + offs_d, o.to(O.dtype.element_ty))
-    tl.store(LSE + b * tl.num_programs(0) + hq, lse)
+    lse = tl.where(seen, (m_all + tl.log2(tl.where(seen, l_all, 1.0))) * _LN2,
+                   float("-inf"))
+    tl.store(O + b * stride_ob + t * stride_ot + hq * stride_oh + offs_d,
+             o.to(O.dtype.element_ty))
+    tl.store(LSE + b * stride_lb + hq * stride_lh + t * stride_lt, lse)
 
 
 # =============================================================================================
@@ -419,14 +527,42 @@ def decode_config(dtype, programs=1):
     H100, bf16, Hq = 32, Hkv = 4, d = 128 (a sweep of BLOCK_N 32-128, 2-8 warps, 2-5 stages):
     64 keys, 4 warps, 3 stages is best or within 1 % wherever the keys are split; once
     B * Hkv fills the SMs alone (one split), 32 keys and 2 warps are 1-2 % faster.
+    The environment variable ``COURSE_DECODE_CONFIG="BLOCK_N,num_warps,num_stages"`` replaces
+    the choice on a GPU (a sweep sets it without editing this file).
     """
     if INTERPRETED:
         return DECODE_BLOCK_N, 4, 1
     if dtype == torch.float32:
         return DECODE_BLOCK_N, 4, 2
+    chosen = _env_ints("COURSE_DECODE_CONFIG", 3)
+    if chosen:
+        return _config("COURSE_DECODE_CONFIG", chosen, 3)
     if programs >= _sm_count():
         return 32, 2, 3
     return DECODE_BLOCK_N, 4, 3
+
+
+def decode_programs_per_sm(paged=False):
+    """Programs of the split kernel per SM that the split count (and the plan) aim at: 1, or
+    ``PAGED_PROGRAMS_PER_SM`` (2) for a paged cache; ``COURSE_DECODE_PROGRAMS_PER_SM`` (an
+    int) replaces the dense count, and the paged one is twice it."""
+    chosen = _env_ints("COURSE_DECODE_PROGRAMS_PER_SM", 1)
+    dense = chosen[0] if chosen else TARGET_WAVES
+    return dense * PAGED_PROGRAMS_PER_SM if paged else dense
+
+
+def _env_ints(name, n):
+    """The ints of environment variable ``name`` ("64,4,3"), or None when it is not set."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != n or min(values) < 1:
+        raise ValueError(f"{name}={text!r}: expected {n} comma-separated ints >= 1")
+    return values
 
 
 def varlen_config(head_dim, dtype):
@@ -462,7 +598,7 @@ def _sm_count():
 
 
 def default_num_splits(batch, kv_heads, seqlen_k, *, sms=None, block_n=DECODE_BLOCK_N,
-                       paged=False):
+                       paged=False, programs_per_sm=None):
     """How many ways to split the keys so the decode grid fills the GPU.
 
     ``floor(TARGET_WAVES * sms / (batch * kv_heads))`` splits: the most whose grid still fits
@@ -477,11 +613,13 @@ def default_num_splits(batch, kv_heads, seqlen_k, *, sms=None, block_n=DECODE_BL
     block's address comes from a block-table load, and a second program hides that wait (H100,
     B = 1, 128k keys: 33 splits 133 us, 66 splits 113 us; the dense cache 108 us).
     ``sms``: default this GPU's SM count (132, an H100's, in the interpreter). ``seqlen_k``: the
-    (visible) cache length.
+    (visible) cache length. ``programs_per_sm``: the dense count per SM, default
+    :func:`decode_programs_per_sm` (1, or ``COURSE_DECODE_PROGRAMS_PER_SM``).
     """
     sms = _sm_count() if sms is None else int(sms)
     programs = max(1, int(batch) * int(kv_heads))
-    splits = (TARGET_WAVES * sms) // programs
+    per_sm = decode_programs_per_sm() if programs_per_sm is None else int(programs_per_sm)
+    splits = (per_sm * sms) // programs
     if paged:  # twice the dense count (and 2 where the batch alone fills the SMs)
         splits = max(1, splits) * PAGED_PROGRAMS_PER_SM
     blocks = max(1, -(-int(seqlen_k) // block_n))
@@ -591,41 +729,69 @@ def _outputs(given, names, shapes, dtypes, device):
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None,
                      window=(-1, -1), softcap=0.0, scale=None, return_partials=False, out=None,
-                     workspace=None, check_values=True, config=None):
+                     workspace=None, check_values=True, config=None, plan=None):
     """One decoding step with split-KV (flash-decoding): ``(O, LSE)``.
 
     Args:
-        q: ``(B, Hq, d)``, the new query of each sequence; float16 / bfloat16 on a GPU (float32
-            exact and slow), float32 / float16 in the interpreter.
+        q: ``(B, Hq, d)``, the new query of each sequence, or ``(B, Lq, Hq, d)``: ``Lq`` new
+            tokens per sequence (1 .. ``MAX_NEW_TOKENS`` = 8: speculative decoding and
+            multi-token prediction verify several drafted tokens in one step). float16 /
+            bfloat16 on a GPU (float32 exact and slow), float32 / float16 in the interpreter.
         k_cache, v_cache: dense ``(B, Nmax, Hkv, d)``, or with ``block_table`` paged
             ``(num_pages, page_size, Hkv, d)`` (page_size a power of two >= 16); q's dtype.
             Any strides (the head dim is copied contiguous if it is not; v with k's strides).
         cache_seqlens: ``(B,)`` int32 on q's device: sequence b has keys
-            ``0 .. cache_seqlens[b] - 1`` and its query sits at the last one (sees them all).
-            0 is allowed: O = 0, LSE = -inf.
+            ``0 .. cache_seqlens[b] - 1``, and its Lq new tokens are the **last Lq** of them
+            (their K and V already written). Causal alignment **bottom-right**
+            (``"bottom_right"`` of docs/contract.md): new token t (0-based) sits at key position
+            ``cache_seqlens[b] - Lq + t`` and sees keys ``0 ..`` that position (one new token:
+            all of them). 0 is an idle slot: O = 0, LSE = -inf. A length from 1 to Lq - 1 is a
+            ValueError (the sequence must hold its Lq new tokens; with ``check_values=False``
+            its first tokens would see no key: O = 0, LSE = -inf).
         block_table: ``(B, max_pages)`` int32: physical page of logical page p of sequence b.
-        num_splits: splits of the keys; default :func:`default_num_splits` of the cache size.
-        window: ``(left, right)``: the query sees only the last ``left + 1`` keys (-1: all);
-            ``right`` changes nothing (no key comes after the query).
+        num_splits: splits of every sequence's keys; default :func:`default_num_splits` of the
+            cache size. Not with ``plan``.
+        plan: a :class:`DecodePlan` from :func:`decode_plan` (or :func:`make_plan`): each
+            sequence gets its own split count (FlashInfer's plan/run), computed on the host from
+            the lengths. It is checked against this call's shapes (B, Hkv, Lq, window, BLOCK_N)
+            and, with ``check_values``, against the lengths in ``cache_seqlens``.
+        window: ``(left, right)``: each new token sees only the ``left + 1`` keys up to its
+            own position (-1: all); ``right`` changes nothing (no key comes after the last
+            token, and the new tokens are causal among themselves).
         softcap: ``S -> softcap * tanh(S / softcap)``, 0 = off. scale: default ``1/sqrt(d)``.
         return_partials: also return the splits' ``O_parts (S, B, Hq, d)`` and
-            ``LSE_parts (S, B, Hq)``, float32 (views of the workspace).
+            ``LSE_parts (S, B, Hq)``, float32 (views of the workspace); with ``Lq`` tokens
+            ``(S, B, Lq, Hq, d)`` and ``(S, B, Lq, Hq)``. Not with ``plan``.
         out: optional ``(O, LSE)`` to write into; workspace: optional ``(O_parts, LSE_parts)``
-            float32 buffers ``(B, Hq, S, d)``, ``(B, Hq, S)`` (the tests pass NaN-filled ones).
+            float32 buffers ``(B, Hq, S, d)``, ``(B, Hq, S)`` (``(B, Lq, Hq, S, d)`` and
+            ``(B, Lq, Hq, S)`` for a 4-dim q; with a plan ``(P, Lq, Hq, d)`` and ``(P, Lq, Hq)``,
+            ``P = plan.num_parts``) (the tests pass NaN-filled ones).
         check_values: check cache_seqlens and the used block-table entries against the cache
             size (one device-to-host copy; pass False when timing a decoding loop).
-        config: ``(BLOCK_N, num_warps, num_stages)`` instead of :func:`decode_config`'s.
+        config: ``(BLOCK_N, num_warps, num_stages)`` instead of :func:`decode_config`'s (or
+            the environment's ``COURSE_DECODE_CONFIG``, e.g. ``"64,4,3"``).
 
     Returns:
-        O ``(B, Hq, d)`` in q's dtype, LSE ``(B, Hq)`` float32 (natural log; -inf for a
-        sequence of length 0, whose O is 0), and with ``return_partials`` also ``O_parts,
-        LSE_parts``. B = 0: O ``(0, Hq, d)`` and LSE ``(0, Hq)``, no launch.
+        O like q (``(B, Hq, d)`` or ``(B, Lq, Hq, d)``) in q's dtype; LSE float32, natural log,
+        ``(B, Hq)``, or ``(B, Hq, Lq)`` for a 4-dim q (heads before tokens, as the contract's
+        ``(B, H, N)`` and FlashAttention's ``flash_attn_with_kvcache``); -inf for an idle slot
+        (length 0), whose O is 0. With ``return_partials`` also ``O_parts, LSE_parts``.
+        B = 0: empty O and LSE, no launch.
     """
-    _check_float_inputs(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), (3, 4, 4), {
-        "q": "(B, Hq, d): one query per sequence",
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        one_token = False
+    else:
+        one_token = True
+    _check_float_inputs(("q", "k_cache", "v_cache"), (q, k_cache, v_cache),
+                        (3 if one_token else 4, 4, 4), {
+        "q": "(B, Hq, d): one query per sequence, or (B, Lq, Hq, d): Lq new tokens",
         "k_cache": "(B, Nmax, Hkv, d), or (num_pages, page_size, Hkv, d) with block_table",
         "v_cache": "(B, Nmax, Hkv, d), or (num_pages, page_size, Hkv, d) with block_table"})
-    B, Hq, d = q.shape
+    q4 = q[:, None] if one_token else q  # (B, Lq, Hq, d), a view
+    B, Lq, Hq, d = q4.shape
+    if not 1 <= Lq <= MAX_NEW_TOKENS:
+        raise ValueError(f"q has Lq={Lq} new tokens per sequence: decode_attention takes 1 .. "
+                         f"{MAX_NEW_TOKENS} (a longer chunk is a prefill: varlen_attention)")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
                          "must have the same shape: one value row per key")
@@ -633,7 +799,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
     if k_cache.shape[3] != d:
         raise ValueError(f"q has head dim d={d} but the caches have {k_cache.shape[3]}")
     _check_heads(Hq, Hkv, d)
-    q, k_cache, v_cache = _strided(q, k_cache, v_cache)
+    q4, k_cache, v_cache = _strided(q4, k_cache, v_cache)
     if B > MAX_GRID_YZ or Hkv > MAX_GRID_YZ:
         raise ValueError(f"B={B}, Hkv={Hkv}: the grid is (splits, Hkv, B), and y and z must be "
                          f"1 .. {MAX_GRID_YZ}: split the batch into chunks")
@@ -658,68 +824,114 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
                              "paged cache needs block_table=")
         capacity = k_cache.shape[1]
     left, _, softcap, score_scale, softcap_log2e = _options(window, softcap, scale, d)
+    if plan is not None:
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan (fd.decode_plan(...)), got "
+                            f"{type(plan).__name__}")
+        if num_splits is not None or return_partials:
+            raise ValueError("plan= fixes each sequence's splits: pass neither num_splits= nor "
+                             "return_partials=True with it")
+    lse_shape = (B, Hq) if one_token else (B, Hq, Lq)
     if B == 0:  # an empty batch: empty outputs, no launch (a grid of 0 programs is an error)
-        return _empty_decode(q, Hq, d, num_splits, return_partials, out)
+        return _empty_decode(q, lse_shape, num_splits, return_partials, out)
     if check_values:
         _check_decode_values(cache_seqlens, block_table, capacity, page_size, k_cache.shape[0],
-                             left)
+                             left, Lq)
 
-    block_n, warps, stages = (_config("config", config, 3) if config
-                              else decode_config(q.dtype, 1 if paged else B * Hkv))
-    visible_keys = capacity if left < 0 else min(capacity, left + 1)
-    if num_splits is None:
+    if plan is not None:
+        block_n = plan.block_n
+        warps, stages = _config("config", config, 3)[1:] if config else decode_config(
+            q.dtype, 1 if paged else B * Hkv)[1:]
+        if config and config[0] != block_n:
+            raise ValueError(f"config={tuple(config)} has BLOCK_N={config[0]} but the plan "
+                             f"cuts keys into blocks of {block_n}: make the plan with "
+                             f"block_n={config[0]}")
+        plan.check(B, Hkv, Lq, left, cache_seqlens if check_values else None)
+    else:
+        block_n, warps, stages = (_config("config", config, 3) if config
+                                  else decode_config(q.dtype, 1 if paged else B * Hkv))
+    visible_keys = capacity if left < 0 else min(capacity, left + Lq)
+    if plan is None and num_splits is None:
         num_splits = default_num_splits(B, Hkv, visible_keys, block_n=block_n, paged=paged)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    if plan is None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                         or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}: a whole number >= 1 (or None to choose)")
 
-    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, (B, Hq)), (q.dtype, torch.float32), q.device)
-    # One split and no partials asked for: the split kernel writes O and LSE itself.
-    direct = num_splits == 1 and not return_partials and workspace is None
-    if direct:
-        O_part = LSE_part = LSE  # never touched
-    else:
-        O_part, LSE_part = _outputs(workspace, ("O_parts", "LSE_parts"),
-                                    ((B, Hq, num_splits, d), (B, Hq, num_splits)),
-                                    (torch.float32, torch.float32), q.device)
-
+    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, lse_shape), (q.dtype, torch.float32),
+                      q.device)
+    O4 = O[:, None] if one_token else O
+    LSE3 = LSE[:, :, None] if one_token else LSE  # (B, Hq, Lq)
     G = Hq // Hkv
     table = block_table if paged else cache_seqlens  # never read when not paged
-    _decode_split_kernel[(num_splits, Hkv, B)](
-        q, k_cache, v_cache, cache_seqlens, table, O_part, LSE_part, O, LSE,
+    if plan is not None and not plan.work:  # every slot idle: O = 0, LSE = -inf, no launch
+        return O.zero_(), LSE.fill_(-math.inf)
+    if plan is not None:
+        work, splits, offsets = plan.tensors(q.device)
+        direct = all(s == 1 for s in plan.splits)  # no merge (idle slots need one: O = 0)
+        O_part, LSE_part = (LSE, LSE) if plan.num_parts == 0 else _outputs(
+            workspace, ("O_parts", "LSE_parts"),
+            ((plan.num_parts, Lq, Hq, d), (plan.num_parts, Lq, Hq)),
+            (torch.float32, torch.float32), q.device)
+        grid = (len(plan.work), Hkv)
+    else:
+        # One split and no partials asked for: the split kernel writes O and LSE itself.
+        direct = num_splits == 1 and not return_partials and workspace is None
+        if direct:
+            O_part = LSE_part = LSE  # never touched
+        else:
+            shapes = (((B, Hq, num_splits, d), (B, Hq, num_splits)) if one_token else
+                      ((B, Lq, Hq, num_splits, d), (B, Lq, Hq, num_splits)))
+            O_part, LSE_part = _outputs(workspace, ("O_parts", "LSE_parts"), shapes,
+                                        (torch.float32, torch.float32), q.device)
+        work = splits = offsets = cache_seqlens  # never read without a plan
+        grid = (num_splits, Hkv, B)
+    _decode_split_kernel[grid](
+        q4, k_cache, v_cache, cache_seqlens, table, work, O_part, LSE_part, O4, LSE3,
         score_scale, softcap_log2e, left if left >= 0 else capacity,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        table.stride(0), O.stride(0), O.stride(1),
-        G=G, BLOCK_G=max(MIN_DOT_M, triton.next_power_of_2(G)), HEAD_DIM=d, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, PAGED=paged, SOFTCAP=softcap > 0, DIRECT=direct,
-        num_warps=warps, num_stages=stages)
+        q4.stride(0), q4.stride(1), q4.stride(2), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), table.stride(0), O4.stride(0), O4.stride(1), O4.stride(2),
+        LSE3.stride(0), LSE3.stride(1), LSE3.stride(2),
+        G=G, LQ=Lq, BLOCK_M=max(MIN_DOT_M, triton.next_power_of_2(G * Lq)), HEAD_DIM=d,
+        BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged, SOFTCAP=softcap > 0, DIRECT=direct,
+        PLAN=plan is not None, num_warps=warps, num_stages=stages)
     if not direct:
-        _decode_merge_kernel[(Hq, B)](
-            O_part, LSE_part, O, LSE, num_splits, O.stride(0), O.stride(1), HEAD_DIM=d,
-            BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(num_splits)), num_warps=4)
+        most = plan.max_splits if plan is not None else num_splits
+        _decode_merge_kernel[(Hq, Lq, B)](
+            O_part, LSE_part, O4, LSE3, splits, offsets, most, O4.stride(0), O4.stride(1),
+            O4.stride(2), LSE3.stride(0), LSE3.stride(1), LSE3.stride(2), HEAD_DIM=d,
+            BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(max(most, 1))),
+            PLAN=plan is not None, num_warps=MERGE_WARPS)
     if return_partials:
-        return O, LSE, O_part.permute(2, 0, 1, 3), LSE_part.permute(2, 0, 1)
+        if one_token:
+            return O, LSE, O_part.permute(2, 0, 1, 3), LSE_part.permute(2, 0, 1)
+        return O, LSE, O_part.permute(3, 0, 1, 2, 4), LSE_part.permute(3, 0, 1, 2)
     return O, LSE
 
 
-def _empty_decode(q, Hq, d, num_splits, return_partials, out):
-    """B = 0: O (0, Hq, d) and LSE (0, Hq) (the caller's ``out`` if given), and empty parts."""
-    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, (0, Hq)), (q.dtype, torch.float32), q.device)
+def _empty_decode(q, lse_shape, num_splits, return_partials, out):
+    """B = 0: empty O like q and LSE (the caller's ``out`` if given), and empty parts."""
+    O, LSE = _outputs(out, ("O", "LSE"), (q.shape, lse_shape), (q.dtype, torch.float32),
+                      q.device)
     if not return_partials:
         return O, LSE
     S = 1 if num_splits is None else num_splits
-    return (O, LSE, torch.empty(S, 0, Hq, d, device=q.device),
-            torch.empty(S, 0, Hq, device=q.device))
+    inner = tuple(q.shape[1:-1])
+    return (O, LSE, torch.empty(S, 0, *inner, q.shape[-1], device=q.device),
+            torch.empty(S, 0, *inner, device=q.device))
 
 
-def _check_decode_values(cache_seqlens, block_table, capacity, page_size, num_pages, left=-1):
-    """One device-to-host copy: lengths in 0 .. capacity, the table entries the kernel reads
-    are pages. It reads the pages of the visible keys only: with a window (``left`` >= 0), the
-    pages wholly before key ``seqlen - 1 - left`` may hold anything (vLLM leaves -1 there)."""
+def _check_decode_values(cache_seqlens, block_table, capacity, page_size, num_pages, left=-1,
+                         new_tokens=1):
+    """One device-to-host copy: lengths in 0 .. capacity, none from 1 to Lq - 1 (a sequence
+    holds its Lq new tokens), the table entries the kernel reads are pages. It reads the pages
+    of the visible keys only: with a window (``left`` >= 0), the pages wholly before key
+    ``seqlen - Lq - left`` may hold anything (vLLM leaves -1 there)."""
     n = cache_seqlens.long()
-    stats = [n.min(), n.max()]
+    short = ((n > 0) & (n < new_tokens)).any().long()
+    stats = [n.min(), n.max(), short]
     if block_table is not None:
         logical = torch.arange(block_table.shape[1], device=n.device)[None, :]
-        first = (n - 1 - left).clamp(min=0) if left >= 0 else torch.zeros_like(n)
+        first = ((n - new_tokens - left).clamp(min=0) if left >= 0 else torch.zeros_like(n))
         used = ((logical < ((n + page_size - 1) // page_size)[:, None])
                 & (logical >= (first // page_size)[:, None]))
         bad = used & ((block_table < 0) | (block_table >= num_pages))
@@ -729,11 +941,203 @@ def _check_decode_values(cache_seqlens, block_table, capacity, page_size, num_pa
         where = ("max_pages * page_size" if block_table is not None else "Nmax")
         raise ValueError(f"cache_seqlens go from {values[0]} to {values[1]}: each must be in "
                          f"0 .. {capacity} (the cache holds {where} = {capacity} keys)")
-    if block_table is not None and values[2]:
+    if values[2]:
+        raise ValueError(f"a sequence holds fewer keys than its Lq={new_tokens} new tokens: "
+                         "the new tokens' K and V are the last Lq keys of the cache, so every "
+                         f"length must be 0 (an idle slot) or >= {new_tokens}")
+    if block_table is not None and values[3]:
         raise ValueError(f"block_table names a page outside 0 .. {num_pages - 1} (or -1) among "
                          "the pages the kernel reads: every logical page from the window's "
                          "first key's page (page 0 without a window) to "
                          "ceil(cache_seqlens[b] / page_size) - 1 must map to a physical page")
+
+
+# =============================================================================================
+# Per-sequence splits: the plan (FlashInfer's plan/run)
+# =============================================================================================
+
+
+class DecodePlan:
+    """Which keys each program of the split kernel streams: a work list made on the host.
+
+    ``work``: ``[(b, start, end), ...]``, key range ``start .. end - 1`` of sequence b, sorted by
+    sequence, each range whole ``block_n`` blocks (``end`` may be the sequence's length), the
+    ranges of a sequence covering its visible keys exactly once, in order. ``splits[b]``: how
+    many work items sequence b has (0 for an idle slot); ``parts``: a sequence with one split
+    is written by the split kernel directly, the others' splits take workspace slots
+    ``offsets[b] .. offsets[b] + splits[b] - 1`` and the merge kernel combines them.
+    Made by :func:`decode_plan` (balanced) or :func:`make_plan` (any valid work list: checked).
+    """
+
+    def __init__(self, lengths, kv_heads, work, *, block_n, new_tokens=1, window_left=-1):
+        self.lengths = tuple(int(n) for n in lengths)
+        self.kv_heads, self.block_n = int(kv_heads), int(block_n)
+        self.new_tokens, self.window_left = int(new_tokens), int(window_left)
+        self.work = [tuple(int(x) for x in item) for item in work]
+        self.splits = [0] * len(self.lengths)
+        for b, _, _ in self.work:
+            self.splits[b] += 1
+        self.offsets, self.num_parts = [], 0
+        for s in self.splits:
+            self.offsets.append(self.num_parts)
+            self.num_parts += s if s > 1 else 0
+        self.max_splits = max(self.splits, default=0)
+        self._tensors = {}
+
+    def __repr__(self):
+        return (f"DecodePlan(B={len(self.lengths)}, Hkv={self.kv_heads}, "
+                f"block_n={self.block_n}, Lq={self.new_tokens}, splits={self.splits}, "
+                f"{len(self.work)} work items)")
+
+    def programs(self):
+        """Programs of the split kernel: work items x K/V heads."""
+        return len(self.work) * self.kv_heads
+
+    def tensors(self, device):
+        """``(work (W, 4), splits (B,), offsets (B,))`` int32 on ``device`` (made once)."""
+        key = str(device)
+        if key not in self._tensors:
+            rows, seen = [], [0] * len(self.lengths)
+            for b, start, end in self.work:  # the parts of sequence b: offsets[b], + 1, ...
+                part = -1 if self.splits[b] == 1 else self.offsets[b] + seen[b]
+                seen[b] += 1
+                rows.append((b, start, end, part))
+            work = torch.tensor(rows or [(0, 0, 0, -1)], dtype=torch.int32).reshape(-1, 4)
+            self._tensors[key] = tuple(
+                t.to(device) for t in (work, torch.tensor(self.splits, dtype=torch.int32),
+                                       torch.tensor(self.offsets, dtype=torch.int32)))
+        return self._tensors[key]
+
+    def check(self, B, kv_heads, new_tokens, window_left, cache_seqlens=None):
+        """A ValueError if the plan was made for another shape (or, given the lengths tensor,
+        other lengths): a plan's key ranges are only right for the lengths it was made for."""
+        made = (len(self.lengths), self.kv_heads, self.new_tokens, self.window_left)
+        if made != (B, kv_heads, new_tokens, window_left):
+            raise ValueError(f"the plan was made for B={made[0]}, Hkv={made[1]}, Lq={made[2]}, "
+                             f"window_left={made[3]}, this call has B={B}, Hkv={kv_heads}, "
+                             f"Lq={new_tokens}, window_left={window_left}: make a plan for it "
+                             "(fd.decode_plan)")
+        if cache_seqlens is not None:
+            lengths = tuple(cache_seqlens.tolist())
+            if lengths != self.lengths:
+                bad = next(b for b, (x, y) in enumerate(zip(lengths, self.lengths, strict=True))
+                           if x != y)
+                raise ValueError(f"the plan was made for other lengths: cache_seqlens[{bad}] = "
+                                 f"{lengths[bad]}, the plan's {self.lengths[bad]}; make a new "
+                                 "plan whenever the lengths change (every decoding step)")
+
+
+def _visible_range(n, new_tokens, window_left, block_n):
+    """Sequence of length n: ``(lo, n)``, its visible keys from ``lo`` (the first visible key
+    of its first new token, rounded down to a block) to its end."""
+    if n == 0:
+        return 0, 0
+    first = max(n - new_tokens - window_left, 0) if window_left >= 0 else 0
+    return (first // block_n) * block_n, n
+
+
+def make_plan(lengths, kv_heads, work, *, block_n=None, new_tokens=1, window=(-1, -1)):
+    """A :class:`DecodePlan` from a work list ``[(b, start, end), ...]`` (key ranges), checked:
+    sorted by sequence, each range non-empty, starting on a block boundary, ranges of a
+    sequence contiguous and covering its visible keys (from the first visible key's block to
+    its length) exactly once. A ValueError names the first item that breaks a rule."""
+    lengths = _lengths_list(lengths)
+    block_n = decode_config(torch.float16)[0] if block_n is None else int(block_n)
+    left = _options(window, 0.0, None, 16)[0]
+    items = [tuple(int(x) for x in item) for item in work]
+    covered = {}
+    for i, item in enumerate(items):
+        if len(item) != 3:
+            raise ValueError(f"work[{i}] = {item}: expected (b, start, end)")
+        b, start, end = item
+        if not 0 <= b < len(lengths):
+            raise ValueError(f"work[{i}] = {item}: sequence {b} is not in 0 .. {len(lengths) - 1}")
+        if i and b < items[i - 1][0]:
+            raise ValueError(f"work[{i}] = {item}: the work list must be sorted by sequence")
+        lo, n = _visible_range(lengths[b], new_tokens, left, block_n)
+        want_start = covered.get(b, lo)
+        if start != want_start or start % block_n:
+            raise ValueError(f"work[{i}] = {item}: sequence {b}'s next range must start at key "
+                             f"{want_start} (ranges contiguous, in order, from the first "
+                             f"visible key's block {lo}, on {block_n}-key blocks)")
+        if not start < end <= n or (end != n and end % block_n):
+            raise ValueError(f"work[{i}] = {item}: a range ends after its start, on a block "
+                             f"boundary or at the sequence's end ({n}), never past it")
+        covered[b] = end
+    for b, n in enumerate(lengths):
+        lo, n = _visible_range(n, new_tokens, left, block_n)
+        if covered.get(b, lo) != n:
+            raise ValueError(f"sequence {b} (length {n}): the work list covers its keys up to "
+                             f"{covered.get(b, lo)}, not up to {n}")
+    return DecodePlan(lengths, kv_heads, items, block_n=block_n, new_tokens=new_tokens,
+                      window_left=left)
+
+
+def _lengths_list(lengths):
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dtype.is_floating_point or lengths.dim() != 1:
+            raise TypeError(f"lengths: a 1-dim integer tensor or a list, got {lengths.dtype} "
+                            f"{tuple(lengths.shape)}")
+        lengths = lengths.tolist()
+    out = [int(n) for n in lengths]
+    if any(n < 0 for n in out):
+        raise ValueError(f"lengths {out}: each >= 0")
+    return out
+
+
+def decode_plan(cache_seqlens, kv_heads, *, new_tokens=1, window=(-1, -1), block_n=None,
+                num_sms=None, programs_per_sm=None):
+    """Per-sequence split counts for a ragged batch: the plan of FlashInfer's plan/run.
+
+    Computed on the host from the lengths (a list, or a tensor: one device-to-host copy if it
+    is on the GPU; a server has them on the host anyway). Sequence b has ``blocks_b`` key
+    blocks (of ``block_n`` keys; with a window only its visible ones). The split kernel runs
+    ``work items x Hkv`` programs, and one wave holds ``slots = num_sms * programs_per_sm``;
+    so the plan aims at ``W = max(1, slots // Hkv)`` work items of about equal size:
+
+    * chunk = the smallest number of blocks per work item such that
+      ``sum_b ceil(blocks_b / chunk) <= max(W, sequences)``, starting at
+      ``ceil(sum_b blocks_b / W)`` (the ideal: every item equal) and never below
+      ``MIN_SPLIT_BLOCKS`` (4) unless a sequence is shorter;
+    * sequence b gets ``splits_b = ceil(blocks_b / chunk)`` items, its blocks dealt out evenly
+      (item sizes differ by at most one block), so no item holds more than ``chunk`` blocks.
+
+    A length-0 sequence (idle slot) gets no item. ``programs_per_sm``: default
+    :func:`decode_programs_per_sm` (1; ``COURSE_DECODE_PROGRAMS_PER_SM`` overrides it);
+    ``num_sms``: default this GPU's (132, an H100's, in the interpreter); ``block_n``: the
+    kernel's (:func:`decode_config`).
+    """
+    lengths = _lengths_list(cache_seqlens)
+    block_n = decode_config(torch.float16)[0] if block_n is None else int(block_n)
+    left = _options(window, 0.0, None, 16)[0]
+    sms = _sm_count() if num_sms is None else int(num_sms)
+    per_sm = decode_programs_per_sm() if programs_per_sm is None else int(programs_per_sm)
+    if kv_heads < 1 or sms < 1 or per_sm < 1 or block_n < 1:
+        raise ValueError(f"kv_heads={kv_heads}, num_sms={sms}, programs_per_sm={per_sm}, "
+                         f"block_n={block_n}: each >= 1")
+    ranges = [_visible_range(n, new_tokens, left, block_n) for n in lengths]
+    blocks = [-(-(n - lo) // block_n) for lo, n in ranges]
+    target = max(1, (sms * per_sm) // kv_heads, sum(x > 0 for x in blocks))
+    total = sum(blocks)
+    def items(chunk):
+        return sum(-(-x // chunk) for x in blocks)
+
+    # the smallest chunk whose items fit the target, from the ideal ceil(total / target) up
+    lo_chunk = max(1, -(-total // target), min(MIN_SPLIT_BLOCKS, max(blocks, default=1)))
+    hi_chunk = max(lo_chunk, max(blocks, default=1))  # one item per sequence: always fits
+    while lo_chunk < hi_chunk:
+        mid = (lo_chunk + hi_chunk) // 2
+        lo_chunk, hi_chunk = (lo_chunk, mid) if items(mid) <= target else (mid + 1, hi_chunk)
+    chunk = lo_chunk
+    work = []
+    for b, ((lo, n), x) in enumerate(zip(ranges, blocks, strict=True)):
+        s = -(-x // chunk)
+        for i in range(s):  # item i: blocks floor(i x / s) .. floor((i + 1) x / s) - 1
+            start = lo + (i * x // s) * block_n
+            end = min(lo + ((i + 1) * x // s) * block_n, n)
+            work.append((b, start, end))
+    return DecodePlan(lengths, kv_heads, work, block_n=block_n, new_tokens=new_tokens,
+                      window_left=left)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
