@@ -900,7 +900,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
             O_part, LSE_part, O4, LSE3, splits, offsets, most, O4.stride(0), O4.stride(1),
             O4.stride(2), LSE3.stride(0), LSE3.stride(1), LSE3.stride(2), HEAD_DIM=d,
             BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(max(most, 1))),
-            PLAN=plan is not None, num_warps=MERGE_WARPS)
+            PLAN=plan is not None, num_warps=(_env_ints("COURSE_DECODE_MERGE_WARPS", 1)
+                                              or (MERGE_WARPS,))[0])
     if return_partials:
         if one_token:
             return O, LSE, O_part.permute(2, 0, 1, 3), LSE_part.permute(2, 0, 1)
