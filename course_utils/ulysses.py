@@ -293,7 +293,9 @@ def _device():
 
 def check_worker(rank, R, cases):
     """For each case ``dict(B, H, Hkv, N, d, causal, seed, dtype="float64")``: this rank's O,
-    LSE, dQ, dK, dV (a dict of tensors per case) from :func:`ulysses_attention`."""
+    LSE, dQ, dK, dV (a dict of tensors per case) from :func:`ulysses_attention`. A case with
+    ``expect_error=True`` returns ``{"error": message}`` of the ValueError it raises instead
+    (the head-count refusal, raised alike on every rank before any transfer)."""
     device = _device()
     out = []
     for case in cases:
@@ -302,8 +304,14 @@ def check_worker(rank, R, cases):
                           device, case["seed"])
         q, k, v, do = (ring.shard(t, R)[rank].contiguous() for t in full)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        O, LSE = ulysses_attention(q, k, v, causal=case["causal"],
-                                   replicate_kv=case.get("replicate_kv", True))
+        try:
+            O, LSE = ulysses_attention(q, k, v, causal=case["causal"],
+                                       replicate_kv=case.get("replicate_kv", True))
+        except ValueError as error:
+            if not case.get("expect_error"):
+                raise
+            out.append({"error": str(error)})
+            continue
         O.backward(do)
         out.append({"O": O.detach(), "LSE": LSE, "dQ": q.grad, "dK": k.grad, "dV": v.grad})
     return out
