@@ -62,6 +62,10 @@ __all__ = [
     "NCCL_ENV",
     "Shards",
     "allgather_attention",
+    "allgather_attention_backward",
+    "block_backward",
+    "block_forward",
+    "block_kernel",
     "block_plan",
     "launch",
     "merge",
@@ -183,12 +187,64 @@ def _dense_backward(dO, q, k, v, O, LSE, causal, scale):
     return scale * (dS @ k), scale * (dS.transpose(-1, -2) @ q), P.transpose(-1, -2) @ dO
 
 
-def block_forward(q, k, v, causal, scale):
-    """``(O, LSE)`` of one block pair with the course's attention (LSE natural log)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+def _hopper_fits(q, scale):
+    """Chapter 14's kernels take this block: an sm_90 GPU, bf16, d = 64 or 128, 1/sqrt(d)."""
+    if not (q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)):
+        return False
+    if abs(scale * math.sqrt(q.shape[-1]) - 1) > 1e-12:
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+# The kernel each path names (block_kernel): the benchmark prints it beside its numbers.
+KERNEL_NAMES = {"dense": "float64 dense (written here)",
+                "torch": "chapter 12's PyTorch FlashAttention-2 (CPU)",
+                "triton": "chapter 09's Triton FlashAttention-2",
+                "hopper": "chapter 14's TMA + wgmma (sm_90a)"}
+
+
+def block_kernel(q, scale=None):
+    """Which kernel :func:`block_forward` / :func:`block_backward` run for blocks like ``q``:
+    a key of :data:`KERNEL_NAMES` ("hopper" on an sm_90 GPU for bf16, d 64/128 and the default
+    scale; "triton" on other GPUs; "torch" on the CPU; "dense" for float64)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.dtype == torch.float64:
+        return "dense"
+    if not q.is_cuda:
+        return "torch"
+    return "hopper" if _hopper_fits(q, scale) else "triton"
+
+
+def _heads_for(q, kv):
+    """K or V with as many heads as q: each of the Hkv heads serves H / Hkv query heads in a
+    row (query head h reads K/V head h // (H / Hkv), SDPA's ``enable_gqa`` order)."""
+    group = q.shape[1] // kv.shape[1]
+    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+
+
+def _sum_heads(dkv, Hkv):
+    """dK or dV of the expanded heads summed back over each K/V head's group (in float32 at
+    least: bf16 partial gradients are added in float32, float64 stays)."""
+    B, H, n, d = dkv.shape
+    if H == Hkv:
+        return dkv
+    acc = torch.promote_types(dkv.dtype, torch.float32)
+    return dkv.to(acc).view(B, Hkv, H // Hkv, n, d).sum(2)
+
+
+def block_forward(q, k, v, causal, scale):
+    """``(O, LSE)`` of one block pair with the best kernel for it (:func:`block_kernel`), LSE
+    natural log. k, v may hold fewer heads than q (GQA, H % Hkv == 0): the block kernels take
+    H == Hkv, so they get K/V expanded here, on this rank, after the transfer."""
+    q, k, v = q.contiguous(), _heads_for(q, k).contiguous(), _heads_for(q, v).contiguous()
+    kind = block_kernel(q, scale)
+    if kind == "dense":
         return _dense_forward(q, k, v, causal, scale)
-    if q.is_cuda:
+    if kind == "hopper":
+        from .attention import _pair
+
+        return _pair(q, k, v, bool(causal), "hopper")
+    if kind == "triton":
         from .kernels import flash_attention_triton as fat
 
         return fat.attention_forward(q, k, v, causal, scale)
@@ -198,19 +254,33 @@ def block_forward(q, k, v, causal, scale):
 
 
 def block_backward(dO, q, k, v, O, LSE, causal, scale):
-    """``(dQ, dK, dV)`` of one block pair; O and LSE are the rows' final (merged) values."""
-    dO, q, k, v, O = (t.contiguous() for t in (dO, q, k, v, O))
+    """``(dQ, dK, dV)`` of one block pair; O and LSE are the rows' final (merged) values.
+    With GQA (k, v of Hkv < H heads) dK and dV come back at Hkv heads, summed over each
+    group of query heads in float32."""
+    Hkv = k.shape[1]
+    dO, q, O = dO.contiguous(), q.contiguous(), O.contiguous()
+    k, v = _heads_for(q, k).contiguous(), _heads_for(q, v).contiguous()
     LSE = LSE.contiguous()
-    if q.dtype == torch.float64:
-        return _dense_backward(dO, q, k, v, O, LSE, causal, scale)
-    if q.is_cuda:
+    kind = block_kernel(q, scale)
+    if kind == "dense":
+        dq, dk, dv = _dense_backward(dO, q, k, v, O, LSE, causal, scale)
+    elif kind == "hopper":
+        from .attention import _cuda_module
+
+        _, bwd = _cuda_module("hopper")
+        dq, dk, dv = bwd.flash_attention_hopper_bwd(q, k, v, O, dO, LSE.float().contiguous(),
+                                                    bool(causal))
+    elif kind == "triton":
         from .kernels import flash_attention_triton as fat
 
-        return fat.attention_backward(q, k, v, O, LSE.float(), dO, causal, scale)
-    from . import ops
+        dq, dk, dv = fat.attention_backward(q, k, v, O, LSE.float(), dO, causal, scale)
+    else:
+        from . import ops
 
-    dLSE = torch.zeros_like(LSE)
-    return ops.attention_backward_torch(dO, dLSE, q, k, v, O, LSE.float(), causal, scale)
+        dLSE = torch.zeros_like(LSE)
+        dq, dk, dv = ops.attention_backward_torch(dO, dLSE, q, k, v, O, LSE.float(), causal,
+                                                  scale)
+    return dq, _sum_heads(dk, Hkv), _sum_heads(dv, Hkv)
 
 
 # =============================================================================================
@@ -324,9 +394,12 @@ def _check_shards(q, k, v, layout, scale):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a (B, H, n, d) tensor, got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
-    if not (q.shape == k.shape == v.shape):
+    B, H, n, d = q.shape
+    if not (k.shape == v.shape and (k.shape[0], k.shape[2], k.shape[3]) == (B, n, d)
+            and H % k.shape[1] == 0):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: the ring "
-                         "needs local shards of one shape (B, H, n, d)")
+                         "needs local shards of one shape (B, H, n, d), or k, v of (B, Hkv, n, d) "
+                         "with H a multiple of Hkv (grouped-query attention)")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise TypeError("q, k, v must share one dtype and one device")
     if not q.dtype.is_floating_point:
@@ -538,78 +611,156 @@ def ring_attention(q, k, v, causal=False, layout="contiguous", group=None, scale
 
 
 # =============================================================================================
-# The all-gather variant: every rank gathers all of K and V, then attends once
+# The all-gather variant (Llama 3's context parallelism): K/V gathered, the gather overlapped
 # =============================================================================================
 
 
-def _gather_seq(x, R, layout, group):
-    parts = [torch.empty_like(x) for _ in range(R)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return unshard(parts, layout)
+def _collective(name, *args, group=None):
+    """``dist.<name>(*args, async_op=True)`` for the flat-buffer collectives (first dim R times
+    the shard's): their ``*_single`` successors are not in every torch this course runs on."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        return getattr(dist, name)(*args, group=group, async_op=True)
 
 
-def _allgather_blocks(r, R, n, causal, layout):
-    """The (local query rows, global key rows, causal) pieces of rank r's rows: a query chunk
-    at chunk index i sees keys ``[0, i c)`` fully and its own chunk causally."""
+def _post_gather(k, v, R, group):
+    """Post the all-gather of this rank's K and V (one stacked message at Hkv heads): returns
+    ``(work, buffer)``, buffer ``(R * 2, B, Hkv, n, d)`` in rank order once work is done."""
+    kv = torch.stack([k, v]).contiguous()
+    out = torch.empty((R * 2, *k.shape), dtype=k.dtype, device=k.device)
+    return _collective("all_gather_into_tensor", out, kv, group=group), out
+
+
+def _in_sequence_order(gathered, R, layout):
+    """The gathered ``(R * 2, B, Hkv, n, d)`` as K, V ``(B, Hkv, N, d)`` in sequence order."""
+    parts = gathered.view(R, 2, *gathered.shape[1:]).unbind(0)
+    KV = unshard([p for p in parts], layout, dim=-2)
+    return KV[0], KV[1]
+
+
+def _allgather_pieces(r, R, n, causal, layout):
+    """Rank r's work against the gathered K/V: ``(local, rest)``. ``local``: (query rows, key
+    rows, causal) against this rank's own K/V, computed while the gather is in flight; ``rest``:
+    (query rows, global key rows) against the gathered K/V, all unmasked. Causal: a query
+    chunk at global chunk index i sees its own chunk causally (local) and keys ``[0, i c)``
+    fully (rest). Without the mask: the local block, then every other rank's keys (``None``)."""
     if not causal:
-        return [(slice(0, n), None, False)]
-    pieces = R * _chunks_per_rank(layout)
-    c = n // _chunks_per_rank(layout)
-    chunk_ids = [r] if layout == "contiguous" else [r, pieces - 1 - r]
-    out = []
+        return [(slice(0, n), slice(0, n), False)], ([(slice(0, n), None)] if R > 1 else [])
+    per = _chunks_per_rank(layout)
+    c = n // per
+    chunk_ids = [r] if layout == "contiguous" else [r, 2 * R - 1 - r]
+    local, rest = [], []
     for j, i in enumerate(chunk_ids):
         rows = slice(j * c, (j + 1) * c)
+        local.append((rows, rows, True))
         if i > 0:
-            out.append((rows, slice(0, i * c), False))
-        out.append((rows, slice(i * c, (i + 1) * c), True))
-    return out
+            rest.append((rows, slice(0, i * c)))
+    return local, rest
+
+
+def _others(gathered, R, r):
+    """K, V ``(B, Hkv, (R - 1) n, d)`` of every rank but r (unmasked blocks: key order is free)."""
+    kv = gathered.view(R, 2, *gathered.shape[1:])
+    keep = [j for j in range(R) if j != r]
+    both = torch.cat([kv[j] for j in keep], dim=-2)
+    return both[0], both[1]
 
 
 def allgather_attention(q, k, v, *, causal=False, layout="contiguous", group=None, scale=None):
-    """The all-gather variant: gather K, V of the whole sequence, attend the local Q.
-
-    Memory: every rank holds all N rows of K and V (what the ring avoids); no overlap of
-    transfer and compute. Returns ``(O, LSE)`` like :func:`ring_attention_forward`.
+    """The all-gather variant, as Llama 3 trains with it: every rank gathers the K and V of the
+    whole sequence, at their ``Hkv`` heads (grouped-query attention makes them small), and
+    attends its local queries to them. The gather is posted first and overlapped with the
+    local block (each local query chunk against its own K/V, the causal diagonal); then the
+    keys before each chunk, from the gathered K/V. Returns ``(O, LSE)`` like
+    :func:`ring_attention_forward`; every rank holds K/V of all N rows while it runs (what the
+    ring avoids, at a cost of ``2 N Hkv d`` elements).
     """
     n, scale = _check_shards(q, k, v, layout, scale)
     causal = _causal(causal)
     r, R = _group_info(group)
-    K, V = _gather_seq(k, R, layout, group), _gather_seq(v, R, layout, group)
+    work, gathered = _post_gather(k, v, R, group)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     O = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     LSE = torch.full(q.shape[:3], -math.inf, dtype=acc_dtype, device=q.device)
-    for rows, keys, masked in _allgather_blocks(r, R, n, causal, layout):
-        keys = keys or slice(0, K.shape[2])
-        O_s, LSE_s = block_forward(q[:, :, rows], K[:, :, keys], V[:, :, keys], masked, scale)
-        O[:, :, rows], LSE[:, :, rows] = _merge(O[:, :, rows], LSE[:, :, rows], O_s,
-                                                LSE_s.to(acc_dtype))
+    local, rest = _allgather_pieces(r, R, n, causal, layout)
+    for rows, keys, masked in local:  # while the gather is in flight
+        O_s, LSE_s = block_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], masked, scale)
+        O[:, :, rows], LSE[:, :, rows] = O_s.to(acc_dtype), LSE_s.to(acc_dtype)
+    work.wait()
+    if rest:
+        K, V = _others(gathered, R, r) if not causal else _in_sequence_order(gathered, R, layout)
+        for rows, keys in rest:
+            keys = keys or slice(0, K.shape[2])
+            O_s, LSE_s = block_forward(q[:, :, rows], K[:, :, keys], V[:, :, keys], False, scale)
+            O[:, :, rows], LSE[:, :, rows] = _merge(O[:, :, rows], LSE[:, :, rows], O_s,
+                                                    LSE_s.to(acc_dtype))
     return O.to(q.dtype), LSE
 
 
 def allgather_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contiguous",
                                  group=None, scale=None):
-    """Backward of :func:`allgather_attention`: dK, dV of all N rows summed over the ranks
-    (an all-reduce, which every backend has), then this rank's shard kept."""
+    """Backward of :func:`allgather_attention`: ``(dQ, dK, dV)`` of this rank's shards.
+
+    K/V are gathered again (posted first, overlapped with the first local block's backward).
+    dK/dV of the gathered K/V are computed here for every key this rank's queries saw, then
+    reduce-scattered in k's dtype (bf16 on a GPU: half the bytes of float32, and a
+    reduce-scatter moves half of what an all-reduce does), overlapped with the last local
+    block's backward; each rank adds its own blocks' share to the shard it receives.
+    """
     n, scale = _check_shards(q, k, v, layout, scale)
     causal = _causal(causal)
+    if dO.shape != q.shape or O.shape != q.shape or LSE.shape != q.shape[:3]:
+        raise ValueError(f"dO {tuple(dO.shape)}, O {tuple(O.shape)}, LSE {tuple(LSE.shape)}: "
+                         f"expected {tuple(q.shape)}, {tuple(q.shape)}, {tuple(q.shape[:3])}")
     r, R = _group_info(group)
-    K, V = _gather_seq(k, R, layout, group), _gather_seq(v, R, layout, group)
+    work, gathered = _post_gather(k, v, R, group)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dK = torch.zeros(K.shape, dtype=acc_dtype, device=q.device)
-    dV = torch.zeros_like(dK)
-    for rows, keys, masked in _allgather_blocks(r, R, n, causal, layout):
-        keys = keys or slice(0, K.shape[2])
-        dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], K[:, :, keys], V[:, :, keys],
-                                    O[:, :, rows], LSE[:, :, rows], masked, scale)
+    dKV_mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device)  # local blocks'
+    local, rest = _allgather_pieces(r, R, n, causal, layout)
+
+    def local_block(rows, keys, masked):
+        dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], k[:, :, keys],
+                                    v[:, :, keys], O[:, :, rows], LSE[:, :, rows], masked, scale)
         dQ[:, :, rows] += dq
-        dK[:, :, keys] += dk
-        dV[:, :, keys] += dv
-    dist.all_reduce(dK, group=group)
-    dist.all_reduce(dV, group=group)
-    mine = positions(K.shape[2], R, layout)[r].to(q.device)
-    return (dQ.to(q.dtype), dK.index_select(2, mine).to(k.dtype),
-            dV.index_select(2, mine).to(v.dtype))
+        dKV_mine[0][:, :, keys] += dk
+        dKV_mine[1][:, :, keys] += dv
+
+    local_block(*local[0])  # while the gather is in flight
+    work.wait()
+    reduced = None
+    if causal or R > 1:  # every rank joins the reduce-scatter, with zeros if it saw no key
+        if causal:
+            K, V = _in_sequence_order(gathered, R, layout)
+        else:
+            K, V = _others(gathered, R, r)
+        dKV = torch.zeros((2, *K.shape), dtype=acc_dtype, device=q.device)
+        for rows, keys in rest:
+            keys = keys or slice(0, K.shape[2])
+            dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], K[:, :, keys],
+                                        V[:, :, keys], O[:, :, rows], LSE[:, :, rows], False,
+                                        scale)
+            dQ[:, :, rows] += dq
+            dKV[0][:, :, keys] += dk
+            dKV[1][:, :, keys] += dv
+        # Back to rank order, (R * 2, B, Hkv, n, d) in k's dtype, for the reduce-scatter.
+        if causal:
+            flat = torch.stack([p for p in shard(dKV, R, layout, dim=-2)])
+        else:  # the other ranks' keys in rank order; our own slot is zero
+            flat = torch.zeros((R, 2, *k.shape), dtype=acc_dtype, device=q.device)
+            keep = [j for j in range(R) if j != r]
+            flat[keep] = dKV.view(2, *k.shape[:2], R - 1, n, k.shape[3]).movedim(3, 0)
+        flat = flat.to(k.dtype).reshape(R * 2, *k.shape)
+        reduced = torch.empty((2, *k.shape), dtype=k.dtype, device=q.device)
+        work = _collective("reduce_scatter_tensor", reduced, flat, group=group)
+    for piece in local[1:]:  # while the reduce-scatter is in flight
+        local_block(*piece)
+    if reduced is not None:
+        work.wait()
+        dKV_mine += reduced
+    return dQ.to(q.dtype), dKV_mine[0].to(k.dtype), dKV_mine[1].to(v.dtype)
 
 
 # =============================================================================================
@@ -709,7 +860,7 @@ def _bench_inputs(B, H, N, d, dtype, device, seed):
 
 
 def check_worker(rank, R, cases):
-    """For each case ``dict(B, H, N, d, causal, layout, seed, dtype="float64")``: the ring's
+    """For each case ``dict(B, H, N, d, causal, layout, seed, dtype="float64", Hkv=H)``: the ring's
     forward and backward (through :func:`ring_attention`) of this rank's shard, and the
     all-gather variant's. Returns a list of dicts of tensors, one per case. On NCCL the
     shards live on GPU ``rank`` (chapter 09's kernels compute the blocks)."""
@@ -719,6 +870,8 @@ def check_worker(rank, R, cases):
         dtype = getattr(torch, case.get("dtype", "float64"))
         Q, K, V, dO = sequence_inputs(case["B"], case["H"], case["N"], case["d"], dtype,
                                       device, case["seed"])
+        Hkv = case.get("Hkv", case["H"])  # GQA: the first Hkv heads of the same draw
+        K, V = K[:, :Hkv].contiguous(), V[:, :Hkv].contiguous()
         layout, causal = case["layout"], case["causal"]
         q, k, v, do = (shard(t, R, layout)[rank].requires_grad_(t is not dO)
                        for t in (Q, K, V, dO))
@@ -827,62 +980,281 @@ def _fwd_bwd_time(fn, device, repeats):
     return sorted(times)[len(times) // 2]
 
 
-def benchmark_worker(rank, R, tokens_per_gpu, B, H, d, repeats=5):
-    """The GPU benchmark (NCCL, bf16, causal): fwd + bwd seconds per local length of the
-    single-GPU kernel on the whole sequence, the ring (zig-zag, contiguous), the all-gather
-    variant (zig-zag), and PyTorch's ``context_parallel`` where it runs; a list of dicts."""
-    rows = []
-    for n in tokens_per_gpu:
-        rows.append(_benchmark_row(rank, R, n, B, H, d, repeats))
-        torch.cuda.empty_cache()
-    return rows
+def _max_over_ranks(value, device):
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
-def _benchmark_row(rank, R, n, B, H, d, repeats):
+def _ms_per_call(fn, device, reps):
+    """Milliseconds per call of ``fn()``, ``reps`` calls back to back between a barrier and a
+    synchronise, the slowest rank's (a distributed step ends with its slowest rank)."""
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return _max_over_ranks((time.perf_counter() - t0) * 1e3 / reps, device)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _every_rank_ok(ok, device):
+    t = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item() == 1.0)
+
+
+def _link_fns(rank, R, nbytes, device):
+    """Two transfers of ``nbytes``: rank 0 -> rank 1 alone ("one way"), and every rank to the
+    next at once (the ring's hop: with R = 2 both directions of the link)."""
+    buf = torch.empty(max(1, nbytes // 2), dtype=torch.bfloat16, device=device)
+    into = torch.empty_like(buf)
+
+    def one_way():
+        ops = []
+        if rank == 0:
+            ops = [dist.P2POp(dist.isend, buf, _peer(None, 1))]
+        elif rank == 1:
+            ops = [dist.P2POp(dist.irecv, into, _peer(None, 0))]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+    def ring_hop():
+        for w in _exchange([(buf, TAG_KV)], [(into, TAG_KV)], None, (rank + 1) % R,
+                           (rank - 1) % R):
+            w.wait()
+
+    return one_way, ring_hop
+
+
+def _sdpa_fwd_bwd(Q, K, V, dO, backends, gqa):
+    """SDPA forward + backward, K/V at Hkv heads: ``enable_gqa`` or K/V expanded in the graph."""
     from torch.nn import functional as F
+    from torch.nn.attention import sdpa_kernel
 
-    from .kernels import flash_attention_triton as fat
+    q, k, v = (t.detach().requires_grad_() for t in (Q, K, V))
+    group = Q.shape[1] // K.shape[1]
+    with sdpa_kernel(backends):
+        if group == 1:
+            O = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif gqa == "enable_gqa":
+            O = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            O = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                               v.repeat_interleave(group, 1), is_causal=True)
+    O.backward(dO)
+    return O
 
+
+def _attention_kernels(fn):
+    """The CUDA kernels of one call of ``fn`` whose names say attention (profiler), to name the
+    backend that ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    words = ("attn", "attention", "fmha", "flash", "cudnn", "sdpa", "sm90", "hopper")
+    names = sorted({e.key for e in prof.key_averages()
+                    if any(w in e.key.lower() for w in words)})
+    return [n[:90] for n in names][:6]
+
+
+def _gqa_reference(Q, K, V, dO, positions_r):
+    """Float64 O, dQ, dK, dV of causal GQA attention on the GPU, rows of one rank kept."""
+    group = Q.shape[1] // K.shape[1]
+    q, k, v = (t.double().requires_grad_() for t in (Q, K, V))
+    kx, vx = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    S = (q @ kx.transpose(-1, -2)) / math.sqrt(Q.shape[-1])
+    N = Q.shape[2]
+    S = S.masked_fill(~torch.ones(N, N, dtype=torch.bool, device=Q.device).tril(), -math.inf)
+    O = torch.softmax(S, -1) @ vx
+    O.backward(dO.double())
+    rows = positions_r.to(Q.device)
+    return {name: t.detach().index_select(2, rows)
+            for name, t in (("O", O), ("dQ", q.grad), ("dK", k.grad), ("dV", v.grad))}
+
+
+def check_gpu_worker(rank, R, cases):
+    """Ring (zig-zag and contiguous) and all-gather forward + backward in bf16 on NCCL against
+    a float64 GQA reference on the GPU: per case the largest ``|got - float64| / max|float64|``
+    of O, dQ, dK, dV over the ranks, and the block kernel that ran."""
     device = torch.device("cuda", rank)
-    causal, N = True, n * R
-    Q, K, V, dO = _bench_inputs(B, H, N, d, torch.bfloat16, device, seed=n)
-    row = {"n_per_gpu": n, "N": N, "s": {}, "errors": {}}
+    out = []
+    for case in cases:
+        B, H, Hkv, N, d = (case[k] for k in ("B", "H", "Hkv", "N", "d"))
+        gen = torch.Generator(device=device).manual_seed(case.get("seed", 0))
+        Q, dO = (torch.randn(B, H, N, d, generator=gen, device=device).bfloat16()
+                 for _ in range(2))
+        K, V = (torch.randn(B, Hkv, N, d, generator=gen, device=device).bfloat16()
+                for _ in range(2))
+        row = {"case": case, "kernel": None, "rel": {}}
+        for layout in LAYOUTS:
+            want = _gqa_reference(Q, K, V, dO, positions(N, R, layout)[rank])
+            q, k, v, do = (shard(t, R, layout)[rank].contiguous() for t in (Q, K, V, dO))
+            row["kernel"] = KERNEL_NAMES[block_kernel(q)]
+            O, LSE = ring_attention_forward(q, k, v, causal=True, layout=layout)
+            got = dict(zip(("dQ", "dK", "dV"), ring_attention_backward(
+                do, q, k, v, O, LSE, causal=True, layout=layout), strict=True), O=O)
+            O2, LSE2 = allgather_attention(q, k, v, causal=True, layout=layout)
+            got2 = dict(zip(("dQ", "dK", "dV"), allgather_attention_backward(
+                do, q, k, v, O2, LSE2, causal=True, layout=layout), strict=True), O=O2)
+            for variant, res in ((f"ring {layout}", got), (f"all-gather {layout}", got2)):
+                for name in ("O", "dQ", "dK", "dV"):
+                    rel = ((res[name].double() - want[name]).abs().max()
+                           / want[name].abs().max()).item()
+                    row["rel"][f"{variant} {name}"] = _max_over_ranks(rel, device)
+            del want
+            torch.cuda.empty_cache()
+        out.append(row)
+    return out
 
-    def single():
-        O, LSE = fat.attention_forward(Q, K, V, causal)
-        fat.attention_backward(Q, K, V, O, LSE, dO, causal)
 
-    def ring(q, k, v, do, layout):
-        O, LSE = ring_attention_forward(q, k, v, causal=causal, layout=layout)
-        ring_attention_backward(do, q, k, v, O, LSE, causal=causal, layout=layout)
+def benchmark_worker(rank, R, shapes, B=1, d=128, rounds=5, reps=2):
+    """The GPU benchmark (NCCL, bf16, causal, forward + backward), milliseconds.
 
-    def gathered(q, k, v, do, layout):
-        O, LSE = allgather_attention(q, k, v, causal=causal, layout=layout)
-        allgather_attention_backward(do, q, k, v, O, LSE, causal=causal, layout=layout)
-
-    row["s"]["single GPU"] = _fwd_bwd_time(single, device, repeats)
-    for layout in LAYOUTS:
-        local = [shard(t, R, layout)[rank].contiguous() for t in (Q, K, V, dO)]
-        row["s"][f"ring {layout}"] = _fwd_bwd_time(partial(ring, *local, layout), device,
-                                                   repeats)
-        if layout == "zigzag":
-            row["s"]["all-gather zigzag"] = _fwd_bwd_time(partial(gathered, *local, layout),
-                                                          device, repeats)
+    For each ``dict(n, H, Hkv)`` (n tokens per GPU, N = R n): one GPU with cuDNN (SDPA, the
+    whole sequence), one GPU with the block kernel (:func:`block_kernel`, chapter 14's on
+    Hopper), the zig-zag ring, the all-gather variant (zig-zag), PyTorch's
+    ``context_parallel``, and the link (a K/V block one way, and the ring's hop), in ``rounds``
+    interleaved rounds of ``reps`` calls each. Returns ``{"rows": [...], ...}`` with per-round
+    milliseconds, the backends named, and every error a variant raised.
+    """
+    gpu = dist.get_backend() == "nccl"  # gloo: the same code on the CPU (a smoke test)
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    torch.manual_seed(0)
+    result = {"rows": [], "B": B, "d": d, "rounds": rounds, "reps": reps, "R": R,
+              "device": torch.cuda.get_device_name(device) if gpu else "CPU"}
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import context_parallel
 
-        mesh = init_device_mesh("cuda", (R,))
-        buffers = [t.clone() for t in (Q, K, V, dO)]  # sharded in place, restored after
+        mesh = init_device_mesh(device.type, (R,))
+    except Exception as error:  # noqa: BLE001 - recorded, the benchmark goes on
+        mesh, result["mesh_error"] = None, f"{type(error).__name__}: {error}"[:300]
+    for shape in shapes:
+        result["rows"].append(_benchmark_row(rank, R, shape, B, d, rounds, reps, mesh, device))
+        torch.cuda.empty_cache()
+    return result
+
+
+def _benchmark_row(rank, R, shape, B, d, rounds, reps, mesh, device):
+    from torch.nn.attention import SDPBackend
+
+    n, H, Hkv = shape["n"], shape["H"], shape["Hkv"]
+    N, scale = n * R, 1.0 / math.sqrt(d)
+    gen = torch.Generator(device=device).manual_seed(n + H)
+    Q, dO = (torch.randn(B, H, N, d, generator=gen, device=device).bfloat16() for _ in range(2))
+    K, V = (torch.randn(B, Hkv, N, d, generator=gen, device=device).bfloat16()
+            for _ in range(2))
+    local = [shard(t, R, "zigzag")[rank].contiguous() for t in (Q, K, V, dO)]
+    kv_bytes = 2 * B * Hkv * n * d * 2
+    row = {"n_per_gpu": n, "N": N, "H": H, "Hkv": Hkv, "kv_block_bytes": kv_bytes,
+           "block_kernel": KERNEL_NAMES[block_kernel(local[0])], "errors": {}, "notes": {}}
+    fns = {}
+
+    def add(name, fn):  # warm up once on every rank; drop the variant if any rank failed
+        try:
+            fn()
+            _sync(device)
+            ok = True
+        except Exception as error:  # noqa: BLE001 - recorded, the benchmark goes on
+            row["errors"][name] = f"{type(error).__name__}: {error}"[:400]
+            ok = False
+        if _every_rank_ok(ok, device):
+            fns[name] = fn
+        return name in fns
+
+    # One GPU, cuDNN, whole sequence: GQA through enable_gqa if cuDNN takes it, else expanded.
+    cudnn = [SDPBackend.CUDNN_ATTENTION]
+    gqa = "enable_gqa"
+    if H != Hkv and not add("cudnn 1 GPU", partial(_sdpa_fwd_bwd, Q, K, V, dO, cudnn, gqa)):
+        gqa = "expanded K/V (repeat_interleave in the timed graph)"
+        row["errors"]["cudnn 1 GPU (enable_gqa)"] = row["errors"].pop(
+            "cudnn 1 GPU", "failed on another rank")
+        add("cudnn 1 GPU", partial(_sdpa_fwd_bwd, Q, K, V, dO, cudnn, gqa))
+    elif H == Hkv:
+        add("cudnn 1 GPU", partial(_sdpa_fwd_bwd, Q, K, V, dO, cudnn, gqa))
+    row["notes"]["cudnn gqa"] = "H == Hkv" if H == Hkv else gqa
+    if "cudnn 1 GPU" in fns and device.type == "cuda":
+        row["notes"]["cudnn kernels"] = _attention_kernels(fns["cudnn 1 GPU"])
+
+    def block_1gpu():
+        O, LSE = block_forward(Q, K, V, True, scale)
+        block_backward(dO, Q, K, V, O, LSE, True, scale)
+
+    add("block kernel 1 GPU", block_1gpu)
+
+    def ring_zigzag():
+        O, LSE = ring_attention_forward(*local[:3], causal=True, layout="zigzag")
+        ring_attention_backward(local[3], *local[:3], O, LSE, causal=True, layout="zigzag")
+
+    def all_gather():
+        O, LSE = allgather_attention(*local[:3], causal=True, layout="zigzag")
+        allgather_attention_backward(local[3], *local[:3], O, LSE, causal=True,
+                                     layout="zigzag")
+
+    add("ring zigzag", ring_zigzag)
+    add("all-gather zigzag", all_gather)
+    if mesh is not None:
+        _add_context_parallel(add, row, mesh, Q, K, V, dO, local, R, rank, device)
+    one_way, hop = _link_fns(rank, R, kv_bytes, device)
+    add("link one way", one_way)
+    add("link ring hop", hop)
+    ms = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            ms[name].append(_ms_per_call(fn, device, reps))
+    row["ms"] = ms
+    return row
+
+
+def _add_context_parallel(add, row, mesh, Q, K, V, dO, local, R, rank, device):
+    """PyTorch's ``context_parallel`` (SDPA under its ring/all-gather dispatch): GQA through
+    ``enable_gqa`` if it runs, else K/V expanded to H heads before sharding (named in notes).
+    Its O on this rank is compared with the zig-zag ring's (both bf16)."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn import functional as F
+
+    group = Q.shape[1] // K.shape[1]
+    captured = {}
+
+    def make(expand):
+        k, v = (t.repeat_interleave(group, 1) if expand else t for t in (K, V))
+        buffers = [t.clone() for t in (Q, k, v, dO)]  # sharded in place, restored after
 
         def torch_cp():
             with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
                 q, k, v = (t.detach().requires_grad_() for t in buffers[:3])
-                O = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                kw = {"enable_gqa": True} if (group > 1 and not expand) else {}
+                O = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
                 O.backward(buffers[3])
+                captured["O"] = O.detach()
 
-        row["s"]["torch context_parallel"] = _fwd_bwd_time(torch_cp, device, repeats)
-    except Exception as error:  # not in this version, or not for this backend
-        row["s"]["torch context_parallel"] = None
-        row["errors"]["torch context_parallel"] = f"{type(error).__name__}: {error}"[:300]
-    return row
+        return torch_cp
+
+    name = "torch context_parallel"
+    how = "H == Hkv" if group == 1 else "enable_gqa (K/V at Hkv heads)"
+    ok = add(name, make(expand=False))
+    if not ok and group > 1:
+        row["errors"][name + " (enable_gqa)"] = row["errors"].pop(name, "failed on another rank")
+        how = "K/V expanded to H heads before sharding (enable_gqa did not run)"
+        ok = add(name, make(expand=True))
+    row["notes"]["context_parallel gqa"] = how
+    if not ok:
+        return
+    if device.type == "cuda":
+        row["notes"]["context_parallel kernels"] = _attention_kernels(make(expand=(
+            "expanded" in how)))
+    O_ring, _ = ring_attention_forward(*local[:3], causal=True, layout="zigzag")
+    O_cp = captured["O"]
+    if O_cp.shape == O_ring.shape:
+        rel = ((O_cp.double() - O_ring.double()).abs().max() / O_ring.double().abs().max())
+        row["notes"]["context_parallel O vs ring zigzag O (max rel)"] = _max_over_ranks(
+            rel.item(), device)
+    else:
+        row["notes"]["context_parallel O shape"] = list(O_cp.shape)

@@ -12,8 +12,14 @@ import torch.distributed as dist
 
 from course_utils import reference, ring
 
-CASES = [  # (N, causal, layout, dtype): N total rows; n = N / R per rank
+CASES = [  # (N, causal, layout, dtype[, H, Hkv]): N total rows; n = N / R per rank
     (8, True, "zigzag", "float64"),
+    (8, True, "zigzag", "float64", 4, 2),  # GQA 4:2: K/V travel at 2 heads
+    (8, False, "contiguous", "float64", 4, 1),  # multi-query
+    (12, False, "zigzag", "float64", 6, 2),
+    (12, True, "contiguous", "float64", 4, 2),
+    (64, True, "zigzag", "float32", 4, 2),
+    (64, False, "contiguous", "float32", 4, 2),
     (8, False, "zigzag", "float64"),
     (12, True, "contiguous", "float64"),
     (2, True, "contiguous", "float64"),  # one row per rank
@@ -22,25 +28,30 @@ CASES = [  # (N, causal, layout, dtype): N total rows; n = N / R per rank
     (64, True, "zigzag", "float32"),  # float32 through chapter 12's tiled PyTorch path
 ]
 CASES_R3 = [(12, True, "zigzag", "float64"), (9, True, "contiguous", "float64"),
-            (6, False, "zigzag", "float64")]
+            (6, False, "zigzag", "float64"), (12, True, "zigzag", "float64", 4, 2)]
 
 
-def _case(i, N, causal, layout, dtype):
+def _case(i, N, causal, layout, dtype, H=2, Hkv=None):
     d = 16 if dtype == "float32" else 8  # the PyTorch path takes d in ops.SUPPORTED_D
-    return dict(B=2, H=2, N=N, d=d, causal=causal, layout=layout, seed=100 + i, dtype=dtype)
+    return dict(B=2, H=H, Hkv=Hkv or H, N=N, d=d, causal=causal, layout=layout, seed=100 + i,
+                dtype=dtype)
 
 
 def _expected(case):
     """Float64 O, LSE (course_utils.reference) and dQ, dK, dV (autograd of the formula)."""
     Q, K, V, dO = ring.sequence_inputs(case["B"], case["H"], case["N"], case["d"],
                                        torch.float64, "cpu", case["seed"])
+    K, V = K[:, : case["Hkv"]], V[:, : case["Hkv"]]  # as check_worker draws GQA's K/V
     Q, K, V = (t.to(getattr(torch, case["dtype"])).double() for t in (Q, K, V))
-    O, LSE = reference.attention(Q, K, V, causal=case["causal"])
+    group = case["H"] // case["Hkv"]  # query head h reads K/V head h // group
+    O, LSE = reference.attention(Q, K.repeat_interleave(group, 1),
+                                 V.repeat_interleave(group, 1), causal=case["causal"])
     Q, K, V = (t.requires_grad_() for t in (Q, K, V))
-    S = (Q @ K.transpose(-1, -2)) / math.sqrt(case["d"])
+    Kx, Vx = K.repeat_interleave(group, 1), V.repeat_interleave(group, 1)
+    S = (Q @ Kx.transpose(-1, -2)) / math.sqrt(case["d"])
     if case["causal"]:
         S = S.masked_fill(~torch.ones(S.shape[-2:], dtype=torch.bool).tril(), -math.inf)
-    (torch.softmax(S, -1) @ V).backward(dO)
+    (torch.softmax(S, -1) @ Vx).backward(dO)
     return {"O": O, "LSE": LSE, "dQ": Q.grad, "dK": K.grad, "dV": V.grad}
 
 
