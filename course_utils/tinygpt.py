@@ -363,6 +363,8 @@ def train(attention, *, seed=0, steps=200, batch=16, block=64, n_layer=2, n_head
     lowest loss any model can reach), ``compare`` (every ``compare_every`` steps, and at the
     end: ``{"step", name: {...}}`` from :func:`compare_attentions` on the current weights and
     the first ``compare_rows`` rows of the step's batch, for SDPA and the course's op),
+    On a GPU each entry also holds ``"float32"``: the same comparison without autocast (the
+    course's kernels in IEEE float32), which resolves bugs far below bf16's rounding.
     ``tokens_per_s`` (after ``warmup`` steps, so compiling and tuning are not counted, and
     without the time of validation and comparisons), ``first_step_s`` (the first step alone:
     compile time if ``compile``), ``unigram`` (the unigram entropy of the validation set),
@@ -454,8 +456,11 @@ def _train(attention, seed, steps, batch, block, n_layer, n_head, n_embd, device
         x, y = x.to(device), y.to(device)
         if _due(step, compare_every, steps):
             t_aside = time.perf_counter()
-            compares.append({"step": step, **compare_attentions(
-                model, x[:compare_rows], y[:compare_rows], compared, amp_dtype=amp_dtype)})
+            xs, ys = x[:compare_rows], y[:compare_rows]
+            entry = {"step": step, **compare_attentions(model, xs, ys, compared, amp_dtype)}
+            if amp_dtype is not None:  # and in float32: 16-bit rounding hides small bugs
+                entry["float32"] = compare_attentions(model, xs, ys, compared, None)
+            compares.append(entry)
             _sync(device)
             aside += time.perf_counter() - t_aside
         for group in opt.param_groups:
