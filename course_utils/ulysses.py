@@ -121,9 +121,37 @@ def _world(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _pack(views, hs):
+    """One send buffer ``(R, B, sum h, n, d)`` from per-part views ``(R, B, h, n, d)``: one copy
+    per part, straight into its slice (no concatenation, then transpose, then copy)."""
+    R, B, _, n, d = views[0].shape
+    send = torch.empty((R, B, sum(hs), n, d), dtype=views[0].dtype, device=views[0].device)
+    lo = 0
+    for view, h in zip(views, hs, strict=True):
+        send[:, :, lo:lo + h].copy_(view)
+        lo += h
+    return send
+
+
+def _exchange(send, group):
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # block j goes to rank j, comes from j
+    return recv
+
+
+def _blocks(recv, hs):
+    """The received ``(R, B, sum h, n, d)`` cut back into the parts' blocks ``(R, B, h, n, d)``."""
+    lo, out = 0, []
+    for h in hs:
+        out.append(recv[:, :, lo:lo + h])
+        lo += h
+    return out
+
+
 def seq_to_heads(parts, group=None):
     """Sequence shards to head shards: ``parts`` are this rank's ``(B, h_i R, n, d)`` tensors of
-    one dtype; returns ``(B, h_i, R n, d)`` each: all N rows, heads ``[r h_i, (r + 1) h_i)``.
+    one dtype; returns ``(B, h_i, R n, d)`` each (contiguous): all N rows, heads
+    ``[r h_i, (r + 1) h_i)``.
 
     One ``all_to_all_single`` for all parts: block j of the message (the heads of rank j, every
     part side by side) goes to rank j; the block that comes from rank j holds its n rows.
@@ -131,12 +159,13 @@ def seq_to_heads(parts, group=None):
     _, R = _world(group)
     B, _, n, d = parts[0].shape
     hs = [p.shape[1] // R for p in parts]
-    send = torch.cat([p.reshape(B, R, h, n, d) for p, h in zip(parts, hs, strict=True)], dim=2)
-    send = send.transpose(0, 1).contiguous()  # (R, B, sum h, n, d): block j for rank j
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # block j: rank j's rows, our heads
-    full = recv.permute(1, 2, 0, 3, 4).reshape(B, sum(hs), R * n, d)  # rows in rank order
-    return list(full.split(hs, dim=1))
+    # part (B, R h, n, d) -> (R, B, h, n, d): block j holds the heads of rank j
+    send = _pack([p.reshape(B, R, h, n, d).transpose(0, 1) for p, h in zip(parts, hs,
+                                                                            strict=True)], hs)
+    recv = _exchange(send, group)  # block j: rank j's rows of our heads
+    # (R, B, h, n, d) -> (B, h, R, n, d) -> (B, h, N, d): rows in rank order
+    return [x.permute(1, 2, 0, 3, 4).reshape(B, h, R * n, d)
+            for x, h in zip(_blocks(recv, hs), hs, strict=True)]
 
 
 def heads_to_seq(parts, group=None):
@@ -146,12 +175,13 @@ def heads_to_seq(parts, group=None):
     _, R = _world(group)
     B, _, N, d = parts[0].shape
     n, hs = N // R, [p.shape[1] for p in parts]
-    send = torch.cat(parts, dim=1).reshape(B, sum(hs), R, n, d)
-    send = send.permute(2, 0, 1, 3, 4).contiguous()  # (R, B, sum h, n, d): rows of rank j
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # block j: rank j's heads, our rows
+    # part (B, h, N, d) -> (R, B, h, n, d): block j holds the rows of rank j
+    send = _pack([p.reshape(B, h, R, n, d).permute(2, 0, 1, 3, 4) for p, h in zip(parts, hs,
+                                                                                  strict=True)],
+                 hs)
+    recv = _exchange(send, group)  # block j: rank j's heads of our rows
     return [x.transpose(0, 1).reshape(B, R * h, n, d)
-            for x, h in zip(recv.split(hs, dim=2), hs, strict=True)]
+            for x, h in zip(_blocks(recv, hs), hs, strict=True)]
 
 
 def a2a_bytes(B, H, Hkv, n, d, R, itemsize=2, replicate_kv=True):
