@@ -237,7 +237,8 @@ def _decode_tiles(acc, l_i, m_i, q, K, V, BLOCK_TABLE, bt_row, kv_base, stride_k
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, WORK, O_PART, LSE_PART, O, LSE,
+def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, WORK, SPLITS, OFFSETS, LOCKS,
+                         O_PART, LSE_PART, O, LSE,
                          score_scale, softcap_log2e, window_left,
                          stride_qb, stride_qt, stride_qh, stride_kp, stride_kn, stride_kh,
                          stride_bt, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
@@ -245,12 +246,13 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, WORK, O_PART, LSE_PART, 
                          G: tl.constexpr, LQ: tl.constexpr, BLOCK_M: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
-                         PLAN: tl.constexpr):
+                         PLAN: tl.constexpr, FUSED: tl.constexpr):
     # Fixed split count (grid (num_splits, Hkv, B)): program (s, h, b) takes split s of sequence
     # b's keys, K/V head h. DIRECT (one split): the result is final, written to O and LSE.
     # PLAN (grid (work items, Hkv)): program (w, h) takes the key range of work item w, a row
     # (b, start, end, part) of WORK made on the host (decode_plan); part < 0: the sequence's only
     # split, written to O and LSE directly; else slot `part` of the workspace (P, LQ, Hq, d).
+    # FUSED: no merge kernel; the last split of each (b, h) to finish merges (LOCKS counts).
     h = tl.program_id(1)
     Hq = tl.num_programs(1) * G
     if PLAN:
@@ -317,21 +319,71 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, WORK, O_PART, LSE_PART, 
     out_ptrs = O + b * stride_ob + t[:, None] * stride_ot + heads[:, None] * stride_oh \
         + offs_d[None, :]
     lse_ptrs = LSE + b * stride_lb + heads * stride_lh + t * stride_lt
+    # Where the splits of (b, h) go: row r's split i at slot0[r] + i * step of the workspace.
     if PLAN:
-        if part < 0:
-            tl.store(out_ptrs, o.to(O.dtype.element_ty), mask=real[:, None])
-            tl.store(lse_ptrs, lse, mask=real)
-        else:
-            slot = (part.to(tl.int64) * LQ + t) * Hq + heads  # workspace (P, LQ, Hq, d)
-            tl.store(O_PART + slot[:, None] * HEAD_DIM + offs_d[None, :], o, mask=real[:, None])
-            tl.store(LSE_PART + slot, lse, mask=real)
-    elif DIRECT:
+        offset = tl.load(OFFSETS + b)
+        n_split = tl.load(SPLITS + b)
+        slot0 = (offset.to(tl.int64) * LQ + t) * Hq + heads  # workspace (P, LQ, Hq, d)
+        step = LQ * Hq
+        me = part - offset
+        write_direct = part < 0
+    else:
+        n_split = num_splits
+        slot0 = ((b * LQ + t) * Hq + heads) * num_splits  # workspace (B, LQ, Hq, S, d)
+        step = 1
+        me = s
+        write_direct = DIRECT
+    if write_direct:
         tl.store(out_ptrs, o.to(O.dtype.element_ty), mask=real[:, None])
         tl.store(lse_ptrs, lse, mask=real)
     else:
-        slot = ((b * LQ + t) * Hq + heads) * num_splits + s  # workspace (B, LQ, Hq, S, d)
+        slot = slot0 + me * step
         tl.store(O_PART + slot[:, None] * HEAD_DIM + offs_d[None, :], o, mask=real[:, None])
         tl.store(LSE_PART + slot, lse, mask=real)
+        if FUSED:
+            # The last split of (b, h) to finish merges them all (no second kernel): every
+            # thread's stores above are issued before the barrier, and one acq_rel atomic per
+            # program publishes them (release) and sees the others' (acquire), as CUTLASS's
+            # semaphore does. The last one resets the counter for the next call.
+            tl.debug_barrier()
+            lock = LOCKS + b * tl.num_programs(1) + h
+            count = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if count == n_split - 1:
+                tl.store(lock, 0)
+                o, lse = _merge_rows(O_PART, LSE_PART, slot0, step, n_split, real,
+                                     HEAD_DIM, BLOCK_M)
+                tl.store(out_ptrs, o.to(O.dtype.element_ty), mask=real[:, None])
+                tl.store(lse_ptrs, lse, mask=real)
+
+
+@triton.jit
+def _merge_rows(O_PART, LSE_PART, slot0, step, n_split, real, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """The LSE merge of rows ``slot0`` over ``n_split`` splits (the fused merge): (O, LSE).
+    Loads bypass L1 (``.cg``): the parts were written by other SMs."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for i in range(0, n_split):
+        slot = slot0 + i * step
+        lse = tl.load(LSE_PART + slot, mask=real, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(O_PART + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None],
+                    other=0.0, cache_modifier=".cg")
+        lse = lse * _LOG2E
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use)  # split i holds exp(LSE_i) of the denominator; empty: 0
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    seen = l != 0.0  # no split saw a key: l = 0; a NaN stays NaN (as in _finish)
+    m_fin = tl.where(m == float("-inf"), 0.0, m)
+    o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)[:, None]
+    lse = tl.where(seen, (m_fin + tl.log2(tl.where(seen, l, 1.0))) * _LN2, float("-inf"))
+    return o, lse
 
 
 @triton.jit
@@ -729,7 +781,7 @@ def _outputs(given, names, shapes, dtypes, device):
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None,
                      window=(-1, -1), softcap=0.0, scale=None, return_partials=False, out=None,
-                     workspace=None, check_values=True, config=None, plan=None):
+                     workspace=None, check_values=True, config=None, plan=None, merge=None):
     """One decoding step with split-KV (flash-decoding): ``(O, LSE)``.
 
     Args:
@@ -770,6 +822,11 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
             size (one device-to-host copy; pass False when timing a decoding loop).
         config: ``(BLOCK_N, num_warps, num_stages)`` instead of :func:`decode_config`'s (or
             the environment's ``COURSE_DECODE_CONFIG``, e.g. ``"64,4,3"``).
+        merge: how the splits are combined: ``"kernel"`` (the default: a second kernel, grid
+            ``(Hq, Lq, B)``) or ``"fused"`` (no second launch: the last split of each
+            (sequence, K/V head) to finish merges them, counted by an atomic per pair in a
+            buffer kept per device: one fused call at a time per device, never two at once on
+            two streams); default ``COURSE_DECODE_MERGE`` or ``"kernel"``.
 
     Returns:
         O like q (``(B, Hq, d)`` or ``(B, Lq, Hq, d)``) in q's dtype; LSE float32, natural log,
@@ -831,6 +888,10 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
         if num_splits is not None or return_partials:
             raise ValueError("plan= fixes each sequence's splits: pass neither num_splits= nor "
                              "return_partials=True with it")
+    merge = os.environ.get("COURSE_DECODE_MERGE", "kernel") if merge is None else merge
+    if merge not in ("kernel", "fused"):
+        raise ValueError(f"merge={merge!r}: \"kernel\" (a merge kernel) or \"fused\" (the last "
+                         "split merges)")
     lse_shape = (B, Hq) if one_token else (B, Hq, Lq)
     if B == 0:  # an empty batch: empty outputs, no launch (a grid of 0 programs is an error)
         return _empty_decode(q, lse_shape, num_splits, return_partials, out)
@@ -863,8 +924,6 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
     LSE3 = LSE[:, :, None] if one_token else LSE  # (B, Hq, Lq)
     G = Hq // Hkv
     table = block_table if paged else cache_seqlens  # never read when not paged
-    if plan is not None and not plan.work:  # every slot idle: O = 0, LSE = -inf, no launch
-        return O.zero_(), LSE.fill_(-math.inf)
     if plan is not None:
         work, splits, offsets = plan.tensors(q.device)
         direct = all(s == 1 for s in plan.splits)  # no merge (idle slots need one: O = 0)
@@ -885,16 +944,19 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
                                         (torch.float32, torch.float32), q.device)
         work = splits = offsets = cache_seqlens  # never read without a plan
         grid = (num_splits, Hkv, B)
+    fused = not direct and merge == "fused"
+    locks = _locks(q.device, B * Hkv) if fused else cache_seqlens  # never read unless fused
     _decode_split_kernel[grid](
-        q4, k_cache, v_cache, cache_seqlens, table, work, O_part, LSE_part, O4, LSE3,
+        q4, k_cache, v_cache, cache_seqlens, table, work, splits, offsets, locks, O_part,
+        LSE_part, O4, LSE3,
         score_scale, softcap_log2e, left if left >= 0 else capacity,
         q4.stride(0), q4.stride(1), q4.stride(2), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), table.stride(0), O4.stride(0), O4.stride(1), O4.stride(2),
         LSE3.stride(0), LSE3.stride(1), LSE3.stride(2),
         G=G, LQ=Lq, BLOCK_M=max(MIN_DOT_M, triton.next_power_of_2(G * Lq)), HEAD_DIM=d,
         BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged, SOFTCAP=softcap > 0, DIRECT=direct,
-        PLAN=plan is not None, num_warps=warps, num_stages=stages)
-    if not direct:
+        PLAN=plan is not None, FUSED=fused, num_warps=warps, num_stages=stages)
+    if not direct and not fused:
         most = plan.max_splits if plan is not None else num_splits
         _decode_merge_kernel[(Hq, Lq, B)](
             O_part, LSE_part, O4, LSE3, splits, offsets, most, O4.stride(0), O4.stride(1),
@@ -907,6 +969,18 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
             return O, LSE, O_part.permute(2, 0, 1, 3), LSE_part.permute(2, 0, 1)
         return O, LSE, O_part.permute(3, 0, 1, 2, 4), LSE_part.permute(3, 0, 1, 2)
     return O, LSE
+
+
+_LOCKS = {}
+
+
+def _locks(device, n):
+    """The fused merge's counters: int32 zeros, one per (sequence, K/V head), kept per device
+    (each call leaves them at 0: the last split resets its counter)."""
+    key = str(device)
+    if key not in _LOCKS or _LOCKS[key].numel() < n:
+        _LOCKS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return _LOCKS[key]
 
 
 def _empty_decode(q, lse_shape, num_splits, return_partials, out):
@@ -964,7 +1038,8 @@ class DecodePlan:
     ``work``: ``[(b, start, end), ...]``, key range ``start .. end - 1`` of sequence b, sorted by
     sequence, each range whole ``block_n`` blocks (``end`` may be the sequence's length), the
     ranges of a sequence covering its visible keys exactly once, in order. ``splits[b]``: how
-    many work items sequence b has (0 for an idle slot); ``parts``: a sequence with one split
+    many work items sequence b has (an idle slot, length 0, gets one empty item whose program
+    writes O = 0, LSE = -inf); ``parts``: a sequence with one split
     is written by the split kernel directly, the others' splits take workspace slots
     ``offsets[b] .. offsets[b] + splits[b] - 1`` and the merge kernel combines them.
     Made by :func:`decode_plan` (balanced) or :func:`make_plan` (any valid work list: checked).
@@ -974,7 +1049,11 @@ class DecodePlan:
         self.lengths = tuple(int(n) for n in lengths)
         self.kv_heads, self.block_n = int(kv_heads), int(block_n)
         self.new_tokens, self.window_left = int(new_tokens), int(window_left)
-        self.work = [tuple(int(x) for x in item) for item in work]
+        items = [tuple(int(x) for x in item) for item in work]
+        # an idle slot (no item) gets one empty item: its program writes O = 0, LSE = -inf
+        has = {b for b, _, _ in items}
+        items += [(b, 0, 0) for b in range(len(self.lengths)) if b not in has]
+        self.work = sorted(items, key=lambda item: (item[0], item[1]))
         self.splits = [0] * len(self.lengths)
         for b, _, _ in self.work:
             self.splits[b] += 1
@@ -1103,7 +1182,7 @@ def decode_plan(cache_seqlens, kv_heads, *, new_tokens=1, window=(-1, -1), block
     * sequence b gets ``splits_b = ceil(blocks_b / chunk)`` items, its blocks dealt out evenly
       (item sizes differ by at most one block), so no item holds more than ``chunk`` blocks.
 
-    A length-0 sequence (idle slot) gets no item. ``programs_per_sm``: default
+    A length-0 sequence (idle slot) gets one empty item. ``programs_per_sm``: default
     :func:`decode_programs_per_sm` (1; ``COURSE_DECODE_PROGRAMS_PER_SM`` overrides it);
     ``num_sms``: default this GPU's (132, an H100's, in the interpreter); ``block_n``: the
     kernel's (:func:`decode_config`).
