@@ -159,6 +159,9 @@ def test_bad_input_is_a_clear_error():
         ring.ring_attention_forward(q, q, q, causal=True, layout="zigzag")
     with pytest.raises(ValueError, match="one shape"):
         ring.ring_attention_forward(q, q[:, :, :2], q[:, :, :2])
+    q4 = torch.zeros(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="multiple of Hkv"):  # GQA: 4 query heads, 3 K/V heads
+        ring.allgather_attention(q4, q4[:, :3], q4[:, :3])
     with pytest.raises(RuntimeError, match="not initialised"):
         ring.ring_attention_forward(q, q, q)
     with pytest.raises(ValueError, match="backend"):
@@ -258,3 +261,52 @@ def test_a_deadlocked_ring_times_out_and_leaves_nothing(monkeypatch):
     assert info.value.status in ("timed out", "error"), info.value
     assert _stray() <= before
     assert made and not any(os.path.exists(p) for p in made)  # store and scratch deleted
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_allgather_pieces_cover_the_mask_once(R, layout, causal):
+    """The all-gather's local blocks (own K/V) and the rest (gathered K/V) together compute
+    every (query, key) pair of the mask once, and no other."""
+    n = 4
+    N = n * R
+    pos = ring.positions(N, R, layout)
+    for r in range(R):
+        seen = torch.zeros(n, N, dtype=torch.int64)
+        local, rest = ring._allgather_pieces(r, R, n, causal, layout)
+        for rows, keys, masked in local:
+            q_glob, k_glob = pos[r][rows], pos[r][keys]
+            ok = (k_glob[None, :] <= q_glob[:, None]) if masked else torch.ones(
+                len(q_glob), len(k_glob), dtype=torch.bool)
+            for i, qi in enumerate(range(rows.start, rows.stop)):
+                seen[qi, k_glob[ok[i]]] += 1
+        for rows, keys in rest:
+            if causal:
+                k_glob = torch.arange(N)[keys]  # global rows, in sequence order
+            else:  # every other rank's keys
+                k_glob = torch.cat([pos[j] for j in range(R) if j != r])
+            seen[rows.start:rows.stop, k_glob] += 1
+        want = ((torch.arange(N)[None, :] <= pos[r][:, None]) if causal
+                else torch.ones(n, N, dtype=torch.bool)).long()
+        assert torch.equal(seen, want), (r, seen, want)
+
+
+def test_block_kernel_names_and_gqa_blocks_match_expanded_heads():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 16, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 16, 16, generator=gen) for _ in range(2))
+    assert ring.block_kernel(q) == "torch" and ring.block_kernel(q.double()) == "dense"
+    assert set(ring.KERNEL_NAMES) >= {"dense", "torch", "triton", "hopper"}
+    scale = 0.25
+    O, LSE = ring.block_forward(q, k, v, True, scale)
+    kx, vx = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    O_x, LSE_x = ring.block_forward(q, kx, vx, True, scale)
+    assert torch.allclose(O, O_x) and torch.allclose(LSE, LSE_x)
+    dO = torch.randn(q.shape, generator=gen)
+    dq, dk, dv = ring.block_backward(dO, q, k, v, O, LSE, True, scale)
+    dq_x, dk_x, dv_x = ring.block_backward(dO, q, kx, vx, O, LSE, True, scale)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    assert torch.allclose(dq, dq_x, atol=1e-6)
+    assert torch.allclose(dk, dk_x.view(1, 2, 2, 16, 16).sum(2), atol=1e-5)
+    assert torch.allclose(dv, dv_x.view(1, 2, 2, 16, 16).sum(2), atol=1e-5)
