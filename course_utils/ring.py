@@ -196,6 +196,24 @@ def _hopper_fits(q, scale):
     return torch.cuda.get_device_capability(q.device)[0] == 9
 
 
+_HOPPER_BUILD_ERROR: list = []  # why chapter 14's kernels could not be built here, once
+
+
+def _hopper_built():
+    """Chapter 14's forward and backward are built (or loaded) in this process; a failed build
+    is remembered and every block then runs chapter 09's kernels (``block_kernel`` says so)."""
+    if _HOPPER_BUILD_ERROR:
+        return False
+    try:
+        from .attention import _cuda_module
+
+        _cuda_module("hopper")
+        return True
+    except Exception as error:  # noqa: BLE001 - the fallback is named, the error kept
+        _HOPPER_BUILD_ERROR.append(f"{type(error).__name__}: {error}"[:500])
+        return False
+
+
 # The kernel each path names (block_kernel): the benchmark prints it beside its numbers.
 KERNEL_NAMES = {"dense": "float64 dense (written here)",
                 "torch": "chapter 12's PyTorch FlashAttention-2 (CPU)",
@@ -212,7 +230,7 @@ def block_kernel(q, scale=None):
         return "dense"
     if not q.is_cuda:
         return "torch"
-    return "hopper" if _hopper_fits(q, scale) else "triton"
+    return "hopper" if _hopper_fits(q, scale) and _hopper_built() else "triton"
 
 
 def _heads_for(q, kv):
@@ -1158,6 +1176,8 @@ def _benchmark_row(rank, R, shape, B, d, rounds, reps, mesh, device):
     kv_bytes = 2 * B * Hkv * n * d * 2
     row = {"n_per_gpu": n, "N": N, "H": H, "Hkv": Hkv, "kv_block_bytes": kv_bytes,
            "block_kernel": KERNEL_NAMES[block_kernel(local[0])], "errors": {}, "notes": {}}
+    if _HOPPER_BUILD_ERROR:
+        row["errors"]["chapter 14's kernels"] = _HOPPER_BUILD_ERROR[0]
     fns = {}
 
     def add(name, fn):  # warm up once on every rank; drop the variant if any rank failed
