@@ -28,6 +28,7 @@ Modules (import them as ``from course_utils import grader`` etc.):
 - ``ops``       the course's attention as a ``torch.library`` operator (chapter 12)
 - ``tinygpt``   a small GPT with pluggable attention, trained on generated sums (chapter 12)
 - ``ring``      ring attention over ranks of torch.distributed, gloo or NCCL (chapter 13)
+- ``ulysses``   DeepSpeed-Ulysses: all-to-alls trade sequence shards for head shards (chapter 13)
 - ``attention`` the front door, callable: ``cu.attention(q, k, v, causal=..., impl="triton" |
                 "mma" | "hopper" | "cuda" | "torch" | "reference", layout="bhnd" | "bnhd" |
                 "bnd")`` with autograd; ``cu.attention.available(q)`` lists the impls that run

@@ -140,6 +140,7 @@ _ANSWER_FUNCTIONS = {
     "course_utils.reference": None,  # every public function of the module
     "course_utils.serving": None,  # chapter 11: merges, masks, references (chapters 11 and 13)
     "course_utils.ring": None,  # chapter 13: layouts, merges, step work
+    "course_utils.ulysses": None,  # chapter 13: attention by head shards
     "course_utils.attention": ("attention",),  # the front door: every impl computes the answer
     "scipy.special": ("softmax", "log_softmax", "logsumexp"),
 }

@@ -272,7 +272,7 @@ def _cu(lens, device):
 
 def _specs():
     from course_utils import attention as front
-    from course_utils import ops, reference, ring, serving
+    from course_utils import ops, reference, ring, serving, ulysses
     from course_utils.kernels import flash_attention_tma as tma
     from course_utils.kernels import flash_attention_triton as fat
     from course_utils.kernels import flash_decoding as fd
@@ -341,6 +341,8 @@ def _specs():
     s["ring.ring_attention_backward"] = (
         ring.ring_attention_backward, dense, _dense_grads,
         lambda t: t["fn"](t["dO"], t["q"], t["k"], t["v"], t["O"], t["LSE"], causal=True))
+    s["ulysses.ulysses_attention"] = (ulysses.ulysses_attention, dense, _dense_fwd,
+                                      lambda t: t["fn"](t["q"], t["k"], t["v"], causal=True))
     parts = (_parts, parts_build)
     s["serving.merge_partials"] = (serving.merge_partials, parts, _merge64,
                                    lambda t: t["fn"](t["O_parts"], t["LSE_parts"]))
