@@ -246,8 +246,8 @@ def _sum_heads(dkv, Hkv):
     B, H, n, d = dkv.shape
     if H == Hkv:
         return dkv
-    acc = torch.promote_types(dkv.dtype, torch.float32)
-    return dkv.to(acc).view(B, Hkv, H // Hkv, n, d).sum(2)
+    acc = torch.promote_types(dkv.dtype, torch.float32)  # summed in acc, no converted copy
+    return dkv.view(B, Hkv, H // Hkv, n, d).sum(2, dtype=acc)
 
 
 def block_forward(q, k, v, causal, scale):
