@@ -531,6 +531,25 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
 # =============================================================================================
 
 
+def _diagonal_pieces(n, causal):
+    """The rank's own (diagonal) block cut in two for the backward: ``(early, late)``.
+
+    ``early``: pieces computed at step 0, whose dK/dV travel around the ring; ``late``: one
+    piece computed at the end, while the last hop brings the block's dK/dV home, and added
+    there. Causal (local rows in sequence order, h = n // 2): early = rows [0, h) x keys
+    [0, h) causal and rows [h, n) x keys [0, h) full, late = rows [h, n) x keys [h, n) causal.
+    Without the mask: early = keys [0, h), late = keys [h, n), every row. n < 2: no late piece.
+    """
+    every = slice(0, n)
+    if n < 2:
+        return [(every, every, causal)], None
+    h = n // 2
+    first, second = slice(0, h), slice(h, n)
+    if causal:
+        return [(first, first, True), (second, first, False)], (second, second, True)
+    return [(every, first, False)], (every, second, False)
+
+
 def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contiguous",
                             group=None, scale=None, timeline=None):
     """Gradients of the ring's forward: ``(dQ, dK, dV)`` like q, k, v (this rank's shards).
@@ -540,6 +559,9 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     travel with it: at step s a rank receives the block's partial dK/dV from the previous rank
     (sent at the end of its step s-1), adds its own share and passes it on; after the last step
     one more hop brings every block's dK/dV home. Accumulators are float32 (float64 stays).
+    That last hop would have nothing to hide behind, so a piece of the rank's own diagonal
+    block (:func:`_diagonal_pieces`) waits until then: it is computed while the hop travels and
+    its dK/dV are added at home.
     """
     n, scale = _check_shards(q, k, v, layout, scale)
     causal = _causal(causal)
@@ -550,11 +572,21 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     nxt, prv = _peer(group, (r + 1) % R), _peer(group, (r - 1) % R)
     clock = _Clock(timeline, q.device)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    dQ = None  # set by step 0 (the diagonal block covers every row), accumulated after
+    dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     kv = torch.stack([k, v]).contiguous()
     kv_next = torch.empty_like(kv)
     dkv_out = None  # the dK/dV (stacked) this rank finished at the previous step
     dkv_in = torch.empty((2, *k.shape), dtype=acc_dtype, device=q.device)
+    early, late = _diagonal_pieces(n, causal)
+
+    def add_block(rows, cols, masked, keys, values, into):
+        dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], keys[:, :, cols],
+                                    values[:, :, cols], O[:, :, rows], LSE[:, :, rows],
+                                    masked, scale)
+        dQ[:, :, rows] += dq
+        into[0][:, :, cols] += dk
+        into[1][:, :, cols] += dv
+
     for s in range(R):
         src = (r - s) % R
         sends, recvs = [], []
@@ -568,38 +600,51 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
             works = _exchange(sends, recvs, group, nxt, prv)
         plan = block_plan(r, src, R, n, causal, layout)
         with clock(s, "compute"):
-            if plan is not None:
+            if s == 0:  # our own block (the plan's diagonal): its early pieces start the sum
+                mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device)
+                for rows, cols, masked in early:
+                    add_block(rows, cols, masked, kv[0], kv[1], mine)
+            elif plan is not None:
                 rows, cols, masked = plan
                 dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
                                             kv[1][:, :, cols], O[:, :, rows], LSE[:, :, rows],
                                             masked, scale)
-                if dQ is None:  # step 0: rows and cols are every row of the local block
-                    dQ = dq.to(acc_dtype)
-                else:
-                    dQ[:, :, rows] += dq
+                dQ[:, :, rows] += dq
         with clock(s, "wait"):
             for w in works:
                 w.wait()
         # This step's dK/dV: the partial sum that came with the block plus our share of it
         # (added in place into the received buffer; step 0 starts the sum with our own share).
-        if s == 0:
-            mine = torch.stack([dk, dv]).to(acc_dtype)
-        else:
+        if s > 0:
             mine = dkv_in
             if plan is not None:
                 mine[0][:, :, cols] += dk
                 mine[1][:, :, cols] += dv
         dkv_out, dkv_in = mine, torch.empty_like(mine)  # a fresh buffer: dkv_out is in flight
         kv, kv_next = kv_next, kv
-    # The last hop brings every block's dK/dV to its owner. The sum is complete, so it travels
-    # in k's dtype: rounding before or after the hop gives the same bits, at half the bytes
-    # for bf16 (this hop is the one transfer that no compute hides).
+    # The last hop brings every block's dK/dV to its owner, in k's dtype (half the bytes for
+    # bf16): the sums are finished but for the late piece of the owner's diagonal, which is
+    # computed while the hop travels and added at home.
     home = torch.stack([dkv_out[0].to(k.dtype), dkv_out[1].to(v.dtype)])
+    works = []
     if R > 1:
         arrived = torch.empty_like(home)
-        for w in _exchange([(home, TAG_DKV)], [(arrived, TAG_DKV)], group, nxt, prv):
+        with clock(R, "post"):
+            works = _exchange([(home, TAG_DKV)], [(arrived, TAG_DKV)], group, nxt, prv)
+    mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device) if late else None
+    with clock(R, "compute"):
+        if late:
+            add_block(*late, k, v, mine)
+    with clock(R, "wait"):
+        for w in works:
             w.wait()
+    if R > 1:
         home = arrived
+    if late:
+        rows_late = late[1]
+        home = home.to(acc_dtype)
+        home[:, :, :, rows_late] += mine[:, :, :, rows_late]
+        home = torch.stack([home[0].to(k.dtype), home[1].to(v.dtype)])
     return dQ.to(q.dtype), home[0], home[1]
 
 
