@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/c
 
 SOLUTION = (Path(__file__).resolve().parent.parent / "solutions"
             / "12_custom_op_torch_compile.ipynb")
-IDS = ["12.varlen_fake", "12.autograd_registration", "12.no_graph_break"]
+IDS = ["12.varlen_fake", "12.autograd_registration", "12.no_graph_break", "12.kv_cache_write"]
 
 
 def _solution_source() -> str:
@@ -30,6 +30,7 @@ def _solution_source() -> str:
     # the demonstration lines after the block's definitions
     text = re.sub(r"(?ms)^problem = block_inputs.*?(?=^def |\Z)", "", text)
     text = re.sub(r"(?ms)^args = packed_problem.*?(?=^def |\Z)", "", text)
+    text = re.sub(r"(?ms)^k_cache, v_cache, cache_seqlens.*?(?=^def |\Z)", "", text)
     return text
 
 
@@ -65,7 +66,7 @@ def test_stub_is_not_implemented(exercise_id):
 def test_solutions_pass_with_hidden_cases(build):
     m = build()
     for exercise_id, fn in zip(IDS, (m.varlen_attention_fake, (m.setup_context, m.backward),
-                                     m.attention_block), strict=True):
+                                     m.attention_block, m.register_append_kv), strict=True):
         r = grader.check(exercise_id, fn)
         assert r.status == "passed" and r.hidden_run, (exercise_id, r.message)
         assert r.score == r.points
@@ -209,3 +210,90 @@ def test_block_reference_matches_the_given_block(build):
     want = ch12.block_reference(*args)
     got = m.attention_block_eager(*args)
     assert torch.allclose(got.double(), want, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- kv cache write
+
+MUTATES = 'mutates_args=("k_cache", "v_cache", "cache_seqlens")'
+KV = "12.kv_cache_write"
+
+
+def test_the_reference_is_the_definition():
+    """append_kv_reference against the lecture's op: the same write through slot numbers."""
+    from course_utils import kv_cache
+
+    p = harness.append_problem(3, 3, 4, 2, 8, "float32", 0, lengths=[5, 8, 0])
+    k_cache, v_cache, lengths, k, v, table = p
+    pos = lengths.long()
+    slots = table[torch.arange(3), pos // 4].long() * 4 + pos % 4
+    want_k, want_v = kv_cache.kv_cache_write_reference(k_cache, v_cache, k, v, slots)
+    got_k, got_v, got_lengths = ch12.append_kv_reference(*p)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert got_lengths.tolist() == [6, 9, 1]
+
+
+def test_no_mutates_args_is_named(build):
+    m = build((MUTATES, "mutates_args=()"))
+    fails_visibly(KV, m.register_append_kv, "declares no mutation", "drop it")
+
+
+def test_the_lengths_not_declared_is_named(build):
+    m = build((MUTATES, 'mutates_args=("k_cache", "v_cache")'))
+    fails_visibly(KV, m.register_append_kv, "does not declare cache_seqlens",
+                  "cache_seqlens += 1")
+
+
+def test_a_read_only_argument_declared_is_named(build):
+    m = build((MUTATES, 'mutates_args=("k_cache", "v_cache", "cache_seqlens", "block_table")'))
+    fails_visibly(KV, m.register_append_kv, "block_table as mutated", "only reads")
+
+
+def test_a_fake_that_returns_a_cache_is_named(build):
+    m = build(("    return None  # the writes are in the schema", "    return k_cache  #"))
+    fails_visibly(KV, m.register_append_kv, "fake tensors", "returns nothing (None)")
+
+
+def test_swapped_page_and_row_is_named(build):
+    m = build(("page = block_table[b, pos // page_size].long()",
+               "page = block_table[b, pos % page_size].long()"),
+              ("row = pos % page_size", "row = pos // page_size"))
+    fails_visibly(KV, m.register_append_kv, "k_cache after the eager call",
+                  "page and row swapped")
+
+
+def test_the_logical_page_is_named(build):
+    m = build(("page = block_table[b, pos // page_size].long()", "page = pos // page_size"))
+    fails_visibly(KV, m.register_append_kv, "k_cache after", "the logical page")
+
+
+END = "    cache_seqlens += 1\n\n\ndef append_kv_fake"  # the last line of append_kv
+
+
+def test_writing_after_the_increment_is_named(build):
+    m = build(("    pos = cache_seqlens.long()\n",
+               "    cache_seqlens += 1\n    pos = cache_seqlens.long()\n"),
+              (END, "\n\ndef append_kv_fake"))
+    fails_visibly(KV, m.register_append_kv, "k_cache after", "cache_seqlens + 1")
+
+
+def test_lengths_not_moved_on_is_named(build):
+    m = build((END, "\n\ndef append_kv_fake"))
+    fails_visibly(KV, m.register_append_kv, "cache_seqlens did not change", "in place")
+
+
+def test_writing_into_a_reshaped_copy_is_named(build):
+    """Right on contiguous caches, lost on views: the hidden case, run here directly."""
+    m = build(("    v_cache[page, row] = v\n",
+               "    v_cache.reshape(-1, *v_cache.shape[2:])[page * page_size + row] = v\n"))
+    assert grader.check(KV, m.register_append_kv).passed >= 2  # contiguous: reshape is a view
+    case = ch12._append_case("views", [(2, 2, 4, 2, 8, "float32", 0, {})], strided=True)
+    with pytest.raises(ch12.CheckFailure, match="v_cache after the eager, strided") as info:
+        case(grader.as_candidate(m.register_append_kv, ch12.kv_cache_write))
+    assert "COPY" in info.value.hint
+
+
+def test_returning_the_cache_is_named(build):
+    m = build(("v: torch.Tensor, block_table: torch.Tensor) -> None:",
+               "v: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:"),
+              (END, "    cache_seqlens += 1\n    return k_cache\n\n\ndef append_kv_fake"))
+    fails_visibly(KV, m.register_append_kv, "returns nothing")

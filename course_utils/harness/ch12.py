@@ -14,6 +14,11 @@ attention as a ``course::`` op with ``register_fake``, ``register_autograd``, ``
   ``y = c * tanh(x / c)`` with a learnable cap ``c``; :func:`run_softcap_autograd` registers the
   student's ``(setup_context, backward)`` on a fresh copy and returns the gradients, eager and
   compiled, and ``opcheck``'s verdicts.
+- ``12.kv_cache_write``: :func:`run_append_kv` calls the student's ``register(name)``, which
+  registers a *mutating* op (a decode step's append to a paged KV cache) under a fresh name, and
+  returns its schema, what it left in the caches and lengths (eager, strided caches, compiled
+  with ``fullgraph=True, dynamic=True``), what it returns on fake tensors, and ``opcheck``'s
+  verdicts.
 - ``12.no_graph_break``: :func:`run_compiled` compiles the student's function with
   ``fullgraph=True`` and ``dynamic=True``, runs it on several problems, and returns the outputs
   and how many graphs were compiled.
@@ -273,6 +278,127 @@ def run_softcap_autograd(pair, x, c, grad_y, compiled_problems, check_op=True):
     return result
 
 
+# ============================================================================= 12.kv_cache_write
+
+
+def append_problem(B, pages, S, H, d, dtype, seed, *, lengths=None):
+    """``(k_cache, v_cache, cache_seqlens, k, v, block_table)``: B sequences with their pages
+    in a shuffled pool (``pages`` per sequence), random cache contents, the new tokens, int32
+    lengths (``lengths`` or random, each below its capacity), on the course's device."""
+    from ..runtime import device
+
+    g = torch.Generator().manual_seed(seed)
+    P = B * pages + 1
+    table = torch.randperm(P, generator=g)[:B * pages].view(B, pages).to(torch.int32)
+    if lengths is None:
+        lengths = torch.randint(0, pages * S, (B,), generator=g).tolist()
+    dt = getattr(torch, dtype)
+    k_cache = torch.randn(P, S, H, d, generator=g).to(dt)
+    v_cache = torch.randn(P, S, H, d, generator=g).to(dt)
+    k = torch.randn(B, H, d, generator=g).to(dt)
+    v = torch.randn(B, H, d, generator=g).to(dt)
+    dev = device()
+    return tuple(t.to(dev) for t in (k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32),
+                                     k, v, table))
+
+
+def _schema(op) -> str:
+    """The op's schema as text (``name(Tensor(a0!) k_cache, ...) -> ()``)."""
+    overload = getattr(op, "_opoverload", None)
+    return str(overload._schema) if overload is not None else ""
+
+
+def _append_problem_tensors(p, strided):
+    """Fresh copies of a problem's tensors (the grader's stay untouched); with ``strided``, the
+    caches are views of a wider buffer: rows 1.. of pages one row longer, every other head (not
+    contiguous, and no two of their dims merge: a reshape of them copies)."""
+    k_cache, v_cache, seqlens, k, v, table = (t.clone() for t in p)
+    if not strided:
+        return (k_cache, v_cache, seqlens, k, v, table), None
+    P, S, H, d = k_cache.shape
+    wide = [torch.zeros(P, S + 1, 2 * H, d, dtype=k_cache.dtype, device=k_cache.device)
+            for _ in range(2)]
+    views = []
+    for buffer, cache in zip(wide, (k_cache, v_cache), strict=True):
+        buffer[:, 1:, 1::2] = cache
+        views.append(buffer[:, 1:, 1::2])
+    return (views[0], views[1], seqlens, k, v, table), wide
+
+
+def _after(args, wide):
+    """What a call left behind: the caches, the lengths, and whether a strided cache's
+    neighbouring heads (not part of the view) were written."""
+    out = {"k_cache": args[0].clone(), "v_cache": args[1].clone(),
+           "cache_seqlens": args[2].clone()}
+    if wide is not None:
+        out["outside_view"] = any(bool(w[:, :, 0::2].any() or w[:, 0].any()) for w in wide)
+    return out
+
+
+def run_append_kv(register, problems, compiled_problems=(), strided=False, check_op=False):
+    """Register the student's op with ``register(name)`` and run it.
+
+    ``problems``, ``compiled_problems``: lists of ``(k_cache, v_cache, cache_seqlens, k, v,
+    block_table)``. Returns ``{"schema": text, "fake": what the op returns on fake tensors,
+    "eager": [after each call], "compiled": [after each compiled call], "compiled_read":
+    [the caches as the compiled function read them after the call], "graphs": n, "opcheck":
+    {...}}``; a stage that raised gives ``"register_error"``, ``"eager_error"``, ``"fake_error"``
+    or ``"compiled_error"`` instead. ``strided``: the caches of the eager calls are views (rows
+    1.. and every other head of a wider buffer). ``after`` holds the caches, the lengths and
+    for strided caches ``outside_view`` (a write that landed outside the view).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    result = {}
+    try:
+        op = register(f"{NAMESPACE}::append_kv_{next(_fresh)}")
+        if not callable(op):
+            raise TypeError(f"register returned {type(op).__name__}, not the op")
+    except Exception as exc:
+        return {"register_error": _error_line(exc)}
+    result["schema"] = _schema(op)
+    try:
+        eager = []
+        for p in problems:
+            args, wide = _append_problem_tensors(p, strided)
+            returned = op(*args)
+            eager.append(dict(_after(args, wide), returned=type(returned).__name__))
+        result["eager"] = eager
+    except Exception as exc:
+        result["eager_error"] = _error_line(exc)
+    try:
+        with FakeTensorMode() as mode:
+            fake_args = [mode.from_tensor(t) for t in problems[0]]
+            returned = op(*fake_args)
+        result["fake"] = type(returned).__name__
+    except Exception as exc:
+        result["fake_error"] = _error_line(exc)
+    if compiled_problems:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        graphs = [0]
+
+        def step(k_cache, v_cache, cache_seqlens, k, v, block_table):
+            op(k_cache, v_cache, cache_seqlens, k, v, block_table)
+            return k_cache + 0, v_cache + 0, cache_seqlens + 0  # read after the write
+
+        compiled = torch.compile(step, fullgraph=True, dynamic=True,
+                                 backend=_counting_backend(graphs))
+        try:
+            done, read = [], []
+            for p in compiled_problems:
+                args, _ = _append_problem_tensors(p, False)
+                read.append(list(compiled(*args)))
+                done.append(_after(args, None))
+            result.update(compiled=done, compiled_read=read, graphs=graphs[0])
+        except Exception as exc:
+            result["compiled_error"] = _error_line(exc)
+    if check_op:
+        result["opcheck"] = _opcheck(op, tuple(t.clone() for t in problems[0]))
+    return result
+
+
 # ============================================================================= 12.no_graph_break
 
 
@@ -324,6 +450,8 @@ __all__ = [
     "make_softcap_op",
     "make_varlen_op",
     "run_compiled",
+    "append_problem",
+    "run_append_kv",
     "run_softcap_autograd",
     "run_varlen_compiled",
     "run_varlen_fake",

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import torch
 
-from ..checks import CheckFailure, brief, compare, sequence, validated, whole_number
+from ..checks import CheckFailure, Mistake, brief, compare, sequence, validated, whole_number
 from ..grader import Exercise, invoke
-from ..harness.ch12 import CAP
+from ..harness.ch12 import CAP, append_problem
 from ..runtime import device
 from . import require_implemented, returned_dict, returned_text
 
@@ -594,11 +595,221 @@ _add(no_graph_break, "fresh shapes: 4 heads, D = 32, lengths down to 1", _graph_
      [(3, 7, 32, 4, [7, 1, 4], 3.0, 5), (3, 13, 32, 4, [2, 13, 9], 50.0, 6),
       (2, 3, 32, 4, [3, 2], 0.5, 7)], _HG["mask"], hidden=True)
 
+# ============================================================================= kv cache write
+
+kv_cache_write = Exercise(
+    "12.kv_cache_write", "A mutating custom op: a decode step's append to a paged KV cache",
+    points=3,
+)  # fmt: skip
+
+MUTATED = ("k_cache", "v_cache", "cache_seqlens")  # what the op writes, in its argument order
+ARGUMENTS = ("k_cache", "v_cache", "cache_seqlens", "k", "v", "block_table")
+
+_HK = {
+    "undeclared": "declare every tensor the op writes: torch.library.custom_op(name, fn, "
+    "mutates_args=(...)) with the names of the arguments it changes in place. An op declared "
+    "pure that returns nothing is, to the compiler, a call with no effect: it may drop it (the "
+    "compiled call below wrote nothing), reorder a read of the cache before it, or reuse a "
+    "value read earlier.",
+    "seqlens": "cache_seqlens grows by one in place too (cache_seqlens += 1): it is mutated, so "
+    "it belongs in mutates_args with the caches. A mutation the schema does not declare is "
+    "invisible to the compiler (opcheck's test_schema names it).",
+    "extra": "declare only what the op writes: an argument it only reads, declared mutated, "
+    "makes the compiler copy it back after every call and forbids reusing it.",
+    "fake": "a mutating op that returns nothing has a fake that returns nothing (None): the "
+    "compiler learns about the writes from the schema, and the fake only checks metadata. A "
+    "fake that returns a tensor (even an input) promises an output the op does not have.",
+    "returns": "the op returns nothing (annotate `-> None`): its effect is the write. Returning "
+    "a cache would make an output that aliases an input, which custom_op refuses.",
+    "register": "custom_op reads the schema from the type hints: annotate every argument "
+    "torch.Tensor and the return `-> None`, and pass the name you were given.",
+    "arith": "token b goes to position pos = cache_seqlens[b] of sequence b: logical page "
+    "pos // page_size, which is physical page block_table[b, pos // page_size], row "
+    "pos % page_size. Write it there, then add one to cache_seqlens[b].",
+    "copy": "the caches here are views (part of each page, every other head of a wider buffer): "
+    ".reshape, .flatten or .contiguous() of a view makes a COPY, and writing into the copy "
+    "leaves the cache as it was. Index the cache itself (k_cache[page, row] = k) or use a view "
+    "that shares its memory.",
+    "graphs": "one graph should serve every batch size under dynamic=True: the compiler traces "
+    "the fake (never the op's body) with symbolic sizes, so the fake must not take int() of a "
+    "size, branch on one, or read a value.",
+}
+
+
+def append_kv_reference(k_cache, v_cache, cache_seqlens, k, v, block_table, *, variant=None):
+    """What the op leaves behind: new ``(k_cache, v_cache, cache_seqlens)``, token by token.
+
+    ``variant`` models a slip (to name it in a hint): "swapped" (page from pos % page_size, row
+    from pos // page_size), "logical" (the logical page, no block table), "after" (written at
+    the incremented length), "no_increment".
+    """
+    kc, vc, lengths = k_cache.clone(), v_cache.clone(), cache_seqlens.clone()
+    S = k_cache.shape[1]
+    for b, pos in enumerate(cache_seqlens.tolist()):
+        if variant == "after":
+            pos += 1
+        logical, row = (pos % S, pos // S) if variant == "swapped" else (pos // S, pos % S)
+        if not (0 <= logical < block_table.shape[1] and 0 <= row < S):
+            return None  # the slip indexes outside the table: it cannot be this one
+        page = logical if variant == "logical" else int(block_table[b, logical])
+        if not 0 <= page < kc.shape[0]:
+            return None  # the slip indexes outside the cache: it cannot be this one
+        kc[page, row] = k[b]
+        if variant != "k_only":
+            vc[page, row] = v[b]
+    if variant != "no_increment":
+        lengths += 1
+    return kc, vc, lengths
+
+
+def _mutated_in_schema(schema):
+    """The argument names the schema marks as written (``Tensor(a0!) k_cache``)."""
+    return re.findall(r"Tensor\([a-z0-9]+!\)\??\s+(\w+)", schema)
+
+
+_SLIPS = (("swapped", "page and row swapped", "arith"),
+          ("logical", "the logical page, not block_table's", "arith"),
+          ("after", "written at cache_seqlens + 1", "arith"))
+
+
+def _judge_after(label, after, problem, stage):
+    """One call's leftovers against the definition, naming a modelled slip."""
+    after = returned_dict(after, f"what the {stage} call left", label,
+                          ("k_cache", "v_cache", "cache_seqlens"))
+    want = append_kv_reference(*problem)
+    if after.get("outside_view"):
+        raise CheckFailure(label, f"{stage}: the op wrote outside the cache view (into rows or "
+                           "heads of the buffer that the view does not hold)", _HK["copy"])
+    for name, got, w in zip(("k_cache", "v_cache"), (after["k_cache"], after["v_cache"]),
+                            want[:2], strict=True):
+        unchanged = problem[0 if name == "k_cache" else 1]
+        mistakes = [(Mistake("nothing written", _HK["copy"] if stage == "eager, strided caches"
+                             else _HK["undeclared"] if stage == "compiled" else _HK["arith"]),
+                     unchanged)]
+        for variant, what, hint in _SLIPS:
+            wrong = append_kv_reference(*problem, variant=variant)
+            if wrong is not None:
+                mistakes.append((Mistake(what, _HK[hint]), wrong[0 if name == "k_cache" else 1]))
+        compare(f"{name} after the {stage} call", got, w, case=label, atol=0.0, rtol=0.0,
+                dtype=w.dtype, hint=_HK["arith"], mistakes=mistakes)
+    lengths = after["cache_seqlens"]
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != want[2].shape:
+        raise CheckFailure(label, f"cache_seqlens after the {stage} call is {brief(lengths)}",
+                           _HK["arith"])
+    if torch.equal(lengths.cpu().long(), problem[2].cpu().long()):
+        raise CheckFailure(label, f"{stage}: cache_seqlens did not change",
+                           _HK["undeclared"] if stage == "compiled" else _HK["seqlens"])
+    compare(f"cache_seqlens after the {stage} call", lengths, want[2], case=label, atol=0.0,
+            rtol=0.0, dtype=torch.int32, hint=_HK["arith"])
+
+
+def _append_case(name, problems, compiled=(), strided=False, check_op=False):
+    """``problems``/``compiled``: rows of :func:`append_problem`'s arguments; eager calls (on
+    strided caches with ``strided``), then calls of one compiled function."""
+
+    def run(candidate):
+        _require(candidate)
+        eager_inputs = [append_problem(*p[:-1], **p[-1]) for p in problems]
+        compiled_inputs = [append_problem(*p[:-1], **p[-1]) for p in compiled]
+        found = invoke(candidate, H + "run_append_kv", eager_inputs, compiled_inputs, strided,
+                       check_op)
+        found = returned_dict(found, "what the harness returned", name)
+        hints = _opcheck_hint(found.get("opcheck"))
+        label = name
+        try:
+            if "register_error" in found:
+                raise CheckFailure(label, "registering the op failed: "
+                                   f"{returned_text(found['register_error'], 800)}",
+                                   _HK["register"])
+            if "eager_error" in found:
+                if returned_text(found["eager_error"], 800).startswith("NotImplementedError"):
+                    raise NotImplementedError(returned_text(found["eager_error"], 300))
+                error = returned_text(found["eager_error"], 800)
+                raise CheckFailure(label, f"calling the op raised {error}",
+                                   _HK["returns"] if "alias" in error else _HK["arith"])
+            stage = "eager, strided caches" if strided else "eager"
+            eager = sequence(found.get("eager"), len(eager_inputs), what="the eager results",
+                             case=label)
+            for p, got in zip(eager_inputs, eager, strict=True):
+                B, S = p[3].shape[0], p[0].shape[1]
+                shape_label = (f"{name} [B = {B}, page_size = {S}, cache_seqlens "
+                               f"{p[2].tolist()}]")
+                if got.get("returned") != "NoneType":
+                    raise CheckFailure(shape_label, f"the op returned a "
+                                       f"{returned_text(got.get('returned'), 40)}",
+                                       _HK["returns"])
+                _judge_after(shape_label, got, p, stage)
+            schema = returned_text(found.get("schema"), 600)
+            mutated = set(_mutated_in_schema(schema))
+            if not mutated:
+                raise CheckFailure(label, f"the schema declares no mutation: {schema}",
+                                   _HK["undeclared"])
+            missing = [a for a in MUTATED if a not in mutated]
+            if missing:
+                raise CheckFailure(label, f"the schema does not declare {', '.join(missing)} as "
+                                   f"mutated: {schema}", _HK["seqlens"] if missing ==
+                                   ["cache_seqlens"] else _HK["undeclared"])
+            extra = sorted(mutated - set(MUTATED))
+            if extra:
+                raise CheckFailure(label, f"the schema declares {', '.join(extra)} as mutated, "
+                                   f"but the op only reads it: {schema}", _HK["extra"])
+            if not schema.rstrip().endswith("-> ()"):
+                raise CheckFailure(label, f"the op returns something: {schema}", _HK["returns"])
+            if "fake_error" in found:
+                error = returned_text(found["fake_error"], 600)
+                raise CheckFailure(label, f"the op on fake tensors raised {error}",
+                                   _HK["fake"] if "return None" in error else
+                                   "a fake sees no data: check shapes and dtypes only")
+            if found.get("fake") != "NoneType":
+                raise CheckFailure(label, "on fake tensors the op returned a "
+                                   f"{returned_text(found.get('fake'), 40)}", _HK["fake"])
+            if not compiled_inputs:
+                return
+            if "compiled_error" in found:
+                error = returned_text(found["compiled_error"], 800)
+                raise CheckFailure(label, f"torch.compile(fullgraph=True, dynamic=True): {error}",
+                                   _HK["fake"] if "return None" in error or "fake tensor" in
+                                   error else _HK["graphs"])
+            done = sequence(found.get("compiled"), len(compiled_inputs),
+                            what="the compiled results", case=label)
+            for p, got in zip(compiled_inputs, done, strict=True):
+                shape_label = f"{name} [compiled, B = {p[3].shape[0]}]"
+                _judge_after(shape_label, got, p, "compiled")
+            if found.get("graphs") != 1:
+                raise CheckFailure(label, f"{brief(found.get('graphs'))} graphs compiled for "
+                                   f"{len(compiled_inputs)} batch sizes", _HK["graphs"])
+        except CheckFailure as failure:
+            failure.hint = (failure.hint or "") + hints
+            raise
+
+    return run
+
+
+_F32 = "float32"
+_add(kv_cache_write, "three sequences, pages out of order, one at a page boundary (eager, "
+     "schema, fake; opcheck run too)", _append_case,
+     [(3, 3, 4, 2, 8, _F32, 0, {"lengths": [5, 8, 0]})], check_op=True)
+_add(kv_cache_write, "torch.compile(fullgraph=True, dynamic=True): two batch sizes, one graph",
+     _append_case, [(2, 2, 4, 1, 8, _F32, 1, {})],
+     [(3, 2, 8, 2, 8, _F32, 2, {}), (5, 2, 8, 2, 8, _F32, 3, {})])
+_add(kv_cache_write, "caches that are views of a wider buffer (part of each page, every other "
+     "head), bfloat16",
+     _append_case, [(4, 3, 8, 2, 16, "bfloat16", 4, {}), (1, 1, 16, 1, 8, _F32, 5,
+                                                        {"lengths": [15]})],
+     strided=True, hidden=True)
+_add(kv_cache_write, "fresh shapes compiled: page_size 16, 4 heads, lengths at page ends",
+     _append_case, [(6, 2, 16, 4, 16, _F32, 6, {"lengths": [15, 16, 31, 0, 1, 17]})],
+     [(6, 3, 16, 4, 16, _F32, 7, {"lengths": [15, 16, 47, 0, 1, 33]}),
+      (9, 3, 16, 4, 16, _F32, 8, {})], hidden=True)  # B never equal to another size
+
+
 __all__ = [
+    "append_kv_reference",
     "autograd_registration",
     "block_problem",
     "block_reference",
     "expected_varlen_meta",
+    "kv_cache_write",
     "no_graph_break",
     "softcap_gradients",
     "varlen_fake",
