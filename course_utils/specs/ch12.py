@@ -677,7 +677,7 @@ def _judge_after(label, after, problem, stage):
     after = returned_dict(after, f"what the {stage} call left", label,
                           ("k_cache", "v_cache", "cache_seqlens"))
     want = append_kv_reference(*problem)
-    if after.get("outside_view"):
+    if after.get("outside_view") is True:
         raise CheckFailure(label, f"{stage}: the op wrote outside the cache view (into rows or "
                            "heads of the buffer that the view does not hold)", _HK["copy"])
     for name, got, w in zip(("k_cache", "v_cache"), (after["k_cache"], after["v_cache"]),
@@ -734,7 +734,8 @@ def _append_case(name, problems, compiled=(), strided=False, check_op=False):
                 B, S = p[3].shape[0], p[0].shape[1]
                 shape_label = (f"{name} [B = {B}, page_size = {S}, cache_seqlens "
                                f"{p[2].tolist()}]")
-                if got.get("returned") != "NoneType":
+                got = returned_dict(got, "what the eager call left", shape_label)
+                if not (isinstance(got.get("returned"), str) and got["returned"] == "NoneType"):
                     raise CheckFailure(shape_label, f"the op returned a "
                                        f"{returned_text(got.get('returned'), 40)}",
                                        _HK["returns"])
@@ -760,7 +761,7 @@ def _append_case(name, problems, compiled=(), strided=False, check_op=False):
                 raise CheckFailure(label, f"the op on fake tensors raised {error}",
                                    _HK["fake"] if "return None" in error else
                                    "a fake sees no data: check shapes and dtypes only")
-            if found.get("fake") != "NoneType":
+            if not (isinstance(found.get("fake"), str) and found["fake"] == "NoneType"):
                 raise CheckFailure(label, "on fake tensors the op returned a "
                                    f"{returned_text(found.get('fake'), 40)}", _HK["fake"])
             if not compiled_inputs:
@@ -775,8 +776,9 @@ def _append_case(name, problems, compiled=(), strided=False, check_op=False):
             for p, got in zip(compiled_inputs, done, strict=True):
                 shape_label = f"{name} [compiled, B = {p[3].shape[0]}]"
                 _judge_after(shape_label, got, p, "compiled")
-            if found.get("graphs") != 1:
-                raise CheckFailure(label, f"{brief(found.get('graphs'))} graphs compiled for "
+            graphs = found.get("graphs")
+            if not (isinstance(graphs, int) and graphs == 1):
+                raise CheckFailure(label, f"{brief(graphs)} graphs compiled for "
                                    f"{len(compiled_inputs)} batch sizes", _HK["graphs"])
         except CheckFailure as failure:
             failure.hint = (failure.hint or "") + hints
