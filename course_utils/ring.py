@@ -17,16 +17,23 @@ Public API (local shards ``(B, H, n, d)``; ``group`` a ``torch.distributed`` pro
     dQ, dK, dV = ring_attention_backward(dO, q, k, v, O, LSE, causal=..., layout=...)
     O = ring_attention(q, k, v, causal, layout)          # differentiable (autograd.Function)
     O, LSE = allgather_attention(q, k, v, causal=..., layout=...)   # the all-gather variant
+    dQ, dK, dV = allgather_attention_backward(dO, q, k, v, O, LSE, causal=..., layout=...)
     results = launch(fn, world_size, *args, backend="gloo")          # R processes, one call
 
 Layouts: ``"contiguous"`` gives rank r the rows ``[r n, (r + 1) n)``; ``"zigzag"`` cuts the
 sequence into 2R chunks of ``c = N / (2R)`` rows and gives rank r chunks r and 2R - 1 - r, so
 that under a causal mask every rank has the same work (one early chunk, one late chunk).
 
-Who computes one block: on CUDA chapter 09's Triton kernels (``attention_forward`` /
-``attention_backward``); on the CPU in float32/bf16 chapter 12's PyTorch FlashAttention-2
-(``ops.attention_forward_torch``); float64 inputs (the checks) a dense float64 block, written
-here. Transfers use ``dist.batch_isend_irecv`` only: gloo on the CPU, NCCL on GPUs.
+Who computes one block (:func:`block_kernel` names it): on an sm_90 GPU in bf16 with d = 64 or
+128 and the default scale, chapter 14's TMA + ``wgmma`` forward and backward; on other GPUs
+chapter 09's Triton kernels (``attention_forward`` / ``attention_backward``); on the CPU in
+float32/bf16 chapter 12's PyTorch FlashAttention-2 (``ops.attention_forward_torch``); float64
+inputs (the checks) a dense float64 block, written here. Grouped-query attention: k, v may hold
+``Hkv`` heads with ``H % Hkv == 0``; they travel at ``Hkv`` heads and are expanded only for the
+block kernel, whose dK/dV are summed back over each group. The ring's transfers use
+``dist.batch_isend_irecv``; the all-gather variant ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` (async, overlapped with its local blocks): gloo on the CPU, NCCL on
+GPUs.
 
 The contract (:mod:`course_utils.contract`): ``causal`` is ``False``, ``True``, ``"top_left"``
 or ``"bottom_right"``, all the same mask here (the sequence's queries and keys are the same N
