@@ -930,10 +930,10 @@ def _bench_inputs(B, H, N, d, dtype, device, seed):
 
 
 def check_worker(rank, R, cases):
-    """For each case ``dict(B, H, N, d, causal, layout, seed, dtype="float64", Hkv=H)``: the ring's
-    forward and backward (through :func:`ring_attention`) of this rank's shard, and the
+    """For each case ``dict(B, H, N, d, causal, layout, seed, dtype="float64", Hkv=H)``: the
+    ring's forward and backward (through :func:`ring_attention`) of this rank's shard, and the
     all-gather variant's. Returns a list of dicts of tensors, one per case. On NCCL the
-    shards live on GPU ``rank`` (chapter 09's kernels compute the blocks)."""
+    shards live on GPU ``rank`` (:func:`block_kernel`'s kernel computes the blocks)."""
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     out = []
     for case in cases:
