@@ -18,7 +18,8 @@ from course_utils.specs import ch11
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "11_serving_attention.ipynb"
-IDS = ["11.shared_prefix", "11.chunked_mask", "11.num_splits", "11.paged_prefill"]
+IDS = ["11.shared_prefix", "11.chunked_mask", "11.num_splits", "11.split_plan",
+       "11.paged_prefill"]
 
 
 def _solution_source() -> str:
@@ -42,7 +43,7 @@ def test_stub_is_not_implemented(exercise_id):
 def test_solutions_pass_with_hidden_cases(build):
     m = build()
     for exercise_id, fn in zip(IDS, (m.cascade_attention, m.chunk_key_ranges, m.num_splits,
-                                     m.paged_prefill_kernel), strict=True):
+                                     m.split_plan, m.paged_prefill_kernel), strict=True):
         r = grader.check(exercise_id, fn)
         assert r.status == "passed" and r.hidden_run, (exercise_id, r.message)
         assert r.score == r.points
@@ -196,6 +197,69 @@ def test_best_num_splits_examples():
     assert ch11.best_num_splits(1, 1, 9000, 64, 132, 1, 1) == 71  # 72..132 leave some empty
     assert ch11.best_num_splits(1, 8, 1, 64, 132, 1, 1) == 1
     assert [len(r) for r in ch11.split_ranges(10, 6)] == [2, 2, 2, 2, 2, 0]
+
+
+# ----------------------------------------------------------------------------- split plan
+
+
+@pytest.mark.parametrize(("edits", "words"), [
+    ([("    wave = max(1, num_sms // Hkv, sum(1 for x in blocks if x > 0))",
+       "    wave = max(1, num_sms, sum(1 for x in blocks if x > 0))")],
+     ["skewed batch", "more than one wave", "Hkv programs", "num_sms // Hkv items"]),
+    ([("    while sum(-(-x // chunk) for x in blocks) > wave:", "    while False:")],
+     ["items that round up", "more than one wave", "rounds its item count up",
+      "grow the chunk"]),
+    ([("    chunk = max(1, -(-sum(blocks) // wave))", "    chunk = max(1, sum(blocks) // wave)"),
+      ("    while sum(-(-x // chunk) for x in blocks) > wave:", "    while False:")],
+     ["more than one wave", "grow the chunk"]),  # floor = ceil when W divides the blocks
+    ([("min((first + chunk) * BLOCK_N, lengths[b])", "(first + chunk) * BLOCK_N")],
+     ["skewed batch", "runs past sequence", "ends at the sequence's length"]),
+    ([("        for first in range(0, x, chunk):",
+       "        if x == 0:\n            work.append((b, 0, 0))\n"
+       "        for first in range(0, x, chunk):")],
+     ["empty sequences", "holds no key", "needs no work item"]),
+    ([("    while sum(-(-x // chunk) for x in blocks) > wave:\n        chunk += 1",
+       "    per = max(1, wave // max(1, sum(1 for x in blocks if x > 0)))  # splits each"),
+      ("        for first in range(0, x, chunk):",
+       "        chunk = max(1, -(-x // per))\n        for first in range(0, x, chunk):")],
+     ["skewed batch", "largest work item holds", "one split count for every sequence"]),
+    ([("        for first in range(0, x, chunk):",
+       "        for first in range(0, x - 1, chunk):")],
+     ["covered up to"]),
+], ids=["no Hkv", "ideal chunk not grown", "floor", "past the end", "idle item", "one count",
+        "a block missing"])
+def test_split_plan_slips_are_named(build, edits, words):
+    m = build(*edits)
+    fails_visibly("11.split_plan", m.split_plan, *words)
+
+
+def test_split_plan_format_is_checked():
+    fails_visibly("11.split_plan", lambda *a: 3, "expected a list of (b, start, end) ints")
+    fails_visibly("11.split_plan", lambda lengths, *a: [(0, 0.0, 5.0)],
+                  "expected a list of (b, start, end) ints")
+
+
+def test_split_plan_model_examples():
+    blocks, W, best = ch11.plan_rules([131072, 1024, 1024, 1024], 8, 64, 132)
+    assert (blocks, W, best) == ([2048, 16, 16, 16], 16, 158)  # the ideal 131 overflows
+    assert ch11.plan_rules([0, 0], 8, 64, 7)[1:] == (1, 1)
+    assert ch11.plan_rules([300] * 40, 8, 64, 132)[1:] == (40, 5)  # one item each
+    same = ch11.plan_slip([131072, 1024, 1024, 1024], 8, 64, 132, "same")
+    assert sum(1 for b, _, _ in same if b == 0) == 4  # the long sequence keeps 4 items
+
+
+def test_the_kernel_case_uses_the_plan_it_was_given(build, monkeypatch):
+    # the kernel case hands the candidate's items to make_plan: a plan with every block its own
+    # item (legal, far past one wave) is caught by the rules before the kernel runs
+    m = build()
+
+    def per_block(lengths, Hkv, BLOCK_N, num_sms):
+        return [(b, s, min(s + BLOCK_N, n)) for b, n in enumerate(lengths)
+                for s in range(0, n, BLOCK_N)]
+
+    fails_visibly("11.split_plan", per_block, "more than one wave")
+    r = grader.check("11.split_plan", m.split_plan)
+    assert r.status == "passed"
 
 
 def test_best_num_splits_is_the_largest_that_fits_with_no_empty_split():

@@ -22,9 +22,16 @@ key list, brute-force enumerations):
   target_waves) -> int``, the split count of split-KV decoding: the most splits whose grid fits
   in whole waves (no tail wave), none of them empty. Judged against a search that tries every
   count and builds its splits.
+- ``11.split_plan``: ``split_plan(lengths, Hkv, BLOCK_N, num_sms) -> [(b, start, end), ...]``,
+  FlashInfer's plan for a ragged batch: each sequence cut into work items of whole key blocks,
+  every key covered once, nothing past an end, at most ``W = max(1, num_sms // Hkv, non-empty
+  sequences)`` items (one wave), the largest item no larger than the best any such plan can
+  make (found by bisection here). Judged by those rules exactly; then the course's decode kernel
+  runs the items (``make_plan``, ``decode_attention(plan=...)``) against float64.
 - ``11.paged_prefill``: a Triton kernel for chunked prefill that reads K/V through a block table
-  (pages shuffled, unused memory NaN). O and LSE against the float64 softmax over each
-  sequence's logical keys.
+  (pages shuffled, unused memory NaN), including 2-8 new tokens per sequence against a long
+  cache (speculative decoding's verification step). O and LSE against the float64 softmax over
+  each sequence's logical keys.
 
 On the CPU the Triton kernel runs in the interpreter (float32 and float16, d = 16); on a GPU in
 float16 and bfloat16 at d = 64. The torch exercises run in float32 on either.
@@ -525,6 +532,230 @@ def _random_split_rows(seed, count=300):
 _add(num_splits, "300 random shapes", _splits_case, _random_split_rows(3), hidden=True)
 
 
+# ============================================================================= split plan
+
+split_plan = Exercise("11.split_plan", "A split plan for a ragged batch (FlashInfer's plan)",
+                      points=2)
+
+
+def plan_rules(lengths, Hkv, BLOCK_N, num_sms):
+    """``(blocks, W, best)``: each sequence's key blocks, the work items one wave holds (at
+    least one per non-empty sequence) and the smallest largest item, in blocks, that any plan
+    of at most W items can have (each sequence b needs ``ceil(blocks_b / c)`` items of at most
+    c blocks; the smallest c whose items fit, by bisection)."""
+    blocks = [-(-int(n) // BLOCK_N) for n in lengths]
+    W = max(1, num_sms // Hkv, sum(1 for x in blocks if x))
+    low, high = 1, max(blocks + [1])
+    while low < high:
+        c = (low + high) // 2
+        if sum(-(-x // c) for x in blocks) <= W:
+            high = c
+        else:
+            low = c + 1
+    return blocks, W, low
+
+
+def plan_slip(lengths, Hkv, BLOCK_N, num_sms, slip):
+    """The plan a usual slip makes (for the hints): ``"same"`` one split count for every
+    sequence, ``"heads"`` a wave of num_sms items (Hkv forgotten), ``"ideal"`` the ideal chunk
+    ceil(total / W) not grown until the items fit, ``"floor"`` floor(total / W) blocks per item,
+    ``"clip"`` a last item running past the sequence's end, ``"idle"`` an item for an empty
+    sequence."""
+    blocks, W, best = plan_rules(lengths, Hkv, BLOCK_N, num_sms)
+    total = sum(blocks)
+    if slip == "heads":
+        W = max(1, num_sms, sum(1 for x in blocks if x))
+        best = plan_rules(lengths, 1, BLOCK_N, W)[2]
+    chunks = [best] * len(blocks)
+    if slip == "same":
+        s = max(1, W // max(1, sum(1 for x in blocks if x)))
+        chunks = [max(1, -(-x // s)) for x in blocks]
+    elif slip == "ideal":
+        chunks = [max(1, -(-total // W))] * len(blocks)
+    elif slip == "floor":
+        chunks = [max(1, total // W)] * len(blocks)
+    work = []
+    for b, (x, c) in enumerate(zip(blocks, chunks, strict=True)):
+        if x == 0 and slip == "idle":
+            work.append((b, 0, 0))
+        for i in range(0, x, c):
+            end = (i + c) * BLOCK_N
+            work.append((b, i * BLOCK_N, end if slip == "clip" else min(end, int(lengths[b]))))
+    return work
+
+
+_HL = {
+    "same": "one split count for every sequence (the lecture's num_splits) gives a short "
+    "sequence as many items as the long one: the long one's items stay huge. Give each sequence "
+    "its own count, ceil(blocks_b / chunk), from one chunk size for the whole batch.",
+    "heads": "every work item runs Hkv programs (one per K/V head): one wave holds "
+    "num_sms // Hkv items, not num_sms.",
+    "ideal": "ceil(total_blocks / W) is the ideal chunk, but each sequence rounds its item count "
+    "up, so the items can overflow the wave: grow the chunk until sum_b ceil(blocks_b / chunk) "
+    "<= W.",
+    "floor": "floor(total_blocks / W) blocks per item is a floor where a ceil belongs: the "
+    "items overflow the wave. Start from ceil(total_blocks / W) and grow the chunk until the "
+    "items fit.",
+    "clip": "the last item of a sequence ends at the sequence's length, not at the end of its "
+    "last block: end = min((first + chunk) * BLOCK_N, length).",
+    "idle": "an empty sequence (length 0) needs no work item: an item with no key costs Hkv "
+    "programs that only write -inf.",
+}
+
+
+def _plan_failure(label, got, lengths, args, detail, default):
+    hint = default
+    for slip, text in _HL.items():
+        if got == sorted(plan_slip(lengths, *args, slip)):
+            hint = text
+            break
+    return CheckFailure(label, detail, hint)
+
+
+def _judge_plan(label, got, lengths, Hkv, BLOCK_N, num_sms):
+    """The checks, in order: format, each item, coverage, the wave, the balance. Returns the
+    sorted items; raises a CheckFailure that names the first rule broken."""
+    args = (Hkv, BLOCK_N, num_sms)
+    if not isinstance(got, (list, tuple)) or not all(
+            isinstance(item, (list, tuple)) and len(item) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in item) for item in got):
+        raise CheckFailure(label, f"expected a list of (b, start, end) ints, got {brief(got)}",
+                           "return [(b, start, end), ...]: key start .. end - 1 of sequence b")
+    got = sorted(tuple(item) for item in got)
+    blocks, W, best = plan_rules(lengths, *args)
+    for b, start, end in got:
+        where = f"item (b={b}, start={start}, end={end})"
+        if not 0 <= b < len(lengths):
+            raise CheckFailure(label, f"{where}: sequence {b} does not exist",
+                               f"b is 0 .. {len(lengths) - 1}")
+        n = int(lengths[b])
+        if start == end:
+            raise _plan_failure(label, got, lengths, args, f"{where} holds no key",
+                                "every work item holds at least one key")
+        if end > n:
+            raise _plan_failure(label, got, lengths, args,
+                                f"{where} runs past sequence {b}'s end ({n} keys)", _HL["clip"])
+        if start % BLOCK_N or not start < end or (end != n and end % BLOCK_N):
+            raise CheckFailure(label, f"{where}: an item is whole blocks of BLOCK_N={BLOCK_N} "
+                               "keys (start < end; end on a block boundary or the length)",
+                               "cut at block boundaries: start = first_block * BLOCK_N, "
+                               "end = min((first_block + chunk) * BLOCK_N, length)")
+    for b, n in enumerate(lengths):
+        pos = 0
+        for bb, start, end in got:
+            if bb != b:
+                continue
+            if start != pos:
+                what = "twice" if start < pos else "by no item"
+                raise CheckFailure(label, f"sequence {b}: keys from {min(start, pos)} are "
+                                   f"covered {what}", "the items of a sequence tile its keys "
+                                   "0 .. length - 1 exactly once, block after block")
+            pos = end
+        if pos != int(n):
+            raise CheckFailure(label, f"sequence {b} ({n} keys): covered up to {pos}",
+                               "every key of every sequence is in exactly one item")
+    if len(got) > W:
+        raise _plan_failure(
+            label, got, lengths, args,
+            f"{len(got)} work items x Hkv={Hkv} = {len(got) * Hkv} programs, more than one "
+            f"wave of {num_sms} SMs holds ({W} items)",
+            "at most W = max(1, num_sms // Hkv, non-empty sequences) items: grow the chunk until "
+            "sum_b ceil(blocks_b / chunk) <= W.")
+    largest = max((-(-(end - start) // BLOCK_N) for _, start, end in got), default=0)
+    if largest > best:
+        ideal = -(-sum(blocks) // W)
+        counts = {sum(1 for bb, _, _ in got if bb == b) for b, x in enumerate(blocks) if x}
+        same = len(counts) == 1 and len({x for x in blocks if x}) > 1
+        raise _plan_failure(
+            label, got, lengths, args,
+            f"the largest work item holds {largest} key blocks; a plan of at most {W} items "
+            f"can keep every item to {best} (the ideal, total / W, is {ideal})",
+            _HL["same"] if same else "take the smallest chunk whose items fit the wave and cut "
+            "every sequence into items of at most chunk blocks.")
+    return got
+
+
+def _plan_case(name, rows):
+    """``rows``: ``(lengths, Hkv, BLOCK_N, num_sms)``."""
+
+    def run(candidate):
+        for lengths, Hkv, BLOCK_N, num_sms in rows:
+            label = (f"{name}: split_plan(lengths={brief(list(lengths), 60)}, Hkv={Hkv}, "
+                     f"BLOCK_N={BLOCK_N}, num_sms={num_sms})")
+            _judge_plan(label, candidate(list(lengths), Hkv, BLOCK_N, num_sms), lengths, Hkv,
+                        BLOCK_N, num_sms)
+
+    return run
+
+
+def _plan_kernel_case(name, lengths, Hq, Hkv, num_sms, seed):
+    """The course's decode kernel runs the candidate's plan; O and LSE against float64."""
+
+    def run(candidate):
+        from ..kernels import flash_decoding as fd
+        from ..serving import paginate, reference_decode
+
+        BLOCK_N = fd.decode_config(LOW)[0]
+        label = (f"{name}: the course's decode kernel with your plan (lengths {list(lengths)}, "
+                 f"Hq={Hq}, Hkv={Hkv}, BLOCK_N={BLOCK_N}, d={PLAN_D}, "
+                 f"{str(LOW).replace('torch.', '')}, paged)")
+        got = _judge_plan(label, candidate(list(lengths), Hkv, BLOCK_N, num_sms), lengths, Hkv,
+                          BLOCK_N, num_sms)
+        plan = fd.make_plan(lengths, Hkv, got, block_n=BLOCK_N)
+        g = torch.Generator().manual_seed(seed)
+        B, n = len(lengths), max(lengths)
+        q = torch.randn(B, Hq, PLAN_D, generator=g).to(device(), LOW)
+        k, v = (torch.randn(B, n, Hkv, PLAN_D, generator=g).to(device(), LOW) for _ in "kv")
+        seqlens = _ints(lengths)
+        k, v, table = paginate(k, v, seqlens, 16, generator=g, fill=math.nan)
+        out = (poisoned(q.shape, LOW, q.device), poisoned((B, Hq), torch.float32, q.device))
+        O, LSE = fd.decode_attention(q, k, v, seqlens, block_table=table, plan=plan, out=out)
+        O_ref, LSE_ref = reference_decode(q, k, v, seqlens, block_table=table)
+        atol, rtol = tolerance(LOW, 8.0)
+        compare("O", O, O_ref, case=label, atol=atol, rtol=rtol, dtype=LOW, poisoned=True)
+        compare("LSE", LSE, LSE_ref, case=label, atol=atol, rtol=rtol, poisoned=True)
+
+    return run
+
+
+PLAN_D = pick(gpu=128, cpu=16)
+_add(split_plan, "skewed batch (128k, 1k, 1k, 1k), H100", _plan_case,
+     [([131072, 1024, 1024, 1024], 8, 64, 132), ([131072, 1024, 1024, 1024], 4, 64, 132)])
+_add(split_plan, "one long sequence: many splits, the last one short", _plan_case,
+     [([100000], 8, 64, 132), ([1000], 1, 16, 7), ([64 * 33 + 5], 4, 64, 132)])
+_add(split_plan, "empty sequences and short ones", _plan_case,
+     [([0, 5000, 0, 17], 8, 64, 132), ([1, 1, 1], 2, 16, 16), ([0], 4, 64, 132)])
+_add(split_plan, "more sequences than a wave holds: one item each", _plan_case,
+     [([300, 5000, 64, 129, 7000, 1], 8, 64, 16), ([4096] * 40, 8, 64, 132)])
+_add(split_plan, "items that round up: the chunk must grow", _plan_case,
+     [([160, 160, 160, 16], 1, 16, 8), ([640, 48, 48, 48, 48], 2, 16, 16)])
+_add(split_plan, "the course's kernel runs your plan", _plan_kernel_case,
+     pick(gpu=[20000, 300, 0, 999], cpu=[300, 20, 0, 45]), 8, 2, pick(gpu=132, cpu=16), 1)
+
+
+def _random_plan_rows(seed, count=200):
+    g = torch.Generator().manual_seed(seed)
+
+    def choose(values):
+        return values[int(torch.randint(0, len(values), (1,), generator=g))]
+
+    rows = []
+    for _ in range(count):
+        B = choose([1, 2, 3, 4, 8, 16, 64])
+        spread = torch.exp(torch.randn(B, generator=g) * choose([0.5, 2.0]) + choose([5, 8]))
+        keep = torch.rand(B, generator=g) > choose([0.0, 0.2])
+        lengths = (spread.long().clamp(max=200_000) * keep).tolist()
+        rows.append((lengths, choose([1, 2, 4, 8]), choose([16, 32, 64, 128]),
+                     choose([7, 16, 108, 132])))
+    return rows
+
+
+_add(split_plan, "200 random batches", _plan_case, _random_plan_rows(5), hidden=True)
+_add(split_plan, "the course's kernel runs your plan, GQA 8:1, a long cache",
+     _plan_kernel_case, pick(gpu=[65536, 1, 4097, 0, 100], cpu=[700, 1, 33, 0, 20]), 8, 1,
+     pick(gpu=132, cpu=24), 2, hidden=True)
+
+
 # ============================================================================= paged prefill
 
 paged_prefill = Exercise(
@@ -685,6 +916,13 @@ _add(paged_prefill, "scale 0.3, Nq > Nk (rows that see no key), an empty cache",
 _add(paged_prefill, "5 sequences, pages of 4 BLOCK_N, a long chunk", _paged_case,
      [3, N1, 1, 8, 2], [64, N1 + 5, 1, 8, 90], 2, 1, 4 * BN, F32, _HK["pages"], seed=6,
      hidden=True)
+NL = pick(gpu=8000, cpu=300)  # a long cache
+_add(paged_prefill, "speculative decoding: 2-8 new tokens per sequence, a long paged cache",
+     _paged_case, [2, 5, 8, 3], [NL, 40, NL // 2 + 3, 8], 4, 2, 2 * BN, F32, _HK["align"],
+     seed=7)
+_add(paged_prefill, f"{str(LOW).replace('torch.', '')}, 2-8 new tokens, GQA 4:1, long caches",
+     _paged_case, [8, 2, 7, 4, 6], [2 * NL + 5, 3, NL, 4, 77], 8, 2, BN, LOW, _HK["align"],
+     seed=8, hidden=True)
 
 __all__ = [
     "best_num_splits",
@@ -696,6 +934,9 @@ __all__ = [
     "paged_prefill",
     "paged_problem",
     "paged_reference",
+    "plan_rules",
+    "plan_slip",
     "shared_prefix",
+    "split_plan",
     "split_ranges",
 ]
