@@ -3,7 +3,10 @@
 Public API (import after ``course_utils.setup()``, as chapter 09's kernels)::
 
     O, LSE = decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None,
-                              num_splits=None, window=(-1, -1), softcap=0.0, scale=None)
+                              num_splits=None, window=(-1, -1), softcap=0.0, scale=None,
+                              plan=None, merge=None)
+    plan = decode_plan(cache_seqlens, kv_heads, new_tokens=1, window=(-1, -1))  # host side
+    plan = make_plan(lengths, kv_heads, [(b, start, end), ...])  # any valid work list
     O, LSE = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal=False, window=(-1, -1), softcap=0.0, scale=None)
                               # causal: False, True (= "bottom_right"), or "top_left"
@@ -14,13 +17,18 @@ those of chapters 07-09 (Q, K, V, S, P, O, m, l, LSE; ``BLOCK_M`` = Br, ``BLOCK_
 ``G = Hq // Hkv`` query heads per K/V head).
 
 **Decoding (flash-decoding).** One new query per sequence: ``q (B, Hq, d)`` against a cache of
-up to 128k keys. One program per (sequence, K/V head) would launch ``B * Hkv`` programs, 4 at
+up to 128k keys; or ``q (B, Lq, Hq, d)``, Lq = 1..8 new tokens per sequence (speculative
+decoding, multi-token prediction), the last Lq keys of the cache, causal among themselves
+(bottom-right: token t at position ``seqlen - Lq + t``), LSE ``(B, Hq, Lq)``.
+One program per (sequence, K/V head) would launch ``B * Hkv`` programs, 4 at
 batch 1 with Hkv = 4, while the H100 has 132 SMs: the keys are therefore cut into
 ``num_splits`` ranges, and the split kernel runs on the grid ``(num_splits, Hkv, B)``:
 
 * program ``(s, h, b)`` streams split s of sequence b's keys of K/V head h, reading each K/V row
-  **once** for the G query heads that share it: the G query rows (padded with masked rows to
-  ``BLOCK_G >= 16``, the smallest M of ``tl.dot``) are the M dimension of ``S = Q K^T``;
+  **once** for the G query heads that share it and the Lq new tokens: the ``G * Lq`` query rows
+  (row ``t * G + g``, padded with masked rows to ``BLOCK_M >= 16``, the smallest M of
+  ``tl.dot``) are the M dimension of ``S = Q K^T``; its blocks go in three stages, masked on the
+  window's left edge, unmasked inside, masked on the right (the end, the new tokens' diagonal);
 * it writes a normalised partial ``O_s`` and its ``LSE_s`` (float32) to a workspace;
 * the merge kernel (grid ``(Hq, B)``) combines the splits with the LSE merge
   (:func:`serving.merge_partials`): ``LSE = log sum_s exp(LSE_s)``,
@@ -32,6 +40,15 @@ layouts, loaded as a ``(BLOCK_N, d)`` tile of whole rows; every tile carries the
 mask, which costs nothing next to the loads. Splits cut the *visible* keys (with a window, only
 the last ``left + 1``) into equal runs of whole ``BLOCK_N`` blocks; when a sequence has fewer
 blocks than splits, the last splits are empty and write ``LSE = -inf``.
+
+**Plans (per-sequence splits, FlashInfer's plan/run).** One split count serves a uniform batch;
+a ragged one (128k, 1k, 1k, 1k) wants many splits for its long sequence and one for the short
+ones. :func:`decode_plan` computes on the host, from the lengths, a work list of (sequence,
+key range) items of about equal size that fills about one wave; with ``plan=`` the split kernel
+runs on the grid ``(work items, Hkv)``, a sequence with one item writes O and LSE itself, and
+the merge reads each sequence's split count and workspace offset. The plan is checked against
+the call (shapes; with ``check_values`` the lengths). ``merge="fused"`` drops the merge kernel:
+the last split of each (sequence, K/V head) to finish merges, after one atomic per program.
 
 **The paged cache.** ``k_cache, v_cache (num_pages, page_size, Hkv, d)`` and ``block_table
 (B, max_pages)`` int32: key j of sequence b is row ``j % page_size`` of physical page
@@ -71,7 +88,9 @@ every exponential is ``exp2``. With a softcap c, ``S = c * tanh(scale * q.k / c)
 times ``log2(e)``.
 
 Configurations are fixed (no autotuning; measured on an H100, see :func:`varlen_config`):
-decode ``BLOCK_N = 64``, 4 warps, 3 stages; varlen ``BLOCK_M = 128``, ``BLOCK_N = 64``, 3 stages,
+decode ``BLOCK_N = 64``, 4 warps, 3 stages (``config=``, or the environment's
+``COURSE_DECODE_CONFIG``, ``COURSE_DECODE_PROGRAMS_PER_SM``, ``COURSE_DECODE_MERGE``,
+``COURSE_DECODE_MERGE_WARPS`` for a sweep); varlen ``BLOCK_M = 128``, ``BLOCK_N = 64``, 3 stages,
 4 warps at d <= 64 and 8 at d = 128; float32 (exact products, for checking) smaller; in the
 interpreter 16 x 16 blocks. Both functions pass ``config=`` to override them.
 
