@@ -584,7 +584,9 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     kv_next = torch.empty_like(kv)
     dkv_out = None  # the dK/dV (stacked) this rank finished at the previous step
     dkv_in = torch.empty((2, *k.shape), dtype=acc_dtype, device=q.device)
-    early, late = _diagonal_pieces(n, causal)
+    # one rank has no last hop to hide: its block stays whole (as one kernel call sees it)
+    early, late = _diagonal_pieces(n, causal) if R > 1 else ([(slice(0, n),) * 2 + (causal,)],
+                                                              None)
 
     def add_block(rows, cols, masked, keys, values, into):
         dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], keys[:, :, cols],
