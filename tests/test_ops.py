@@ -238,3 +238,30 @@ def test_bad_flags_error():
         tinygpt.train("flex", steps=10)
     with pytest.raises(ValueError, match="configs lacks"):
         ops.pin_configs(D, DTYPE, {"forward": None})
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU (on the CPU reduce-overhead is the "
+                    "default compile)")
+def test_reduce_overhead_captures_the_op_in_cuda_graphs():
+    """mode="reduce-overhead": the forward and backward graphs around the op are captured (no
+    cudagraph skip: no host synchronisation, no allocation outside the graph's pool), and
+    replays give eager's loss and gradients."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    q, k, v = _inputs(2, 4, 256, 256, requires_grad=True)
+    dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_attention_sum, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = compiled(q, k, v)
+        grads = torch.autograd.grad(loss, (q, k, v))
+    torch.cuda.synchronize()
+    assert int(counters["inductor"]["cudagraph_skips"]) == 0, dict(counters["inductor"])
+    loss_eager = _attention_sum(q, k, v)
+    grads_eager = torch.autograd.grad(loss_eager, (q, k, v))
+    _assert_close("reduce-overhead loss", loss, loss_eager, 2e-2 * float(loss_eager.abs()))
+    for name, g, ge in zip(("dQ", "dK", "dV"), grads, grads_eager, strict=True):
+        _assert_close(f"reduce-overhead {name}", g, ge, 2e-2 * float(ge.abs().max()) + 1e-6)
+    dynamo.reset()
