@@ -293,3 +293,40 @@ def test_ring_merge_takes_both_empty_row_conventions_and_refuses_nan():
     assert torch.equal(O2, O) and torch.equal(LSE2, LSE)
     with pytest.raises(ValueError, match="NaN"):
         ring.merge(flash_O, flash_LSE, O_p[1], torch.full_like(flash_LSE, math.nan))
+
+
+# =============================================================================================
+# Several new tokens per sequence (issue 43): the contract's names and layouts
+# =============================================================================================
+
+
+def test_new_tokens_lse_is_natural_log_heads_before_tokens():
+    # q (B, Lq, Hq, d): LSE (B, Hq, Lq) float32, natural log of the bottom-right-masked scores;
+    # an idle slot (length 0): O = 0, LSE = -inf; an empty batch: O like q, LSE (0, Hq, Lq)
+    B, Lq, Hq, Hkv, lens = 3, 3, 4, 2, [20, 0, 3]
+    q = _randn(B, Lq, Hq, D, seed=71)
+    k, v = _randn(B, 20, Hkv, D, seed=72), _randn(B, 20, Hkv, D, seed=73)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for plan in (None, fd.decode_plan(lens, Hkv, new_tokens=Lq, num_sms=8)):
+        O, LSE = fd.decode_attention(q, k, v, seqlens, num_splits=None if plan else 2, plan=plan)
+        assert O.shape == q.shape and LSE.shape == (B, Hq, Lq) and LSE.dtype == torch.float32
+        assert (O[1] == 0).all() and torch.isneginf(LSE[1]).all()
+        for b in (0, 2):
+            n = lens[b]
+            kb = k[b, :n].double().repeat_interleave(Hq // Hkv, 1)  # (n, Hq, d)
+            S = torch.einsum("thd,jhd->htj", q[b].double(), kb) / math.sqrt(D)
+            pos = torch.arange(Lq, device=DEV)[:, None] + n - Lq
+            S = S.masked_fill(torch.arange(n, device=DEV)[None, :] > pos, -math.inf)
+            _close("LSE", LSE[b], torch.logsumexp(S, -1), torch.float32)
+    empty = fd.decode_attention(q[:0], k[:0], v[:0], seqlens[:0])
+    assert empty[0].shape == (0, Lq, Hq, D) and empty[1].shape == (0, Hq, Lq)
+
+
+def test_a_sequence_shorter_than_its_new_tokens_is_refused_by_name():
+    q = _randn(2, 4, 4, D, seed=74)
+    k = _randn(2, 8, 2, D, seed=75)
+    lens = torch.tensor([8, 3], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="fewer keys than its Lq=4 new tokens"):
+        fd.decode_attention(q, k, k, lens)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 3 < Lq = 4"):
+        serving.reference_decode(q, k, k, lens)
