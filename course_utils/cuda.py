@@ -92,6 +92,9 @@ BUILD_TIMES_FILE = "build_times.json"  # in the cache folder: seconds of the las
 # torch's extension builds hold a lock file in their folder for the ~30-90 s of a build; one
 # older than this was left by a build that was killed (a restarted kernel, a timeout)
 STALE_LOCK_S = 600
+# ... but when the module's library is already built (same name = same source, flags and torch),
+# torch holds the lock only for the milliseconds of its version check: an older lock is stale
+STALE_LOCK_BUILT_S = 60
 
 INSTALL_NVCC_HINT = (
     "install the CUDA toolkit's compiler: `conda install -c nvidia cuda-nvcc`, or the CUDA "
@@ -1236,8 +1239,8 @@ def load_cuda(source_or_path, functions, *, name=None, extra_cuda_cflags=(), ver
         pass
     else:
         build_dir = Path(_get_build_directory(module_name, verbose=False))
-        _clear_stale_build_lock(build_dir)
         built = (build_dir / f"{module_name}.so").is_file()
+        _clear_stale_build_lock(build_dir, STALE_LOCK_BUILT_S if built else STALE_LOCK_S)
     if not built:
         started = _announce_build("extension", stem, text)
     saved_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")

@@ -813,6 +813,13 @@ def test_a_killed_builds_lock_is_removed_and_a_fresh_one_is_left(tmp_path, capsy
     os.utime(lock, (old, old))
     assert C._clear_stale_build_lock(tmp_path) and not lock.exists()
     assert "a build that was killed" in capsys.readouterr().out
+    # a module already built: torch holds its lock for a version check only, so a lock a few
+    # minutes old was left by a process killed during that check (ranks timed out while loading)
+    lock.touch()
+    mid = time.time() - C.STALE_LOCK_BUILT_S - 30
+    os.utime(lock, (mid, mid))
+    assert not C._clear_stale_build_lock(tmp_path) and lock.exists()  # unbuilt: may be building
+    assert C._clear_stale_build_lock(tmp_path, C.STALE_LOCK_BUILT_S) and not lock.exists()
 
 
 # ---------------------------------------------------------------------------------------------
