@@ -187,11 +187,17 @@ FORMS = {
     "11.shared_prefix": (pair, {"prefix_reads": lambda p, a: ((p, p), p, p)}, False),
     "11.chunked_mask": (pair, {}, False),
     "11.num_splits": (ret, {}, False),
+    "11.split_plan": (ret, {}, False),
     "11.paged_prefill": (ret, {"run_paged_prefill": pair}, False),
     "12.varlen_fake": (ret, {"run_varlen_fake": each(fields(outputs=pair))}, False),
     "12.autograd_registration": (ret, {"run_softcap_autograd": fields(
         "graphs", "opcheck", eager=triple, compiled=each(triple))}, True),
     "12.no_graph_break": (ret, {"run_compiled": fields("graphs", outputs=each(ret))}, False),
+    "12.kv_cache_write": (ret, {"run_append_kv": fields(
+        "schema", "fake", "graphs", "opcheck",
+        eager=each(fields("k_cache", "v_cache", "cache_seqlens", "returned", "outside_view")),
+        compiled=lambda p, a: [fields("k_cache", "v_cache", "cache_seqlens")(p, a)
+                               for _ in a[1]])}, False),
     "13.zigzag_chunks": (triple, {}, False),
     "13.ring_forward": (pair, {"defining_cell": ret}, False),
     "13.ring_backward": (triple, {"defining_cell": ret}, False),
