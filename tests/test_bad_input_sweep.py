@@ -80,6 +80,9 @@ NOT_CALLED = {
                                               "calls",
     "flash_attention_tma.attention_forward_fp8": "FP8: its error bound is chapter 14's tests'",
     "flash_attention_tma.quantize_fp8_inputs": "FP8 quantisation, not attention",
+    "ring.block_forward": "one block pair inside the ring's loop, on inputs the swept ring entry "
+                          "points have checked",
+    "ring.block_backward": "one block pair inside the ring's backward, on checked inputs",
 }
 
 # (function, bad input) -> reason: outcomes in files this sweep's author does not own, left
@@ -340,6 +343,9 @@ def _specs():
                                      lambda t: t["fn"](t["q"], t["k"], t["v"], causal=True))
     s["ring.ring_attention_backward"] = (
         ring.ring_attention_backward, dense, _dense_grads,
+        lambda t: t["fn"](t["dO"], t["q"], t["k"], t["v"], t["O"], t["LSE"], causal=True))
+    s["ring.allgather_attention_backward"] = (
+        ring.allgather_attention_backward, dense, _dense_grads,
         lambda t: t["fn"](t["dO"], t["q"], t["k"], t["v"], t["O"], t["LSE"], causal=True))
     s["ulysses.ulysses_attention"] = (ulysses.ulysses_attention, dense, _dense_fwd,
                                       lambda t: t["fn"](t["q"], t["k"], t["v"], causal=True))
