@@ -41,6 +41,19 @@ rows, so query i sees key j <= i in global positions); LSE natural log, float32 
 float64 inputs), ``(B, H, n)``, -inf for a row that saw no key; :func:`merge` takes -inf or
 FlashAttention's +inf for such a row and refuses NaN. :func:`shard` returns its shards tagged
 with their layout, and :func:`unshard` refuses to put them back in another one.
+
+Knobs (environment variables, read at every call; for measuring where the ring's time goes,
+each keeps the results right; unset = the default)::
+
+    COURSE_RING_HOLD_BACK=1 | 0      backward: hold back a piece of the diagonal block for the
+                                     last hop (default) | compute the diagonal in one call
+    COURSE_RING_DKV_WIRE=float32 | working
+                                     backward: the partial dK/dV travel between steps in float32
+                                     (default) | in k's dtype (bf16: half the bytes, summed in
+                                     float32 on arrival; rounds once per hop)
+    COURSE_RING_POST=before | after  forward and backward: post a step's transfers before its
+                                     compute (default, overlapped) | after it (no overlap: the
+                                     compute runs without NCCL beside it, the transfer is exposed)
 """
 
 from __future__ import annotations
@@ -63,6 +76,17 @@ LAYOUTS = ("contiguous", "zigzag")
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 TAG_KV, TAG_DKV = 0, 1  # gloo matches a send to a recv by (peer, tag): one tag per stream
+KNOBS = {"HOLD_BACK": ("1", "0"), "DKV_WIRE": ("float32", "working"), "POST": ("before", "after")}
+
+
+def knob(name):
+    """The value of ``COURSE_RING_<name>`` (the first of :data:`KNOBS`' choices when unset);
+    any other value is a ValueError."""
+    choices = KNOBS[name]
+    value = os.environ.get(f"COURSE_RING_{name}", "").strip() or choices[0]
+    if value not in choices:
+        raise ValueError(f"COURSE_RING_{name}={value!r}: use one of {choices}")
+    return value
 
 __all__ = [
     "LAYOUTS",
@@ -74,6 +98,7 @@ __all__ = [
     "block_forward",
     "block_kernel",
     "block_plan",
+    "knob",
     "launch",
     "merge",
     "positions",
@@ -509,12 +534,15 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
     O = LSE = None  # the running merge, set by the first block a rank computes
     kv = torch.stack([k, v]).contiguous()  # one message per step: K and V together
     kv_next = torch.empty_like(kv)  # the second buffer
+    post_first = knob("POST") == "before"
     for s in range(R):
         src = (r - s) % R
         works = []
-        with clock(s, "post"):
-            if s < R - 1:  # post step s+1's transfer before computing step s
-                works = _exchange([(kv, TAG_KV)], [(kv_next, TAG_KV)], group, nxt, prv)
+        # step s+1's transfer, posted before computing step s (overlap) unless POST=after
+        sends, recvs = ([(kv, TAG_KV)], [(kv_next, TAG_KV)]) if s < R - 1 else ([], [])
+        if post_first:
+            with clock(s, "post"):
+                works = _exchange(sends, recvs, group, nxt, prv)
         plan = block_plan(r, src, R, n, causal, layout)
         with clock(s, "compute"):
             if plan is not None:
@@ -526,6 +554,9 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
                 else:
                     O[:, :, rows], LSE[:, :, rows] = _merge(O[:, :, rows], LSE[:, :, rows],
                                                             O_s, LSE_s.to(acc_dtype))
+        if not post_first:
+            with clock(s, "post"):
+                works = _exchange(sends, recvs, group, nxt, prv)
         with clock(s, "wait"):
             for w in works:
                 w.wait()  # the next block has arrived, and our send buffer is free again
@@ -583,10 +614,14 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     kv = torch.stack([k, v]).contiguous()
     kv_next = torch.empty_like(kv)
     dkv_out = None  # the dK/dV (stacked) this rank finished at the previous step
-    dkv_in = torch.empty((2, *k.shape), dtype=acc_dtype, device=q.device)
-    # one rank has no last hop to hide: its block stays whole (as one kernel call sees it)
-    early, late = _diagonal_pieces(n, causal) if R > 1 else ([(slice(0, n),) * 2 + (causal,)],
-                                                              None)
+    wire = acc_dtype if knob("DKV_WIRE") == "float32" else k.dtype  # dK/dV between steps
+    dkv_in = torch.empty((2, *k.shape), dtype=wire, device=q.device)
+    post_first = knob("POST") == "before"
+    # one rank has no last hop to hide: its block stays whole (as one kernel call sees it);
+    # COURSE_RING_HOLD_BACK=0 keeps it whole on every rank
+    hold = R > 1 and knob("HOLD_BACK") == "1"
+    early, late = _diagonal_pieces(n, causal) if hold else ([(slice(0, n),) * 2 + (causal,)],
+                                                            None)
 
     def add_block(rows, cols, masked, keys, values, into):
         dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], keys[:, :, cols],
@@ -603,10 +638,12 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
             sends.append((kv, TAG_KV))
             recvs.append((kv_next, TAG_KV))
         if s > 0:  # the previous step's dK/dV go on to the rank that now holds that block
-            sends.append((dkv_out, TAG_DKV))
+            sends.append((dkv_out.to(wire), TAG_DKV))  # kept alive by sends until the wait
             recvs.append((dkv_in, TAG_DKV))
-        with clock(s, "post"):
-            works = _exchange(sends, recvs, group, nxt, prv)
+        works = []
+        if post_first:
+            with clock(s, "post"):
+                works = _exchange(sends, recvs, group, nxt, prv)
         plan = block_plan(r, src, R, n, causal, layout)
         with clock(s, "compute"):
             if s == 0:  # our own block (the plan's diagonal): its early pieces start the sum
@@ -619,31 +656,40 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
                                             kv[1][:, :, cols], O[:, :, rows], LSE[:, :, rows],
                                             masked, scale)
                 dQ[:, :, rows] += dq
+        if not post_first:
+            with clock(s, "post"):
+                works = _exchange(sends, recvs, group, nxt, prv)
         with clock(s, "wait"):
             for w in works:
                 w.wait()
         # This step's dK/dV: the partial sum that came with the block plus our share of it
         # (added in place into the received buffer; step 0 starts the sum with our own share).
         if s > 0:
-            mine = dkv_in
+            mine = dkv_in.to(acc_dtype)  # no copy unless the wire is k's dtype
             if plan is not None:
                 mine[0][:, :, cols] += dk
                 mine[1][:, :, cols] += dv
-        dkv_out, dkv_in = mine, torch.empty_like(mine)  # a fresh buffer: dkv_out is in flight
+        dkv_out, dkv_in = mine, torch.empty_like(dkv_in)  # fresh: dkv_out may be in flight
         kv, kv_next = kv_next, kv
     # The last hop brings every block's dK/dV to its owner, in k's dtype (half the bytes for
     # bf16): the sums are finished but for the late piece of the owner's diagonal, which is
     # computed while the hop travels and added at home.
     home = torch.stack([dkv_out[0].to(k.dtype), dkv_out[1].to(v.dtype)])
     works = []
-    if R > 1:
-        arrived = torch.empty_like(home)
+    arrived = torch.empty_like(home) if R > 1 else None
+
+    def post_home():
         with clock(R, "post"):
-            works = _exchange([(home, TAG_DKV)], [(arrived, TAG_DKV)], group, nxt, prv)
+            return _exchange([(home, TAG_DKV)], [(arrived, TAG_DKV)], group, nxt, prv)
+
+    if R > 1 and post_first:
+        works = post_home()
     mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device) if late else None
     with clock(R, "compute"):
         if late:
             add_block(*late, k, v, mine)
+    if R > 1 and not post_first:
+        works = post_home()
     with clock(R, "wait"):
         for w in works:
             w.wait()
