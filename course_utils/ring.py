@@ -423,7 +423,7 @@ def _merge(O, LSE, O_s, LSE_s):
 
 def _group_info(group):
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: run inside launch(...) or "
+        raise RuntimeError("torch.distributed is not initialised: run inside ring.launch(...) or "
                            "after dist.init_process_group")
     return dist.get_rank(group), dist.get_world_size(group)
 

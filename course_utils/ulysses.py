@@ -114,13 +114,6 @@ def head_plan(H, Hkv, R, replicate_kv=True):
 # =============================================================================================
 
 
-def _world(group):
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: run inside ring.launch(...) or "
-                           "after dist.init_process_group")
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _pack(views, hs):
     """One send buffer ``(R, B, sum h, n, d)`` from per-part views ``(R, B, h, n, d)``: one copy
     per part, straight into its slice (no concatenation, then transpose, then copy)."""
@@ -156,7 +149,7 @@ def seq_to_heads(parts, group=None):
     One ``all_to_all_single`` for all parts: block j of the message (the heads of rank j, every
     part side by side) goes to rank j; the block that comes from rank j holds its n rows.
     """
-    _, R = _world(group)
+    _, R = ring._group_info(group)
     B, _, n, d = parts[0].shape
     hs = [p.shape[1] // R for p in parts]
     # part (B, R h, n, d) -> (R, B, h, n, d): block j holds the heads of rank j
@@ -172,7 +165,7 @@ def heads_to_seq(parts, group=None):
     """Head shards back to sequence shards: ``parts`` ``(B, h_i, R n, d)`` of one dtype;
     returns ``(B, h_i R, n, d)`` each, this rank's n rows of every head. Inverse of
     :func:`seq_to_heads`."""
-    _, R = _world(group)
+    _, R = ring._group_info(group)
     B, _, N, d = parts[0].shape
     n, hs = N // R, [p.shape[1] for p in parts]
     # part (B, h, N, d) -> (R, B, h, n, d): block j holds the rows of rank j
@@ -297,7 +290,7 @@ def ulysses_attention(q, k, v, *, causal=False, group=None, scale=None, replicat
     """
     scale = _check(q, k, v, scale)
     causal = causal_alignment(causal, supported=ALIGNMENTS, where="Ulysses") is not None
-    _, R = _world(group)
+    _, R = ring._group_info(group)
     plan = head_plan(q.shape[1], k.shape[1], R, replicate_kv)
     return _Ulysses.apply(q, k, v, causal, group, scale, plan)
 

@@ -1,5 +1,7 @@
 """Fixtures shared by the tests (the repository's conftest.py chooses the runtime mode)."""
 
+import socket
+
 import pytest
 
 from course_utils import grader
@@ -34,3 +36,17 @@ def nan_shared_memory(monkeypatch):
             return out
 
     monkeypatch.setattr(kernelapi, "np", NumpyWithNanEmpty())
+
+
+@pytest.fixture
+def one_rank_group():
+    """A torch.distributed group of one gloo rank in this process (the ring's and Ulysses'
+    one-rank tests), torn down after the test."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

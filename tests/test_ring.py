@@ -4,11 +4,9 @@ One process group per world size checks every case inside it (spawning costs sec
 """
 
 import math
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from course_utils import reference, ring
 
@@ -101,16 +99,6 @@ def test_a_knob_with_another_value_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("COURSE_RING_POST", "sometimes")
     with pytest.raises(ValueError, match="COURSE_RING_POST"):
         ring.knob("POST")
-
-
-@pytest.fixture
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_one_rank_is_plain_attention_and_records_a_timeline(one_rank_group):

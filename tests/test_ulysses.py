@@ -5,7 +5,6 @@ input checks and the head plan run in this process.
 """
 
 import math
-import socket
 
 import pytest
 import torch
@@ -120,16 +119,6 @@ def test_a2a_bytes_per_rank():
 
 
 # ---- one rank (in this process): plain attention, and the input checks ---------------------
-
-
-@pytest.fixture
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_one_rank_is_plain_attention(one_rank_group):

@@ -390,19 +390,20 @@ def _merge_rows(O_PART, LSE_PART, slot0, step, n_split, real, HEAD_DIM: tl.const
         lse = tl.load(LSE_PART + slot, mask=real, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(O_PART + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=real[:, None],
                     other=0.0, cache_modifier=".cg")
-        lse = lse * _LOG2E
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse - m_use)  # split i holds exp(LSE_i) of the denominator; empty: 0
-        l = l * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
-        m = m_new
-    seen = l != 0.0  # no split saw a key: l = 0; a NaN stays NaN (as in _finish)
-    m_fin = tl.where(m == float("-inf"), 0.0, m)
-    o = acc * tl.where(seen, 1.0 / tl.where(seen, l, 1.0), 0.0)[:, None]
-    lse = tl.where(seen, (m_fin + tl.log2(tl.where(seen, l, 1.0))) * _LN2, float("-inf"))
-    return o, lse
+        m, l, acc = _merge_split(m, l, acc, lse * _LOG2E, o)
+    return _finish(acc, l, m)  # no split saw a key: O = 0, LSE = -inf; a NaN stays NaN
+
+
+@triton.jit
+def _merge_split(m, l, acc, lse, o):
+    """Fold one split's ``(O_s, LSE_s)`` (LSE_s in log2 units, per row or per lane) into the
+    running ``(m, l, acc)``: the online softmax of chapter 07, over splits instead of keys.
+    Split s holds exp(LSE_s) of the denominator; an empty split (LSE_s = -inf) adds 0."""
+    m_new = tl.maximum(m, lse)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet
+    alpha = tl.exp2(m - m_use)
+    w = tl.exp2(lse - m_use)
+    return m_new, l * alpha + w, acc * alpha[:, None] + w[:, None] * o
 
 
 @triton.jit
@@ -443,13 +444,7 @@ def _decode_merge_kernel(O_PART, LSE_PART, O, LSE, SPLITS, OFFSETS, num_splits,
         lse = tl.load(LSE_PART + slot, mask=ok, other=float("-inf")) * _LOG2E
         o = tl.load(O_PART + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
                     other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse - m_use)  # split s holds exp(LSE_s) of the denominator; empty: 0
-        l = l * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
-        m = m_new
+        m, l, acc = _merge_split(m, l, acc, lse, o)
     m_all = tl.max(m, 0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp2(m - m_all)
