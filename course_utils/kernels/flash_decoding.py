@@ -588,11 +588,14 @@ def _varlen_kernel(Q, K, V, O, LSE, CU_Q, CU_K, score_scale, softcap_log2e,
 
 def decode_config(dtype, programs=1):
     """``(BLOCK_N, num_warps, num_stages)`` of the split kernel for a grid of ``programs``
-    (B * Hkv) programs per split.
+    (B * Hkv) programs per split (the H200 sweep below found one choice for every grid, so
+    ``programs`` does not change it today).
 
-    H100, bf16, Hq = 32, Hkv = 4, d = 128 (a sweep of BLOCK_N 32-128, 2-8 warps, 2-5 stages):
-    64 keys, 4 warps, 3 stages is best or within 1 % wherever the keys are split; once
-    B * Hkv fills the SMs alone (one split), 32 keys and 2 warps are 1-2 % faster.
+    64 keys, 4 warps, 4 stages: the fastest of a sweep on an H200 (bf16, Hq = 32, d = 128,
+    128k keys; BLOCK_N 32-128, 2-8 warps, 2-4 stages, 1-4 programs per SM, both merges) at
+    B = 1 and B = 16 with Hkv = 8 (127 us and 1873 us, against 134 us and 2011 us for the
+    earlier 3 stages); at B = 1, Hkv = 4, 128 keys and 3 stages were 4 % faster (73 against
+    76 us), left out so that every plan cuts keys into the same 64-key blocks.
     The environment variable ``COURSE_DECODE_CONFIG="BLOCK_N,num_warps,num_stages"`` replaces
     the choice on a GPU (a sweep sets it without editing this file).
     """
@@ -603,9 +606,7 @@ def decode_config(dtype, programs=1):
     chosen = _env_ints("COURSE_DECODE_CONFIG", 3)
     if chosen:
         return _config("COURSE_DECODE_CONFIG", chosen, 3)
-    if programs >= _sm_count():
-        return 32, 2, 3
-    return DECODE_BLOCK_N, 4, 3
+    return DECODE_BLOCK_N, 4, 4
 
 
 def decode_programs_per_sm(paged=False):
