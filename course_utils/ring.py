@@ -45,12 +45,12 @@ with their layout, and :func:`unshard` refuses to put them back in another one.
 Knobs (environment variables, read at every call; for measuring where the ring's time goes,
 each keeps the results right; unset = the default)::
 
-    COURSE_RING_HOLD_BACK=1 | 0      backward: hold back a piece of the diagonal block for the
-                                     last hop (default) | compute the diagonal in one call
+    COURSE_RING_HOLD_BACK=0 | 1      backward: compute the diagonal block in one call
+                                     (default) | hold back a piece of it for the last hop
     COURSE_RING_DKV_WIRE=float32 | working
-                                     backward: the partial dK/dV travel between steps in float32
-                                     (default) | in k's dtype (bf16: half the bytes, summed in
-                                     float32 on arrival; rounds once per hop)
+                                     backward: a partial dK/dV of two or more terms travels in
+                                     float32 (default) | in k's dtype (bf16: half the bytes;
+                                     rounds once per hop)
     COURSE_RING_POST=before | after  forward and backward: post a step's transfers before its
                                      compute (default, overlapped) | after it (no overlap: the
                                      compute runs without NCCL beside it, the transfer is exposed)
@@ -76,7 +76,7 @@ LAYOUTS = ("contiguous", "zigzag")
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 TAG_KV, TAG_DKV = 0, 1  # gloo matches a send to a recv by (peer, tag): one tag per stream
-KNOBS = {"HOLD_BACK": ("1", "0"), "DKV_WIRE": ("float32", "working"), "POST": ("before", "after")}
+KNOBS = {"HOLD_BACK": ("0", "1"), "DKV_WIRE": ("float32", "working"), "POST": ("before", "after")}
 
 
 def knob(name):
@@ -596,10 +596,19 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     block is ``exp(S - LSE)``). dQ accumulates here. The dK/dV of the K/V block this rank holds
     travel with it: at step s a rank receives the block's partial dK/dV from the previous rank
     (sent at the end of its step s-1), adds its own share and passes it on; after the last step
-    one more hop brings every block's dK/dV home. Accumulators are float32 (float64 stays).
-    That last hop would have nothing to hide behind, so a piece of the rank's own diagonal
-    block (:func:`_diagonal_pieces`) waits until then: it is computed while the hop travels and
-    its dK/dV are added at home.
+    one more hop brings every block's dK/dV home.
+
+    Every gradient is a sum of terms, one per block call, each rounded to the kernel's output
+    dtype. A single term is kept and sent as the kernel returned it (in bf16 that loses
+    nothing); the sum of two terms is added in their dtype, which rounds the exact sum once,
+    just as float32 accumulation followed by one rounding would; longer sums accumulate and
+    travel in float32 (float64 stays). At R = 2 no gradient needs more than two terms, so no
+    float32 copy of a shard is made at all.
+
+    ``COURSE_RING_HOLD_BACK=1``: the last hop has nothing to hide behind, so a piece of the
+    rank's own diagonal block (:func:`_diagonal_pieces`) waits until then and is computed while
+    the hop travels (on 2 H200s the extra calls cost more than the hop they hide: off by
+    default).
     """
     n, scale = _check_shards(q, k, v, layout, scale)
     causal = _causal(causal)
@@ -610,27 +619,28 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     nxt, prv = _peer(group, (r + 1) % R), _peer(group, (r - 1) % R)
     clock = _Clock(timeline, q.device)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     kv = torch.stack([k, v]).contiguous()
     kv_next = torch.empty_like(kv)
-    dkv_out = None  # the dK/dV (stacked) this rank finished at the previous step
-    wire = acc_dtype if knob("DKV_WIRE") == "float32" else k.dtype  # dK/dV between steps
-    dkv_in = torch.empty((2, *k.shape), dtype=wire, device=q.device)
+    # a partial sum of two or more terms travels in float32, or in k's dtype with
+    # COURSE_RING_DKV_WIRE=working (half the bytes; rounds once per hop)
+    wire = acc_dtype if knob("DKV_WIRE") == "float32" else k.dtype
     post_first = knob("POST") == "before"
-    # one rank has no last hop to hide: its block stays whole (as one kernel call sees it);
-    # COURSE_RING_HOLD_BACK=0 keeps it whole on every rank
     hold = R > 1 and knob("HOLD_BACK") == "1"
     early, late = _diagonal_pieces(n, causal) if hold else ([(slice(0, n),) * 2 + (causal,)],
                                                             None)
 
-    def add_block(rows, cols, masked, keys, values, into):
-        dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], keys[:, :, cols],
-                                    values[:, :, cols], O[:, :, rows], LSE[:, :, rows],
-                                    masked, scale)
-        dQ[:, :, rows] += dq
-        into[0][:, :, cols] += dk
-        into[1][:, :, cols] += dv
+    def block(rows, cols, masked, keys, values):
+        return block_backward(dO[:, :, rows], q[:, :, rows], keys[:, :, cols],
+                              values[:, :, cols], O[:, :, rows], LSE[:, :, rows], masked, scale)
 
+    def add_pieces(pieces, keys, values, dQ, into):
+        for rows, cols, masked in pieces:
+            dq, dk, dv = block(rows, cols, masked, keys, values)
+            dQ[:, :, rows] += dq
+            into[0][:, :, cols] += dk
+            into[1][:, :, cols] += dv
+
+    dQ = mine = dkv_out = None
     for s in range(R):
         src = (r - s) % R
         sends, recvs = [], []
@@ -638,7 +648,11 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
             sends.append((kv, TAG_KV))
             recvs.append((kv_next, TAG_KV))
         if s > 0:  # the previous step's dK/dV go on to the rank that now holds that block
-            sends.append((dkv_out.to(wire), TAG_DKV))  # kept alive by sends until the wait
+            # in its own dtype (every rank's partial has as many terms, so the same dtype), or
+            # in k's with COURSE_RING_DKV_WIRE=working
+            travel = k.dtype if wire == k.dtype else dkv_out.dtype
+            dkv_in = torch.empty(dkv_out.shape, dtype=travel, device=q.device)
+            sends.append((dkv_out.to(travel), TAG_DKV))  # kept alive by sends until the wait
             recvs.append((dkv_in, TAG_DKV))
         works = []
         if post_first:
@@ -646,15 +660,18 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
                 works = _exchange(sends, recvs, group, nxt, prv)
         plan = block_plan(r, src, R, n, causal, layout)
         with clock(s, "compute"):
-            if s == 0:  # our own block (the plan's diagonal): its early pieces start the sum
+            if s == 0 and not late:  # our own block in one call: the first terms
+                dQ, dk, dv = block(*early[0], kv[0], kv[1])
+                if R > 2:  # dQ gets up to R terms
+                    dQ = dQ.to(acc_dtype)
+                mine = torch.stack([dk, dv])
+            elif s == 0:  # held back: pieces of the block, their sums in float32
+                dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
                 mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device)
-                for rows, cols, masked in early:
-                    add_block(rows, cols, masked, kv[0], kv[1], mine)
+                add_pieces(early, kv[0], kv[1], dQ, mine)
             elif plan is not None:
                 rows, cols, masked = plan
-                dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                            kv[1][:, :, cols], O[:, :, rows], LSE[:, :, rows],
-                                            masked, scale)
+                dq, dk, dv = block(rows, cols, masked, kv[0], kv[1])
                 dQ[:, :, rows] += dq
         if not post_first:
             with clock(s, "post"):
@@ -662,19 +679,19 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
         with clock(s, "wait"):
             for w in works:
                 w.wait()
-        # This step's dK/dV: the partial sum that came with the block plus our share of it
-        # (added in place into the received buffer; step 0 starts the sum with our own share).
+        # This step's dK/dV: the partial sum that came with the block plus our share of it.
+        # At the last step the sum is finished and goes home: added in the dtype it came in.
         if s > 0:
-            mine = dkv_in.to(acc_dtype)  # no copy unless the wire is k's dtype
+            mine = dkv_in if s == R - 1 else dkv_in.to(wire)
             if plan is not None:
                 mine[0][:, :, cols] += dk
                 mine[1][:, :, cols] += dv
-        dkv_out, dkv_in = mine, torch.empty_like(dkv_in)  # fresh: dkv_out may be in flight
+        dkv_out = mine
         kv, kv_next = kv_next, kv
     # The last hop brings every block's dK/dV to its owner, in k's dtype (half the bytes for
     # bf16): the sums are finished but for the late piece of the owner's diagonal, which is
     # computed while the hop travels and added at home.
-    home = torch.stack([dkv_out[0].to(k.dtype), dkv_out[1].to(v.dtype)])
+    home = dkv_out.to(k.dtype)
     works = []
     arrived = torch.empty_like(home) if R > 1 else None
 
@@ -687,7 +704,7 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device) if late else None
     with clock(R, "compute"):
         if late:
-            add_block(*late, k, v, mine)
+            add_pieces([late], k, v, dQ, mine)
     if R > 1 and not post_first:
         works = post_home()
     with clock(R, "wait"):
@@ -699,7 +716,7 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
         rows_late = late[1]
         home = home.to(acc_dtype)
         home[:, :, :, rows_late] += mine[:, :, :, rows_late]
-        home = torch.stack([home[0].to(k.dtype), home[1].to(v.dtype)])
+        home = home.to(k.dtype)
     return dQ.to(q.dtype), home[0], home[1]
 
 

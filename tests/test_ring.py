@@ -81,7 +81,7 @@ KNOB_CASES = [(8, True, "zigzag", "float64", 4, 2), (12, True, "contiguous", "fl
               (8, False, "zigzag", "float64"), (64, True, "zigzag", "bfloat16", 4, 2)]
 
 
-@pytest.mark.parametrize("setting", [None, ("HOLD_BACK", "0"), ("DKV_WIRE", "working"),
+@pytest.mark.parametrize("setting", [None, ("HOLD_BACK", "1"), ("DKV_WIRE", "working"),
                                      ("POST", "after")])
 def test_ring_knobs_keep_the_results(setting, monkeypatch):
     for name in ring.KNOBS:
@@ -95,7 +95,7 @@ def test_ring_knobs_keep_the_results(setting, monkeypatch):
 
 def test_a_knob_with_another_value_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("COURSE_RING_HOLD_BACK", raising=False)
-    assert ring.knob("HOLD_BACK") == "1"  # unset: the default
+    assert ring.knob("HOLD_BACK") == "0"  # unset: the default
     monkeypatch.setenv("COURSE_RING_POST", "sometimes")
     with pytest.raises(ValueError, match="COURSE_RING_POST"):
         ring.knob("POST")
