@@ -415,9 +415,7 @@ def _profile_text(rec: Recordings) -> tuple[str, str] | None:
     from .bench import ratio_summary
 
     name = "12_profile"
-    data = rec.data(name)
-    rows = data.get("profile", data).get("rows", [])  # a list of rows, or (older) a dict of them
-    rows = list(rows.values()) if isinstance(rows, dict) else rows
+    rows = (_profile_part(rec.data(name)) or {"rows": {}})["rows"].values()
     course = {r["mode"]: r for r in rows if r.get("attention") == "course"}
     sdpa = {r["mode"]: r for r in rows if r.get("attention") == "sdpa"}
     if not course:
@@ -489,7 +487,7 @@ def _h12(rec: Recordings) -> Headline:
             f"course's op: final validation loss {span(above, lambda v: f'{v:.3f}')} nats above "
             f"the data's exact floor ({floor:.3f}; SDPA "
             f"{span([v - floor for v in final['sdpa']], lambda v: f'{v:.3f}')}), "
-            f"{gap:+.1f} standard errors from SDPA's; "
+            f"{gap:+.1f} standard errors from SDPA (same seeds, same batches); "
             f"gradients against float64 every {first['compare_every']} steps "
             f"{', '.join(errors)}; {x(statistics.median(ratio))} SDPA's tokens/s")
     sources = name
@@ -792,9 +790,24 @@ def _is_decode(d) -> bool:
                               for r in rows)
 
 
+def _profile_part(d) -> dict | None:
+    """The profile of a ``12_profile`` recording with its rows as a dict by name: the data
+    itself (rows a list, each with its ``name``) or, in older recordings, ``data["profile"]``
+    (rows a dict); None for other data."""
+    if not isinstance(d, dict):
+        return None
+    p = d.get("profile", d)
+    rows = p.get("rows") if isinstance(p, dict) else None
+    if isinstance(rows, list) and rows and all(isinstance(r, dict) and "name" in r
+                                               and "step_ms" in r for r in rows):
+        return {**p, "rows": {r["name"]: r for r in rows}}
+    if isinstance(rows, dict) and rows and "profile" in d:
+        return p
+    return None
+
+
 def _is_profile(d) -> bool:
-    return (isinstance(d, dict) and isinstance(d.get("profile"), dict)
-            and isinstance(d["profile"].get("rows"), dict))
+    return _profile_part(d) is not None
 
 
 def _is_ring(d) -> bool:
@@ -856,7 +869,7 @@ def _render_decode(d: dict) -> list[str]:
 
 def _render_profile(d: dict) -> list[str]:
     """``12_profile``: a training step's host / device / idle split, and the KV-cache op."""
-    p = d["profile"]
+    p = _profile_part(d)
     lines = [f"{p.get('note', '')}.", ""]
     skips = p.get("cudagraph_skips", {})
     rows = [{"": name, "mode": r.get("mode"), "attention": r.get("attention"),
