@@ -45,8 +45,6 @@ with their layout, and :func:`unshard` refuses to put them back in another one.
 Knobs (environment variables, read at every call; for measuring where the ring's time goes,
 each keeps the results right; unset = the default)::
 
-    COURSE_RING_HOLD_BACK=0 | 1      backward: compute the diagonal block in one call
-                                     (default) | hold back a piece of it for the last hop
     COURSE_RING_DKV_WIRE=float32 | working
                                      backward: a partial dK/dV of two or more terms travels in
                                      float32 (default) | in k's dtype (bf16: half the bytes;
@@ -76,7 +74,7 @@ LAYOUTS = ("contiguous", "zigzag")
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 TAG_KV, TAG_DKV = 0, 1  # gloo matches a send to a recv by (peer, tag): one tag per stream
-KNOBS = {"HOLD_BACK": ("0", "1"), "DKV_WIRE": ("float32", "working"), "POST": ("before", "after")}
+KNOBS = {"DKV_WIRE": ("float32", "working"), "POST": ("before", "after")}
 
 
 def knob(name):
@@ -509,7 +507,7 @@ class _Event:
 
 
 def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=None,
-                           scale=None, timeline=None):
+                           scale=None, timeline=None, return_kv=False):
     """Attention of the local Q shard over the whole sequence: ``(O, LSE)``.
 
     Args:
@@ -520,8 +518,11 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
         group: process group of the R ranks (default: the world).
         timeline: a list to append this rank's events to (``post``: the transfers posted,
             ``compute``, ``wait``), or None.
+        return_kv: also return the K/V block the ring ended with (rank r + 1's, K and V
+            stacked), which :func:`ring_attention_backward` starts with (``kv_last``).
 
-    Returns O like q and LSE ``(B, H, n)`` float32 (float64 for float64 inputs), natural log.
+    Returns O like q and LSE ``(B, H, n)`` float32 (float64 for float64 inputs), natural log
+    (and the last K/V block with ``return_kv``).
     Double buffering: the transfer of the next K/V block is posted before the current block is
     computed, into a second buffer, and waited for only when the compute is done.
     """
@@ -561,54 +562,38 @@ def ring_attention_forward(q, k, v, *, causal=False, layout="contiguous", group=
             for w in works:
                 w.wait()  # the next block has arrived, and our send buffer is free again
         kv, kv_next = kv_next, kv
+    if return_kv:  # after the last swap kv_next holds the last block (rank r + 1's)
+        return O.to(q.dtype), LSE, kv_next
     return O.to(q.dtype), LSE
 
 
 # =============================================================================================
-# The ring: backward (dK, dV travel with K, V and come home; dQ stays)
+# The ring: backward (in reverse: dK, dV travel with K, V and end at their owner; dQ stays)
 # =============================================================================================
 
 
-def _diagonal_pieces(n, causal):
-    """The rank's own (diagonal) block cut in two for the backward: ``(early, late)``.
-
-    ``early``: pieces computed at step 0, whose dK/dV travel around the ring; ``late``: one
-    piece computed at the end, while the last hop brings the block's dK/dV home, and added
-    there. Causal (local rows in sequence order, h = n // 2): early = rows [0, h) x keys
-    [0, h) causal and rows [h, n) x keys [0, h) full, late = rows [h, n) x keys [h, n) causal.
-    Without the mask: early = keys [0, h), late = keys [h, n), every row. n < 2: no late piece.
-    """
-    every = slice(0, n)
-    if n < 2:
-        return [(every, every, causal)], None
-    h = n // 2
-    first, second = slice(0, h), slice(h, n)
-    if causal:
-        return [(first, first, True), (second, first, False)], (second, second, True)
-    return [(every, first, False)], (every, second, False)
-
-
 def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contiguous",
-                            group=None, scale=None, timeline=None):
+                            group=None, scale=None, timeline=None, kv_last=None):
     """Gradients of the ring's forward: ``(dQ, dK, dV)`` like q, k, v (this rank's shards).
 
     Each step computes the block's share of the gradients from the final O and LSE (P of the
-    block is ``exp(S - LSE)``). dQ accumulates here. The dK/dV of the K/V block this rank holds
-    travel with it: at step s a rank receives the block's partial dK/dV from the previous rank
-    (sent at the end of its step s-1), adds its own share and passes it on; after the last step
-    one more hop brings every block's dK/dV home.
+    block is ``exp(S - LSE)``). dQ accumulates here. The blocks go round in the forward's
+    reverse order: rank r starts with the block the forward ended with (rank r + 1's), passes
+    each block on to rank r - 1 together with the block's partial dK/dV, and ends with its own
+    block, which needs no transfer. So every block's dK/dV sum is finished by its owner, with
+    the owner's own term: no hop is left after the last step for nothing to hide.
+
+    Args (besides the forward's): ``kv_last``: the K/V block the forward ended with
+    (``ring_attention_forward(..., return_kv=True)``; :func:`ring_attention` keeps it). Without
+    it the backward first fetches that block from rank r + 1, one transfer with nothing to
+    overlap.
 
     Every gradient is a sum of terms, one per block call, each rounded to the kernel's output
     dtype. A single term is kept and sent as the kernel returned it (in bf16 that loses
     nothing); the sum of two terms is added in their dtype, which rounds the exact sum once,
     just as float32 accumulation followed by one rounding would; longer sums accumulate and
-    travel in float32 (float64 stays). At R = 2 no gradient needs more than two terms, so no
-    float32 copy of a shard is made at all.
-
-    ``COURSE_RING_HOLD_BACK=1``: the last hop has nothing to hide behind, so a piece of the
-    rank's own diagonal block (:func:`_diagonal_pieces`) waits until then and is computed while
-    the hop travels (on 2 H200s the extra calls cost more than the hop they hide: off by
-    default).
+    travel in float32 (float64 stays), or in k's dtype with ``COURSE_RING_DKV_WIRE=working``.
+    At R = 2 no gradient has more than two terms, so no float32 copy of a shard is made.
     """
     n, scale = _check_shards(q, k, v, layout, scale)
     causal = _causal(causal)
@@ -619,105 +604,103 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     nxt, prv = _peer(group, (r + 1) % R), _peer(group, (r - 1) % R)
     clock = _Clock(timeline, q.device)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    kv = torch.stack([k, v]).contiguous()
-    kv_next = torch.empty_like(kv)
-    # a partial sum of two or more terms travels in float32, or in k's dtype with
-    # COURSE_RING_DKV_WIRE=working (half the bytes; rounds once per hop)
+    # a block term of dK/dV: the kernel's dtype, or float32 once summed over GQA's query heads
+    term_dtype = k.dtype if q.shape[1] == k.shape[1] else acc_dtype
     wire = acc_dtype if knob("DKV_WIRE") == "float32" else k.dtype
     post_first = knob("POST") == "before"
-    hold = R > 1 and knob("HOLD_BACK") == "1"
-    early, late = _diagonal_pieces(n, causal) if hold else ([(slice(0, n),) * 2 + (causal,)],
-                                                            None)
-
-    def block(rows, cols, masked, keys, values):
-        return block_backward(dO[:, :, rows], q[:, :, rows], keys[:, :, cols],
-                              values[:, :, cols], O[:, :, rows], LSE[:, :, rows], masked, scale)
-
-    def add_pieces(pieces, keys, values, dQ, into):
-        for rows, cols, masked in pieces:
-            dq, dk, dv = block(rows, cols, masked, keys, values)
-            dQ[:, :, rows] += dq
-            into[0][:, :, cols] += dk
-            into[1][:, :, cols] += dv
-
-    dQ = mine = dkv_out = None
+    own = torch.stack([k, v])
+    kv = _first_block(kv_last, own, R, group, nxt, prv, clock)
+    spare = [torch.empty_like(own), torch.empty_like(own)] if R > 2 else None  # never kv_last
+    dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device) if R > 2 else None
+    first_dq = None  # R = 2: the first block's dQ term, added to the diagonal's at the end
+    dkv_out = dkv_in = None
     for s in range(R):
-        src = (r - s) % R
+        src = (r + 1 + s) % R  # s = R - 1: our own block
         sends, recvs = [], []
-        if s < R - 1:
+        if s < R - 2:  # the block goes on to rank r - 1 (the last one each rank holds itself)
+            kv_next = spare[s % 2]  # free: what it held was sent two steps ago, and waited for
             sends.append((kv, TAG_KV))
             recvs.append((kv_next, TAG_KV))
-        if s > 0:  # the previous step's dK/dV go on to the rank that now holds that block
-            # in its own dtype (every rank's partial has as many terms, so the same dtype), or
-            # in k's with COURSE_RING_DKV_WIRE=working
-            travel = k.dtype if wire == k.dtype else dkv_out.dtype
-            dkv_in = torch.empty(dkv_out.shape, dtype=travel, device=q.device)
+        if s > 0:  # the previous block's partial dK/dV go to the rank that now holds it
+            travel = dkv_out.dtype if wire != k.dtype else k.dtype
+            dkv_in = torch.empty(own.shape, dtype=travel, device=q.device)
             sends.append((dkv_out.to(travel), TAG_DKV))  # kept alive by sends until the wait
             recvs.append((dkv_in, TAG_DKV))
         works = []
         if post_first:
             with clock(s, "post"):
-                works = _exchange(sends, recvs, group, nxt, prv)
+                works = _exchange(sends, recvs, group, prv, nxt)
         plan = block_plan(r, src, R, n, causal, layout)
         with clock(s, "compute"):
-            if s == 0 and not late:  # our own block in one call: the first terms
-                dQ, dk, dv = block(*early[0], kv[0], kv[1])
-                if R > 2:  # dQ gets up to R terms
-                    dQ = dQ.to(acc_dtype)
-                mine = torch.stack([dk, dv])
-            elif s == 0:  # held back: pieces of the block, their sums in float32
-                dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-                mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device)
-                add_pieces(early, kv[0], kv[1], dQ, mine)
-            elif plan is not None:
+            if plan is not None:
                 rows, cols, masked = plan
-                dq, dk, dv = block(rows, cols, masked, kv[0], kv[1])
-                dQ[:, :, rows] += dq
+                dq, dk, dv = block_backward(dO[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                            kv[1][:, :, cols], O[:, :, rows], LSE[:, :, rows],
+                                            masked, scale)
+                if R > 2:
+                    dQ[:, :, rows] += dq
+                elif src == r:  # R <= 2: the diagonal covers every row, and comes last
+                    dQ = dq
+                else:
+                    first_dq = (rows, dq)
         if not post_first:
             with clock(s, "post"):
-                works = _exchange(sends, recvs, group, nxt, prv)
+                works = _exchange(sends, recvs, group, prv, nxt)
         with clock(s, "wait"):
             for w in works:
                 w.wait()
-        # This step's dK/dV: the partial sum that came with the block plus our share of it.
-        # At the last step the sum is finished and goes home: added in the dtype it came in.
-        if s > 0:
+        # The block's partial sum: the one that came with it (none at step 0) plus our term.
+        if s == 0:
+            mine = _first_partial(plan, dk, dv, own, term_dtype) if plan else \
+                torch.zeros(own.shape, dtype=term_dtype, device=q.device)
+        else:
             mine = dkv_in if s == R - 1 else dkv_in.to(wire)
             if plan is not None:
                 mine[0][:, :, cols] += dk
                 mine[1][:, :, cols] += dv
         dkv_out = mine
-        kv, kv_next = kv_next, kv
-    # The last hop brings every block's dK/dV to its owner, in k's dtype (half the bytes for
-    # bf16): the sums are finished but for the late piece of the owner's diagonal, which is
-    # computed while the hop travels and added at home.
-    home = dkv_out.to(k.dtype)
-    works = []
-    arrived = torch.empty_like(home) if R > 1 else None
+        if s < R - 2:
+            kv = kv_next
+        elif s == R - 2:
+            kv = own  # the last block is our own
+    if first_dq is not None:
+        dQ[:, :, first_dq[0]] += first_dq[1]
+    return dQ.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
 
-    def post_home():
-        with clock(R, "post"):
-            return _exchange([(home, TAG_DKV)], [(arrived, TAG_DKV)], group, nxt, prv)
 
-    if R > 1 and post_first:
-        works = post_home()
-    mine = torch.zeros((2, *k.shape), dtype=acc_dtype, device=q.device) if late else None
-    with clock(R, "compute"):
-        if late:
-            add_pieces([late], k, v, dQ, mine)
-    if R > 1 and not post_first:
-        works = post_home()
-    with clock(R, "wait"):
+def _first_block(kv_last, own, R, group, nxt, prv, clock):
+    """The K/V block the backward starts with: rank r + 1's, as the forward left it
+    (``kv_last``, checked), or fetched from rank r + 1 now."""
+    if kv_last is not None:
+        if (not isinstance(kv_last, torch.Tensor) or kv_last.shape != own.shape
+                or kv_last.dtype != own.dtype or kv_last.device != own.device):
+            got = (f"{tuple(kv_last.shape)} {kv_last.dtype} on {kv_last.device}"
+                   if isinstance(kv_last, torch.Tensor) else type(kv_last).__name__)
+            raise ValueError(f"kv_last {got}: expected the forward's last K/V block, a "
+                             f"{tuple(own.shape)} {own.dtype} tensor on {own.device} "
+                             "(ring_attention_forward(..., return_kv=True) returns it), or None")
+        return kv_last if R > 1 else own
+    if R == 1:
+        return own
+    kv = torch.empty_like(own)
+    with clock(-1, "post"):
+        works = _exchange([(own, TAG_KV)], [(kv, TAG_KV)], group, prv, nxt)
+    with clock(-1, "wait"):
         for w in works:
             w.wait()
-    if R > 1:
-        home = arrived
-    if late:
-        rows_late = late[1]
-        home = home.to(acc_dtype)
-        home[:, :, :, rows_late] += mine[:, :, :, rows_late]
-        home = home.to(k.dtype)
-    return dQ.to(q.dtype), home[0], home[1]
+    return kv
+
+
+def _first_partial(plan, dk, dv, own, dtype):
+    """The partial dK/dV ``(2, B, Hkv, n, d)`` of a block after its first term: the term
+    where the plan computed it, zero elsewhere."""
+    cols = plan[1]
+    if cols == slice(0, own.shape[-2]):
+        return torch.stack([dk.to(dtype), dv.to(dtype)])
+    part = torch.zeros(own.shape, dtype=dtype, device=own.device)
+    part[0][:, :, cols] = dk
+    part[1][:, :, cols] = dv
+    return part
 
 
 class RingAttention(torch.autograd.Function):
@@ -725,18 +708,18 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, layout, group, scale):
-        O, LSE = ring_attention_forward(q, k, v, causal=causal, layout=layout, group=group,
-                                        scale=scale)
-        ctx.save_for_backward(q, k, v, O, LSE)
+        O, LSE, kv_last = ring_attention_forward(q, k, v, causal=causal, layout=layout,
+                                                 group=group, scale=scale, return_kv=True)
+        ctx.save_for_backward(q, k, v, O, LSE, kv_last)
         ctx.args = (causal, layout, group, scale)
         return O
 
     @staticmethod
     def backward(ctx, dO):
-        q, k, v, O, LSE = ctx.saved_tensors
+        q, k, v, O, LSE, kv_last = ctx.saved_tensors
         causal, layout, group, scale = ctx.args
         dQ, dK, dV = ring_attention_backward(dO, q, k, v, O, LSE, causal=causal, layout=layout,
-                                             group=group, scale=scale)
+                                             group=group, scale=scale, kv_last=kv_last)
         return dQ, dK, dV, None, None, None, None
 
 
@@ -1018,7 +1001,10 @@ def check_worker(rank, R, cases):
                                            layout=layout)
         grads_ag = allgather_attention_backward(do, q.detach(), k.detach(), v.detach(), O_ag,
                                                 LSE_ag, causal=causal, layout=layout)
+        fetched = ring_attention_backward(do, q.detach(), k.detach(), v.detach(), O.detach(),
+                                          LSE, causal=causal, layout=layout)  # no kv_last
         out.append({"O": O.detach(), "LSE": LSE, "dQ": q.grad, "dK": k.grad, "dV": v.grad,
+                    "dQ_fetch": fetched[0], "dK_fetch": fetched[1], "dV_fetch": fetched[2],
                     "O_ag": O_ag, "dQ_ag": grads_ag[0], "dK_ag": grads_ag[1],
                     "dV_ag": grads_ag[2]})
     return out
@@ -1040,9 +1026,10 @@ def timeline_worker(rank, R, B, H, N, d, dtype_name, layouts, causal=True, repea
             fwd, bwd = [], []
             dist.barrier()
             t0 = time.perf_counter()
-            O, LSE = ring_attention_forward(q, k, v, causal=causal, layout=layout, timeline=fwd)
+            O, LSE, kv = ring_attention_forward(q, k, v, causal=causal, layout=layout,
+                                               timeline=fwd, return_kv=True)
             ring_attention_backward(do, q, k, v, O, LSE, causal=causal, layout=layout,
-                                    timeline=bwd)
+                                    timeline=bwd, kv_last=kv)
             end = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(end, op=dist.ReduceOp.MAX)  # the run ends with its slowest rank
             if float(end) < best_end:
@@ -1236,9 +1223,10 @@ def check_gpu_worker(rank, R, cases):
             want = _gqa_reference(Q, K, V, dO, positions(N, R, layout)[rank])
             q, k, v, do = (shard(t, R, layout)[rank].contiguous() for t in (Q, K, V, dO))
             row["kernel"] = KERNEL_NAMES[block_kernel(q)]
-            O, LSE = ring_attention_forward(q, k, v, causal=True, layout=layout)
+            O, LSE, kv = ring_attention_forward(q, k, v, causal=True, layout=layout,
+                                                return_kv=True)
             got = dict(zip(("dQ", "dK", "dV"), ring_attention_backward(
-                do, q, k, v, O, LSE, causal=True, layout=layout), strict=True), O=O)
+                do, q, k, v, O, LSE, causal=True, layout=layout, kv_last=kv), strict=True), O=O)
             O2, LSE2 = allgather_attention(q, k, v, causal=True, layout=layout)
             got2 = dict(zip(("dQ", "dK", "dV"), allgather_attention_backward(
                 do, q, k, v, O2, LSE2, causal=True, layout=layout), strict=True), O=O2)
@@ -1330,8 +1318,10 @@ def _benchmark_row(rank, R, shape, B, d, rounds, reps, mesh, device):
     add("block kernel 1 GPU", block_1gpu)
 
     def ring_zigzag():
-        O, LSE = ring_attention_forward(*local[:3], causal=True, layout="zigzag")
-        ring_attention_backward(local[3], *local[:3], O, LSE, causal=True, layout="zigzag")
+        O, LSE, kv = ring_attention_forward(*local[:3], causal=True, layout="zigzag",
+                                            return_kv=True)
+        ring_attention_backward(local[3], *local[:3], O, LSE, causal=True, layout="zigzag",
+                                kv_last=kv)
 
     def all_gather():
         O, LSE = allgather_attention(*local[:3], causal=True, layout="zigzag")

@@ -59,9 +59,10 @@ def _check_world(R, cases):
     for i, case in enumerate(specs):
         want = _expected(case)
         tol = {"float64": 1e-12, "float32": 2e-5}.get(case["dtype"], 4e-2)  # bf16: 4e-2
-        for name in ("O", "LSE", "dQ", "dK", "dV", "O_ag", "dQ_ag", "dK_ag", "dV_ag"):
+        for name in ("O", "LSE", "dQ", "dK", "dV", "dQ_fetch", "dK_fetch", "dV_fetch", "O_ag",
+                     "dQ_ag", "dK_ag", "dV_ag"):
             got = ring.unshard([results[r][i][name] for r in range(R)], case["layout"], dim=2)
-            ref = want[name.removesuffix("_ag")]
+            ref = want[name.split("_")[0]]
             err = (got.double() - ref).abs().max().item()
             assert err < tol, f"R={R} {case}: {name} off by {err:.1e} (tolerance {tol:.0e})"
 
@@ -81,7 +82,7 @@ KNOB_CASES = [(8, True, "zigzag", "float64", 4, 2), (12, True, "contiguous", "fl
               (8, False, "zigzag", "float64"), (64, True, "zigzag", "bfloat16", 4, 2)]
 
 
-@pytest.mark.parametrize("setting", [None, ("HOLD_BACK", "1"), ("DKV_WIRE", "working"),
+@pytest.mark.parametrize("setting", [None, ("DKV_WIRE", "working"),
                                      ("POST", "after")])
 def test_ring_knobs_keep_the_results(setting, monkeypatch):
     for name in ring.KNOBS:
@@ -93,9 +94,18 @@ def test_ring_knobs_keep_the_results(setting, monkeypatch):
         _check_world(3, CASES_R3[:2])
 
 
+def test_a_wrong_kv_last_is_a_clear_error(one_rank_group):
+    q, k, v, do = ring.sequence_inputs(1, 2, 4, 8, torch.float64, "cpu", 0)
+    O, LSE, kv = ring.ring_attention_forward(q, k, v, causal=True, return_kv=True)
+    assert kv.shape == (2, *k.shape)
+    for bad in (kv[:1], kv.float(), "kv"):
+        with pytest.raises(ValueError, match="kv_last .*return_kv=True"):
+            ring.ring_attention_backward(do, q, k, v, O, LSE, causal=True, kv_last=bad)
+
+
 def test_a_knob_with_another_value_is_a_clear_error(monkeypatch):
-    monkeypatch.delenv("COURSE_RING_HOLD_BACK", raising=False)
-    assert ring.knob("HOLD_BACK") == "0"  # unset: the default
+    monkeypatch.delenv("COURSE_RING_DKV_WIRE", raising=False)
+    assert ring.knob("DKV_WIRE") == "float32"  # unset: the default
     monkeypatch.setenv("COURSE_RING_POST", "sometimes")
     with pytest.raises(ValueError, match="COURSE_RING_POST"):
         ring.knob("POST")
