@@ -613,7 +613,7 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
     spare = [torch.empty_like(own), torch.empty_like(own)] if R > 2 else None  # never kv_last
     dQ = torch.zeros(q.shape, dtype=acc_dtype, device=q.device) if R > 2 else None
     first_dq = None  # R = 2: the first block's dQ term, added to the diagonal's at the end
-    dkv_out = dkv_in = None
+    mine = None  # the partial dK/dV of the block this rank computed last
     for s in range(R):
         src = (r + 1 + s) % R  # s = R - 1: our own block
         sends, recvs = [], []
@@ -622,9 +622,9 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
             sends.append((kv, TAG_KV))
             recvs.append((kv_next, TAG_KV))
         if s > 0:  # the previous block's partial dK/dV go to the rank that now holds it
-            travel = dkv_out.dtype if wire != k.dtype else k.dtype
+            travel = mine.dtype if wire != k.dtype else k.dtype
             dkv_in = torch.empty(own.shape, dtype=travel, device=q.device)
-            sends.append((dkv_out.to(travel), TAG_DKV))  # kept alive by sends until the wait
+            sends.append((mine.to(travel), TAG_DKV))  # kept alive by sends until the wait
             recvs.append((dkv_in, TAG_DKV))
         works = []
         if post_first:
@@ -658,7 +658,6 @@ def ring_attention_backward(dO, q, k, v, O, LSE, *, causal=False, layout="contig
             if plan is not None:
                 mine[0][:, :, cols] += dk
                 mine[1][:, :, cols] += dv
-        dkv_out = mine
         if s < R - 2:
             kv = kv_next
         elif s == R - 2:
