@@ -109,6 +109,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # grid dependency control (programmatic dependent launch, Hopper on): Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: the knob below stays off
+    gdc_launch_dependents = gdc_wait = None
+
 from ..contract import ALIGNMENTS, BOTTOM_RIGHT, TOP_LEFT, causal_alignment
 from .flash_attention_triton import (
     INTERPRETED,
@@ -265,7 +270,10 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, WORK, SPLITS, OFFSETS, L
                          G: tl.constexpr, LQ: tl.constexpr, BLOCK_M: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
-                         PLAN: tl.constexpr, FUSED: tl.constexpr):
+                         PLAN: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr):
+    # PDL: the merge kernel may be launched now (it waits for this grid before reading).
+    if PDL:
+        gdc_launch_dependents()
     # Fixed split count (grid (num_splits, Hkv, B)): program (s, h, b) takes split s of sequence
     # b's keys, K/V head h. DIRECT (one split): the result is final, written to O and LSE.
     # PLAN (grid (work items, Hkv)): program (w, h) takes the key range of work item w, a row
@@ -409,7 +417,8 @@ def _merge_split(m, l, acc, lse, o):
 @triton.jit
 def _decode_merge_kernel(O_PART, LSE_PART, O, LSE, SPLITS, OFFSETS, num_splits,
                          stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_lt,
-                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PLAN: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PLAN: tl.constexpr,
+                         PDL: tl.constexpr):
     # Program (hq, t, b): merge the partial (O_s, LSE_s) of query head hq, new token t, sequence
     # b. Fixed split count: num_splits parts at slots ((b, t, hq), s) of (B, LQ, Hq, S, d).
     # PLAN: SPLITS[b] parts at slots (OFFSETS[b] + s, t, hq) of (P, LQ, Hq, d); a sequence
@@ -417,6 +426,8 @@ def _decode_merge_kernel(O_PART, LSE_PART, O, LSE, SPLITS, OFFSETS, num_splits,
     # (length 0) gets O = 0, LSE = -inf.
     # Lane j of a BLOCK_S vector keeps a running merge (m, l, acc) of splits j, j + BLOCK_S, ...
     # (the online softmax again, over splits instead of keys), and the lanes merge at the end.
+    if PDL:  # launched early (programmatic dependent launch): wait for the split kernel
+        gdc_wait()
     hq = tl.program_id(0)
     t = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -609,6 +620,29 @@ def decode_config(dtype, programs=1):
     return DECODE_BLOCK_N, 4, 4
 
 
+def decode_pdl(device):
+    """Whether the merge kernel is launched with programmatic dependent launch (PDL): it may
+    start while the split kernel runs (the split kernel signals at once, the merge waits for
+    the whole grid with ``griddepcontrol.wait`` before its first load), so its launch latency
+    hides behind the split kernel's tail. Off unless ``COURSE_DECODE_PDL=1``, and only on a
+    GPU of compute capability 9.0 or later (Hopper) with a Triton that has it."""
+    if os.environ.get("COURSE_DECODE_PDL", "0").strip() not in ("1", "on", "true"):
+        return False
+    return _pdl_possible(device)
+
+
+def _pdl_possible(device):
+    """Programmatic dependent launch exists here: a Hopper-or-later GPU, a Triton with it."""
+    if INTERPRETED or gdc_wait is None or not torch.cuda.is_available():
+        return False
+    return _major(torch.device(device).index) >= 9
+
+
+@functools.cache
+def _major(index):
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def decode_programs_per_sm(paged=False):
     """Programs of the split kernel per SM that the split count (and the plan) aim at: 1, or
     ``PAGED_PROGRAMS_PER_SM`` (2) for a paged cache; ``COURSE_DECODE_PROGRAMS_PER_SM`` (an
@@ -796,7 +830,8 @@ def _outputs(given, names, shapes, dtypes, device):
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, num_splits=None,
                      window=(-1, -1), softcap=0.0, scale=None, return_partials=False, out=None,
-                     workspace=None, check_values=True, config=None, plan=None, merge=None):
+                     workspace=None, check_values=True, config=None, plan=None, merge=None,
+                     pdl=None):
     """One decoding step with split-KV (flash-decoding): ``(O, LSE)``.
 
     Args:
@@ -842,6 +877,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
             (sequence, K/V head) to finish merges them, counted by an atomic per pair in a
             buffer kept per device: one fused call at a time per device, never two at once on
             two streams); default ``COURSE_DECODE_MERGE`` or ``"kernel"``.
+        pdl: launch the merge kernel with programmatic dependent launch (Hopper and later;
+            ignored elsewhere and without a merge kernel); default :func:`decode_pdl`.
 
     Returns:
         O like q (``(B, Hq, d)`` or ``(B, Lq, Hq, d)``) in q's dtype; LSE float32, natural log,
@@ -960,6 +997,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
         work = splits = offsets = cache_seqlens  # never read without a plan
         grid = (num_splits, Hkv, B)
     fused = not direct and merge == "fused"
+    pdl = (not direct and not fused and (decode_pdl(q.device) if pdl is None else
+                                         bool(pdl) and _pdl_possible(q.device)))
     locks = _locks(q.device, B * Hkv) if fused else cache_seqlens  # never read unless fused
     _decode_split_kernel[grid](
         q4, k_cache, v_cache, cache_seqlens, table, work, splits, offsets, locks, O_part,
@@ -970,15 +1009,16 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
         LSE3.stride(0), LSE3.stride(1), LSE3.stride(2),
         G=G, LQ=Lq, BLOCK_M=max(MIN_DOT_M, triton.next_power_of_2(G * Lq)), HEAD_DIM=d,
         BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged, SOFTCAP=softcap > 0, DIRECT=direct,
-        PLAN=plan is not None, FUSED=fused, num_warps=warps, num_stages=stages)
+        PLAN=plan is not None, FUSED=fused, PDL=pdl, num_warps=warps, num_stages=stages)
     if not direct and not fused:
         most = plan.max_splits if plan is not None else num_splits
         _decode_merge_kernel[(Hq, Lq, B)](
             O_part, LSE_part, O4, LSE3, splits, offsets, most, O4.stride(0), O4.stride(1),
             O4.stride(2), LSE3.stride(0), LSE3.stride(1), LSE3.stride(2), HEAD_DIM=d,
             BLOCK_S=min(MERGE_BLOCK_S, triton.next_power_of_2(max(most, 1))),
-            PLAN=plan is not None, num_warps=(_env_ints("COURSE_DECODE_MERGE_WARPS", 1)
-                                              or (MERGE_WARPS,))[0])
+            PLAN=plan is not None, PDL=pdl,
+            num_warps=(_env_ints("COURSE_DECODE_MERGE_WARPS", 1) or (MERGE_WARPS,))[0],
+            **({"launch_pdl": True} if pdl else {}))
     if return_partials:
         if one_token:
             return O, LSE, O_part.permute(2, 0, 1, 3), LSE_part.permute(2, 0, 1)
