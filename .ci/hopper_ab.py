@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import course_utils as cu  # noqa: E402
 from course_utils import bench  # noqa: E402
-from course_utils.cuda import load_cuda  # noqa: E402
+from course_utils.toolbox.cuda import load_cuda  # noqa: E402
 
 SOURCE = ROOT / "course_utils" / "kernels" / "flash_attention_hopper.cu"
 BWD_SOURCE = SOURCE.with_name("flash_attention_hopper_bwd.cu")

@@ -66,11 +66,40 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    """``course_utils.attention`` (the front door) imported on first use: importing the package
-    stays as light as before (no kernels, no Triton)."""
-    if name == "attention":
-        import importlib
+# The short names of the lectures (``from course_utils import grader``, ``cu.attention``): each
+# module lives in the package of its role (docs/ARCHITECTURE.md) and is imported on first use,
+# by name, so that importing the package stays light (no kernels, no Triton) and a grading
+# worker's copy holds only the modules it imports.
+SHORT_NAMES = {
+    # toolbox: GPU tools that know no chapter
+    "bench": "toolbox.bench", "cuda": "toolbox.cuda", "cuda_cpu": "toolbox.cuda_cpu",
+    "doctor": "toolbox.doctor", "hardware": "toolbox.hardware",
+    "occupancy": "toolbox.occupancy", "portability": "toolbox.portability",
+    "trace": "toolbox.trace",
+    # library: what the chapters build
+    "attention": "library.attention", "headlines": "library.headlines",
+    "hopper": "library.hopper", "hopper_pipeline": "library.hopper_pipeline",
+    "kernels": "library.kernels", "kv_cache": "library.kv_cache", "mma": "library.mma",
+    "ops": "library.ops", "ring": "library.ring", "serving": "library.serving",
+    "tinygpt": "library.tinygpt", "ulysses": "library.ulysses",
+    # grading: exercises, checks, the grader and its sandbox
+    "assign": "grading.assign", "checks": "grading.checks", "grader": "grading.grader",
+    "harness": "grading.harness", "ranks": "grading.ranks", "sandbox": "grading.sandbox",
+    "seccomp": "grading.seccomp", "specs": "grading.specs", "watch": "grading.watch",
+    "worker_package": "grading.worker_package",
+    # publishing: what turns recordings and notebooks into pages
+    "colab": "publishing.colab", "plots": "publishing.plots", "results": "publishing.results",
+    "show": "publishing.show", "site": "publishing.site", "text": "publishing.text",
+}  # fmt: skip
 
-        return importlib.import_module(".attention", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __getattr__(name):
+    """``course_utils.<short name>``: the module of :data:`SHORT_NAMES`, imported on first use."""
+    where = SHORT_NAMES.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module = importlib.import_module(f".{where}", __name__)
+    globals()[name] = module
+    return module

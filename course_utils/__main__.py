@@ -7,18 +7,20 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from . import paths
+
+ROOT = paths.REPO
 
 
 def _doctor(args) -> int:
-    from .doctor import main
+    from .toolbox.doctor import main
 
     return main()
 
 
 def _grade(args) -> int:
-    from . import grader
-    from .sandbox import Limits
+    from .grading import grader
+    from .grading.sandbox import Limits
 
     limits = Limits(cell_seconds=args.timeout, exercise_seconds=args.timeout,
                     notebook_seconds=args.notebook_timeout, memory_mb=args.memory_mb)
@@ -30,7 +32,8 @@ def _grade(args) -> int:
 
 
 def _record(args) -> int:
-    from . import grader, recorded, runtime
+    from . import recorded, runtime
+    from .grading import grader
 
     if not runtime.on_gpu():
         print("recording measures on the GPU: run this on a machine with one")
@@ -47,7 +50,7 @@ def _record(args) -> int:
 
 
 def _assign(args) -> int:
-    from .assign import assign
+    from .grading.assign import assign
 
     changed = assign(ROOT, check=args.check)
     if args.check:
@@ -64,7 +67,7 @@ def _assign(args) -> int:
 def _strip(args) -> int:
     import nbformat
 
-    from .assign import clear_outputs
+    from .grading.assign import clear_outputs
 
     for folder in ("notebooks", "solutions"):
         for path in sorted((ROOT / folder).glob("*.ipynb")):
@@ -78,14 +81,14 @@ def _strip(args) -> int:
 
 
 def _portability(args) -> int:
-    from . import portability
+    from .toolbox import portability
 
     return portability.main(tuple(args.arch) if args.arch else portability.ALL_ARCHS,
                             args.file or None)
 
 
 def _text(args) -> int:
-    from .text import to_percent
+    from .publishing.text import to_percent
 
     for path in args.notebooks:
         sys.stdout.write(to_percent(path))
@@ -93,7 +96,7 @@ def _text(args) -> int:
 
 
 def _colab(args) -> int:
-    from . import colab
+    from .publishing import colab
 
     if args.repository:
         colab.set_repository(args.repository, args.branch)
@@ -112,7 +115,7 @@ def _colab(args) -> int:
 
 
 def _results(args) -> int:
-    from .results import main
+    from .publishing.results import main
 
     return main(check_only=args.check)
 
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--file", action="append",
                    choices=["flash_attention_forward.cu", "flash_attention_backward.cu",
                             "flash_attention_mma.cu", "sgemm.cu"],
-                   help="a file of course_utils/kernels to check (repeatable; default all)")
+                   help="a file of course_utils/library/kernels to check (repeatable; default all)")
     p.set_defaults(func=_portability)
     c = sub.add_parser("colab", help="put an Open-in-Colab badge and an installing first cell "
                        "on every notebook, for the course's public repository")

@@ -13,7 +13,9 @@ import json
 import os
 from pathlib import Path
 
-FOLDER = Path(__file__).resolve().parent / "recorded"
+from . import paths
+
+FOLDER = paths.RECORDED
 RECORD_ENV = "COURSE_RECORD"
 
 

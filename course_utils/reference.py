@@ -69,8 +69,8 @@ def attention(q, k, v, causal=False, scale=None, mask=None):
 
 
 def _attention64(q64, k64, v64, align, scale, mask=None):
-    """The formulas on float64 tensors, differentiable (``course_utils.attention`` calls it on
-    tensors that keep their graph). ``align``: None, "top_left" or "bottom_right"."""
+    """The formulas on float64 tensors, differentiable (``course_utils.library.attention`` calls it
+    on tensors that keep their graph). ``align``: None, "top_left" or "bottom_right"."""
     Nq, d = q64.shape[-2], q64.shape[-1]
     Nk = k64.shape[-2]
     if scale is None:

@@ -41,7 +41,7 @@ def warp_forward(Q, K, V, Bc, causal, q0):
 # 2. mma_m16n8k16 patched inside the student's process: a cheap fake (exact float64, no bf16
 # rounding of its inputs) fed the right operands, so that the calls are there and counted
 PATCHED = EXACT + '''
-from course_utils.harness.ch10 import k_fragment, v_fragment
+from course_utils.grading.harness.ch10 import k_fragment, v_fragment
 
 
 def _fake_mma(a, b, c):
@@ -73,7 +73,7 @@ def warp_forward(Q, K, V, Bc, causal, q0):
 # 3. the harness itself replaced: traced_forward returns the exact answer and a forged trace
 # (the right number of calls, operands copied from Q and K, results made up)
 FORGED = EXACT + '''
-import course_utils.harness.ch10 as h
+import course_utils.grading.harness.ch10 as h
 
 
 def _forged(fn, Q, K, V, Bc, causal, q0):
@@ -97,7 +97,7 @@ def warp_forward(Q, K, V, Bc, causal, q0):
 # 4. a forged trace that is consistent with the replay (the real mma on made-up operands),
 # alongside the exact answer
 REPLAYED = EXACT + '''
-import course_utils.harness.ch10 as h
+import course_utils.grading.harness.ch10 as h
 
 _real = mma.mma_m16n8k16
 
@@ -123,7 +123,7 @@ def warp_forward(Q, K, V, Bc, causal, q0):
 SDPA = EXACT + '''
 import torch
 import torch.nn.functional as F
-from course_utils.harness.ch10 import k_fragment
+from course_utils.grading.harness.ch10 import k_fragment
 
 
 def warp_forward(Q, K, V, Bc, causal, q0):
@@ -153,7 +153,7 @@ def register(attack):
 LAUNCHER = '''
 import numpy as np
 import torch
-import course_utils.cuda_cpu as cc
+import course_utils.toolbox.cuda_cpu as cc
 
 
 def _launch_twice(source, kernel, grid, block, Q, K, V, O, LSE, Nq, N, q_offset, scale, causal,

@@ -1,5 +1,5 @@
 """Attack notebooks aimed at chapter 13's ring grader (``13.ring_forward``), whose cells run in
-rank processes that the grader starts (``course_utils.ranks``).
+rank processes that the grader starts (``course_utils.grading.ranks``).
 
 Each attack hands in the honest ring only if its forbidden capability worked (and zeros
 otherwise), so a score of 0 proves that the rank's lock held; the others leave a process behind

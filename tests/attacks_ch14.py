@@ -1,6 +1,6 @@
 """Attack notebooks aimed at chapter 14's descriptor grader (``14.descriptors``), which takes the
-student's descriptor words as data and decodes them with ``course_utils.hopper`` in the grading
-process.
+student's descriptor words as data and decodes them with ``course_utils.library.hopper`` in the
+grading process.
 
 Each attack hands in something that is not the right words and tries to make it pass: the
 model's own decode table (what the words should read) instead of words, words with every
@@ -64,7 +64,7 @@ def descriptor(op, s):
 '''
 
 # The model patched where the student's code runs: any word "reads the right bytes" (the
-# grader's side, course_utils.specs, cannot even be imported there)
+# grader's side, course_utils.grading.specs, cannot even be imported there)
 PATCHED_MODEL = '''
 import numpy as np
 from course_utils import hopper

@@ -1,6 +1,6 @@
 """Attack notebooks aimed at chapter 14's consumer-loop grader (``14.consumer_loop``), which takes
 the student's list of operations as data and runs it on the model of the asynchronous tensor core
-(``course_utils.hopper_pipeline``) in the grading process.
+(``course_utils.library.hopper_pipeline``) in the grading process.
 
 Each attack hands in a wrong loop (or none) and tries to make it pass: a list too long to read, a
 generator that never ends, objects that pretend to be operations, a model patched in the

@@ -11,7 +11,7 @@ import torch
 import course_utils as cu
 from course_utils import bench, checks, reference
 from course_utils import cuda as C
-from course_utils.kernels import flash_attention_triton as fat
+from course_utils.library.kernels import flash_attention_triton as fat
 
 DEV = cu.device()
 DTYPE = cu.pick(gpu=torch.float16, cpu=torch.float32)

@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_utils.assign import (
+from course_utils.grading.assign import (
     PLACEHOLDER_CUDA,
     PLACEHOLDER_PY,
     RAISE_LINE,

@@ -1,4 +1,4 @@
-"""The front door ``course_utils.attention`` (course_utils/attention.py).
+"""The front door ``course_utils.library.attention`` (course_utils/library/attention.py).
 
 Every impl that runs here against the float64 formulas on fresh random inputs: Nq != Nk with
 both causal alignments, length 1, ragged lengths, large logits, the three layouts, strided

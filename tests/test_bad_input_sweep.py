@@ -1,7 +1,7 @@
 """Issue 42: every public attention function of the package, called with bad and edge inputs.
 
 The sweep enumerates the public callables (each module's ``__all__``) of ``course_utils.*`` and
-``course_utils.kernels.*``, finds the attention-like ones (they take ``q, k, v``, or partial
+``course_utils.library.kernels.*``, finds the attention-like ones (they take ``q, k, v``, or partial
 ``O`` and ``LSE`` to merge), and calls each with: a wrong dtype (int64), the meta device (no
 data), a wrong rank, a head dim in k that is not q's, non-contiguous views, empty tensors
 (N = 0, B = 0), a NaN in q, and lengths past the end where a length argument exists. Each call
@@ -49,23 +49,23 @@ D = 16
 # Modules not swept, and why: grading and publishing machinery, process launchers, compilers.
 SKIPPED_MODULES = {
     "course_utils.__main__": "command line entry point",
-    "course_utils.assign": "builds the exercise notebooks (grading machinery)",
-    "course_utils.colab": "notebook environment setup",
-    "course_utils.doctor": "environment report, starts processes",
-    "course_utils.grader": "grading machinery",
-    "course_utils.sandbox": "grading machinery, starts sandboxed workers",
-    "course_utils.seccomp": "sandbox syscall filter",
-    "course_utils.ranks": "starts rank processes for chapter 13's exercises",
-    "course_utils.worker_package": "grading worker packaging",
-    "course_utils.site": "publishing the course site",
-    "course_utils.cuda": "compiles CUDA (NVRTC / nvcc)",
-    "course_utils.cuda_cpu": "compiles CUDA C++ for the CPU (starts a compiler)",
-    "course_utils.portability": "compiles CUDA for several architectures",
-    "course_utils.specs": "exercise specifications (grading machinery)",
-    "course_utils.harness": "exercise-side helpers of the specifications",
-    "course_utils.kernels.sanitize_flash_backward": "compute-sanitizer driver scripts (GPU)",
-    "course_utils.kernels.sanitize_flash_forward": "compute-sanitizer driver scripts (GPU)",
-    "course_utils.kernels.sanitize_flash_mma": "compute-sanitizer driver scripts (GPU)",
+    "course_utils.grading.assign": "builds the exercise notebooks (grading machinery)",
+    "course_utils.publishing.colab": "notebook environment setup",
+    "course_utils.toolbox.doctor": "environment report, starts processes",
+    "course_utils.grading.grader": "grading machinery",
+    "course_utils.grading.sandbox": "grading machinery, starts sandboxed workers",
+    "course_utils.grading.seccomp": "sandbox syscall filter",
+    "course_utils.grading.ranks": "starts rank processes for chapter 13's exercises",
+    "course_utils.grading.worker_package": "grading worker packaging",
+    "course_utils.publishing.site": "publishing the course site",
+    "course_utils.toolbox.cuda": "compiles CUDA (NVRTC / nvcc)",
+    "course_utils.toolbox.cuda_cpu": "compiles CUDA C++ for the CPU (starts a compiler)",
+    "course_utils.toolbox.portability": "compiles CUDA for several architectures",
+    "course_utils.grading.specs": "exercise specifications (grading machinery)",
+    "course_utils.grading.harness": "exercise-side helpers of the specifications",
+    "course_utils.grading.sanitize.flash_backward": "compute-sanitizer driver scripts (GPU)",
+    "course_utils.grading.sanitize.flash_forward": "compute-sanitizer driver scripts (GPU)",
+    "course_utils.grading.sanitize.flash_mma": "compute-sanitizer driver scripts (GPU)",
 }
 
 # Attention-like public functions the sweep does not call, and why.
@@ -276,9 +276,9 @@ def _cu(lens, device):
 def _specs():
     from course_utils import attention as front
     from course_utils import ops, reference, ring, serving, ulysses
-    from course_utils.kernels import flash_attention_tma as tma
-    from course_utils.kernels import flash_attention_triton as fat
-    from course_utils.kernels import flash_decoding as fd
+    from course_utils.library.kernels import flash_attention_tma as tma
+    from course_utils.library.kernels import flash_attention_triton as fat
+    from course_utils.library.kernels import flash_decoding as fd
 
     def dense_build(which):
         return _dense(B=0) if which == "B" else _dense(N=0) if which == "N" else None
@@ -387,7 +387,7 @@ def _specs():
 def _modules():
     names = [m.name for m in pkgutil.iter_modules([str(PACKAGE)], "course_utils.")]
     names += [m.name for m in pkgutil.iter_modules([str(PACKAGE / "kernels")],
-                                                   "course_utils.kernels.")]
+                                                   "course_utils.library.kernels.")]
     return sorted(names)
 
 

@@ -1,4 +1,4 @@
-"""Chapter 03's fused sigmoid-stack kernels (course_utils/kernels/ch03_recompute.py).
+"""Chapter 03's fused sigmoid-stack kernels (course_utils/library/kernels/ch03_recompute.py).
 
 The four kernels against autograd's float64 gradient of sigmoid(sigmoid(sigmoid(x))), on a
 length that is not a multiple of threads x ILP (the last block's guards), with NaN-poisoned
@@ -21,7 +21,7 @@ THREADS = 8
 
 @pytest.fixture(scope="module")
 def kernels():
-    from course_utils.kernels.ch03_recompute import make_sigmoid_kernels
+    from course_utils.library.kernels.ch03_recompute import make_sigmoid_kernels
 
     return {ILP: make_sigmoid_kernels(ILP) for ILP in (1, 3)}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_utils import checks
-from course_utils.checks import CheckFailure
+from course_utils.grading.checks import CheckFailure
 
 TILE = 16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

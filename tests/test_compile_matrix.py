@@ -1,18 +1,19 @@
-"""The compile matrix of the course's own kernels: every CUDA C++ kernel of course_utils/kernels,
-compiled (no GPU) for sm_75, sm_80, sm_86, sm_89 and sm_90 and checked against each generation's
-limits, so that a change that breaks a T4 or an RTX card fails here, on a laptop.
+"""The compile matrix of the course's own kernels: every CUDA C++ kernel of
+course_utils/library/kernels, compiled (no GPU) for sm_75, sm_80, sm_86, sm_89 and sm_90 and checked
+against each generation's limits, so that a change that breaks a T4 or an RTX card fails here, on a
+laptop.
 
 The launch numbers (threads, dynamic shared memory) come from the .cu text itself; the tests
 below also check them against the formulas written out by hand, so a change of a constant in a
-.cu shows up here as well as in the matrix. nvcc's results are cached on disk (course_utils.cuda),
-so only the first run compiles.
+.cu shows up here as well as in the matrix. nvcc's results are cached on disk
+(course_utils.toolbox.cuda), so only the first run compiles.
 """
 
 import pytest
 
 from course_utils import cuda as C
 from course_utils import portability as P
-from course_utils.kernels import sgemm
+from course_utils.library.kernels import sgemm
 
 needs_compiler = pytest.mark.skipif(C.nvcc_path() is None and not C.nvrtc_available(),
                                     reason="needs nvcc or NVRTC (no GPU needed)")

@@ -9,8 +9,8 @@ import torch
 
 import course_utils as cu
 from course_utils import contract, reference
-from course_utils.harness.ch09 import reference_gradients
-from course_utils.kernels import flash_attention_triton as fat
+from course_utils.grading.harness.ch09 import reference_gradients
+from course_utils.library.kernels import flash_attention_triton as fat
 
 DEV = cu.device()
 D = cu.pick(gpu=64, cpu=16)

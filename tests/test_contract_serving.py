@@ -15,7 +15,7 @@ import torch
 
 import course_utils as cu
 from course_utils import checks, ring, serving
-from course_utils.kernels import flash_decoding as fd
+from course_utils.library.kernels import flash_decoding as fd
 
 DEV = cu.device()
 DTYPE = cu.pick(gpu=torch.bfloat16, cpu=torch.float32)

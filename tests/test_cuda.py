@@ -1,4 +1,4 @@
-"""Tests of course_utils.cuda: prototypes read off CUDA source, compile errors shown at the
+"""Tests of course_utils.toolbox.cuda: prototypes read off CUDA source, compile errors shown at the
 student's line, ptxas reports, NVRTC kernels and their argument checks.
 
 Most tests run on a CPU machine: nvcc and NVRTC compile without a GPU (tests that need one of
@@ -655,7 +655,7 @@ def flash_modules():
 
 def _flash_check(fwd, bwd, Q, K, V, dO, causal, case):
     from course_utils import checks
-    from course_utils.harness.ch09 import reference_gradients
+    from course_utils.grading.harness.ch09 import reference_gradients
 
     scale = Q.shape[-1] ** -0.5
     O, LSE = fwd.flash_attention_forward(Q, K, V, causal, scale)

@@ -1,4 +1,4 @@
-"""course_utils.cuda_cpu: the CUDA thread model on the CPU (g++, fibers).
+"""course_utils.toolbox.cuda_cpu: the CUDA thread model on the CPU (g++, fibers).
 
 The three CUDA C++ exercises' solution kernels must give the float64 answer; the emulation must
 report the slips a GPU would hide or punish later: a barrier not every thread reaches, a missing
@@ -177,7 +177,7 @@ __global__ void probe(float* out, int* n) {
 # Shuffles, votes and __syncwarp are warp collectives in the emulation: the lanes of the mask
 # meet, exchange, go on; a lane that does not come is an error naming the warp and the lanes.
 # mma_helpers.cuh's mma and ldmatrix are collectives of the whole warp, checked here against
-# course_utils.mma (the model the chapter-10 lecture draws its fragment maps from).
+# course_utils.library.mma (the model the chapter-10 lecture draws its fragment maps from).
 
 SHUFFLES = r"""
 __global__ void warp_sums(const float* x, float* sums, int* votes, float* moved, int n) {

@@ -1,8 +1,8 @@
 """The CUDA C++ exercises (04.cuda_tiled_qk, 06.no_local_memory, 07.combine_splits): the slips
 students make, each failing a visible case with the hint that names it.
 
-Without a GPU the cases run the kernel on the CPU emulation (``course_utils.cuda_cpu``); with
-one, the real build. The slips the emulation finds by its thread order (a missing barrier, an
+Without a GPU the cases run the kernel on the CPU emulation (``course_utils.toolbox.cuda_cpu``);
+with one, the real build. The slips the emulation finds by its thread order (a missing barrier, an
 early return before a barrier) are checked on the CPU only: a GPU may well run them right.
 """
 
@@ -47,7 +47,7 @@ class PtxasSlip(Slip):
     """A slip that only ptxas's report shows (nvcc or NVRTC must be installed)."""
 
     def fails(self):
-        from course_utils.cuda import nvcc_path, nvrtc_available
+        from course_utils.toolbox.cuda import nvcc_path, nvrtc_available
 
         if nvcc_path() is None and not nvrtc_available():
             pytest.skip("no CUDA compiler: ptxas's report is what shows this slip")
@@ -151,7 +151,7 @@ def test_without_a_cuda_compiler_the_emulation_checks_the_tiles(monkeypatch):
     if on_gpu():
         pytest.skip("the CPU path")
     from course_utils import grader
-    from course_utils.specs import ch04
+    from course_utils.grading.specs import ch04
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("resource_usage needs a CUDA compiler and found none")

@@ -1,5 +1,5 @@
-"""Chapter 14's Hopper FlashAttention (course_utils/kernels/flash_attention_hopper.cu) and the CPU
-model of its shared-memory layout (course_utils/hopper.py).
+"""Chapter 14's Hopper FlashAttention (course_utils/library/kernels/flash_attention_hopper.cu) and
+the CPU model of its shared-memory layout (course_utils/library/hopper.py).
 
 On a CPU: the 128-byte swizzle model against its defining properties; the kernel's wgmma
 descriptors (mirrored here from the .cu) read exactly the tile elements each product needs, as

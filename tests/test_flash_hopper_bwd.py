@@ -1,10 +1,11 @@
-"""Chapter 14's Hopper FlashAttention backward (course_utils/kernels/flash_attention_hopper_bwd.cu).
+"""Chapter 14's Hopper FlashAttention backward
+(course_utils/library/kernels/flash_attention_hopper_bwd.cu).
 
 On a CPU:
 * every wgmma descriptor the kernel builds (mirrored here from the .cu, and the .cu checked to
   still contain each line) reads exactly the tile elements each k-step of its product needs, as
-  TMA laid the tiles out (course_utils.hopper's model), and the dS^T tile the consumers write
-  with st.shared is read back by the transposed-A descriptor as dS;
+  TMA laid the tiles out (course_utils.library.hopper's model), and the dS^T tile the consumers
+  write with st.shared is read back by the transposed-A descriptor as dS;
 * the register bookkeeping: the packed P^T / dS^T words are the A fragments of the next products,
   every element of dQ_i, dK and dV is written by exactly one thread;
 * a numpy model of the whole backward in the kernel's order (per key block, per query block, per
@@ -32,7 +33,7 @@ from spec_helpers import poison_free_cuda_memory
 
 from course_utils import checks, hopper, portability, runtime
 from course_utils import cuda as C
-from course_utils.harness.ch09 import grad_tolerance, reference_gradients
+from course_utils.grading.harness.ch09 import grad_tolerance, reference_gradients
 
 KERNELS = Path(__file__).resolve().parents[1] / "course_utils" / "kernels"
 SOURCE = KERNELS / "flash_attention_hopper_bwd.cu"
@@ -693,7 +694,7 @@ def _persistent_block(steps, stages, rng, bug=None):
     kernel writes them.
     steps[n]: the query blocks of the block's n-th tile (0: a causal key block no query sees).
     Returns None when every tile is read as it should be, else what went wrong."""
-    from course_utils.hopper_pipeline import _Mbarrier
+    from course_utils.library.hopper_pipeline import _Mbarrier
 
     END = len(steps)
     kv_full, kv_empty = _Mbarrier(1), _Mbarrier(CONSUMERS)

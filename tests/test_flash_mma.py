@@ -1,4 +1,4 @@
-"""Chapter 10's tensor-core FlashAttention (course_utils/kernels/flash_attention_mma.cu).
+"""Chapter 10's tensor-core FlashAttention (course_utils/library/kernels/flash_attention_mma.cu).
 
 On a CPU: the source compiles for sm_90 and sm_80 with nvcc and with NVRTC, without spills. On a
 GPU: the forward and the backward against the float64 reference (autograd for the gradients) on

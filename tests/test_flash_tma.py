@@ -1,4 +1,5 @@
-"""Chapter 14's Triton forwards (course_utils/kernels/flash_attention_tma.py): TMA, persistent, FP8.
+"""Chapter 14's Triton forwards (course_utils/library/kernels/flash_attention_tma.py): TMA,
+persistent, FP8.
 
 The TMA forward (grid and persistent) against the float64 reference on chapter 09's edge cases
 (N not a multiple of the tile, Nq != Nk both ways, N = 1, causal, large logits, d = 16..128),
@@ -16,7 +17,7 @@ import triton.language as tl
 
 import course_utils as cu
 from course_utils import checks, reference
-from course_utils.kernels import flash_attention_tma as tma
+from course_utils.library.kernels import flash_attention_tma as tma
 
 GPU = cu.on_gpu()
 DEV = cu.device()
@@ -528,8 +529,8 @@ def test_gpu_fp8_hardware_and_fp32_rounding_of_p_agree():
 # Against float64 autograd-free gradients of exact attention (chapter 09's closed form,
 # reference_gradients), with chapter 09's gradient tolerances, into NaN-poisoned outputs.
 
-from course_utils.harness.ch09 import grad_tolerance, reference_gradients  # noqa: E402
-from course_utils.kernels import flash_attention_triton as fat  # noqa: E402
+from course_utils.grading.harness.ch09 import grad_tolerance, reference_gradients  # noqa: E402
+from course_utils.library.kernels import flash_attention_triton as fat  # noqa: E402
 
 
 def _bwd_problem(shape, dtype, d=D, score_std=1.0):

@@ -1,4 +1,5 @@
-"""The Triton FlashAttention-2 of chapter 09 (course_utils/kernels/flash_attention_triton.py).
+"""The Triton FlashAttention-2 of chapter 09
+(course_utils/library/kernels/flash_attention_triton.py).
 
 Forward O and LSE, and the backward dQ, dK, dV (through the kernels and through autograd),
 against the float64 reference on the edge cases: N not a multiple of the tile, Nq != Nk with
@@ -17,8 +18,8 @@ import triton.language as tl
 
 import course_utils as cu
 from course_utils import checks, reference
-from course_utils.harness.ch09 import grad_tolerance, reference_gradients
-from course_utils.kernels import flash_attention_triton as fat
+from course_utils.grading.harness.ch09 import grad_tolerance, reference_gradients
+from course_utils.library.kernels import flash_attention_triton as fat
 
 GPU = cu.on_gpu()
 DEV = cu.device()

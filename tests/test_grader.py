@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from course_utils import grader, specs
-from course_utils.checks import CheckFailure
-from course_utils.grader import Exercise
+from course_utils.grading.checks import CheckFailure
+from course_utils.grading.grader import Exercise
 
 demo = Exercise("99.double", "Double a tensor", points=4, forbidden=("softmax",))
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from course_utils import checks, grader, specs
-from course_utils.checks import CheckFailure
+from course_utils.grading.checks import CheckFailure
 
 SECONDS = 20.0  # one exercise, every case, hidden ones included
 MEGABYTES = 100.0  # growth of the resident memory while it runs
@@ -342,7 +342,7 @@ def test_a_deep_list_is_refused_without_recursion():
 
 
 def test_the_wait_placement_replay_is_linear():
-    from course_utils.specs import ch10
+    from course_utils.grading.specs import ch10
 
     n = 500_000  # 10**6 ops: the quadratic replay took hours on this
     ops = [("commit",)] * n + [("wait", 0)] * n

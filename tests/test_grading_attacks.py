@@ -206,7 +206,7 @@ attack("course_reference", [
     "    return _ref(Q, K, V, mask=keep, scale=scale)[0].float()",
     CHECK_NAIVE], {"01.naive_attention": 0})
 attack("import_grader_specs", [
-    "from course_utils.specs import ch01\nquery_block_peak_bytes = ch01.memory_formula",
+    "from course_utils.grading.specs import ch01\nquery_block_peak_bytes = ch01.memory_formula",
     MEMORY_WRONG, CHECK_MEMORY], {"01.memory_formula": 0})
 
 # --- reaching outside the sandbox (Landlock) ---------------------------------------------------
@@ -266,7 +266,7 @@ attack("watch_patched_to_nothing", [
     _sdpa_attention(f"F.scaled_dot_product_attention({_SDPA_ARGS})"), CHECK_NAIVE],
     {"01.naive_attention": 0})
 attack("harness_patched_to_lie", [
-    "import course_utils.harness as h\n"
+    "import course_utils.grading.harness as h\n"
     "h.largest_created = lambda fn, *a, **k: (fn(*a, **k), 1)\n"
     "h.stub_reason.__code__ = (lambda obj: '').__code__",
     _sdpa_attention(f"F.scaled_dot_product_attention({_SDPA_ARGS})"), CHECK_NAIVE],

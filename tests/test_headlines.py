@@ -1,5 +1,6 @@
 """Headlines: the chapter-14 variant is fixed before timing, and a recording prints as medians
-with their spread (the measurement itself runs on a GPU: `python -m course_utils.headlines`)."""
+with their spread (the measurement itself runs on a GPU: `python -m
+course_utils.library.headlines`)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""course::kv_cache_write (course_utils/kv_cache.py): a mutating custom op.
+"""course::kv_cache_write (course_utils/library/kv_cache.py): a mutating custom op.
 
 The write against an out-of-place reference (skipped slots, int32 slots, strided caches and
 inputs), torch.library.opcheck, torch.compile(fullgraph=True): the captured graph holds

@@ -1,4 +1,4 @@
-"""The CPU model of mma.sync.m16n8k16 and ldmatrix (course_utils/mma.py).
+"""The CPU model of mma.sync.m16n8k16 and ldmatrix (course_utils/library/mma.py).
 
 The layouts are checked against facts that do not depend on the model's own formulas: every
 element is held by exactly one (lane, value), a row of C lives in the 4 lanes of one group,
@@ -170,7 +170,7 @@ def test_the_model_matches_the_hardware():
     import torch
 
     from course_utils import runtime
-    from course_utils.cuda import load_cuda
+    from course_utils.toolbox.cuda import load_cuda
 
     if not runtime.on_gpu():
         pytest.skip("needs a CUDA GPU (sm_80 or newer)")

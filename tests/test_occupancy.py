@@ -115,7 +115,7 @@ __global__ void shared_kernel(float* out) {
 @pytest.mark.parametrize(("threads", "dynamic"), [(32, 0), (128, 0), (256, 8192), (1024, 0),
                                                    (128, 30 * 1024)])  # fmt: skip
 def test_calculator_matches_driver(name, threads, dynamic):
-    from course_utils.cuda import compile_kernel
+    from course_utils.toolbox.cuda import compile_kernel
 
     kernel = compile_kernel(DRIVER_SOURCE, name)
     used = occ.driver_resources(kernel)
@@ -146,7 +146,7 @@ __global__ void heavy_kernel(const float* x, float* out, int n) {
 @pytest.mark.skipif(not on_gpu(), reason="needs a GPU to ask the driver")
 @pytest.mark.parametrize("R", [24, 56, 120, 200])
 def test_calculator_matches_driver_when_registers_limit(R):
-    from course_utils.cuda import compile_kernel
+    from course_utils.toolbox.cuda import compile_kernel
 
     kernel = compile_kernel(HEAVY_SOURCE, f"heavy_kernel<{R}>")
     used = occ.driver_resources(kernel)

@@ -1,4 +1,4 @@
-"""The course's attention as PyTorch operators (course_utils/ops.py) and the tiny GPT.
+"""The course's attention as PyTorch operators (course_utils/library/ops.py) and the tiny GPT.
 
 The op against the float64 reference (forward O and LSE, gradients of O and of the LSE) on
 ragged lengths, N = 1, causal and Nq != Nk; torch.library.opcheck (schema, fake tensors and
@@ -16,7 +16,7 @@ import torch
 
 import course_utils as cu
 from course_utils import ops, reference, tinygpt
-from course_utils.harness.ch09 import grad_tolerance, reference_gradients
+from course_utils.grading.harness.ch09 import grad_tolerance, reference_gradients
 
 GPU = cu.on_gpu()
 DEV = cu.device()

@@ -1,4 +1,4 @@
-"""The operator's contract (course_utils/ops.py, issue 42) over a generated set of inputs.
+"""The operator's contract (course_utils/library/ops.py, issue 42) over a generated set of inputs.
 
 Every generated case draws q's layout (contiguous, a transposed (B, N, H, d) view, a slice along
 N, a slice of d's storage, a slice of a fused QKV projection, d-major), the K/V layout (the same,

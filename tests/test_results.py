@@ -4,9 +4,9 @@ No number in them is typed: `python -m course_utils results` writes both from
 `course_utils/recorded/*.json`, and these tests fail when a committed file and the recordings
 disagree, when the README outgrows the front door, or when a headline lacks its device or
 baseline. Chapters 10 and 14 take their headline from `NN_headline.json` (interleaved rounds,
-`course_utils.headlines`) and fall back to the lecture's recording, saying so, until it exists.
-Issue 43's recordings (11_decode_headline, 12_profile, 13_ring_benchmark, 13_ulysses) each have a
-renderer chosen by content, exercised on the real recording and on a minimal synthetic one.
+`course_utils.library.headlines`) and fall back to the lecture's recording, saying so, until it
+exists. Issue 43's recordings (11_decode_headline, 12_profile, 13_ring_benchmark, 13_ulysses) each
+have a renderer chosen by content, exercised on the real recording and on a minimal synthetic one.
 """
 
 import json

@@ -206,7 +206,7 @@ def test_launch_refuses_a_function_spawn_cannot_import():
 
 
 # ----------------------------------------------------------------------------- graded ranks
-# course_utils.ranks: the grader's own rank processes for 13.ring_forward.
+# course_utils.grading.ranks: the grader's own rank processes for 13.ring_forward.
 
 _PROBE = '''
 import glob, os, socket

@@ -94,7 +94,7 @@ def test_capability_and_pretending_an_older_gpu(monkeypatch):
     monkeypatch.setenv(cu.runtime.PRETEND_ENV, "7.5")  # a T4's features on this GPU
     assert cu.capability() == (7, 5)
     assert cu.half_dtype(verbose=False) is torch.float16
-    from course_utils.kernels import flash_attention_triton as fat
+    from course_utils.library.kernels import flash_attention_triton as fat
 
     q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="sm_75"):

@@ -39,7 +39,7 @@ def refused(make, *args):
     return False
 """
 INSTALL = """
-from course_utils.seccomp import deny_sockets
+from course_utils.grading.seccomp import deny_sockets
 STATUS = deny_sockets()
 assert STATUS.startswith("seccomp: sockets denied"), STATUS
 """
@@ -65,7 +65,8 @@ def filtered():
     """Skip (with the reason) where the filter cannot be installed: another arch, no seccomp."""
     if sys.platform != "linux":
         pytest.skip("seccomp filters are Linux only")
-    proc = subprocess.run([sys.executable, "-c", "from course_utils.seccomp import deny_sockets;"
+    proc = subprocess.run([sys.executable, "-c",
+                           "from course_utils.grading.seccomp import deny_sockets;"
                            "print(deny_sockets())"], capture_output=True, text=True, cwd=ROOT,
                           env=child_env(), timeout=60)  # fmt: skip
     status = proc.stdout.strip()
@@ -291,7 +292,7 @@ def test_without_seccomp_syscall_prctl_covers_the_calling_thread(filtered):
         thread.start()
         """,
         install="""
-        from course_utils.seccomp import deny_sockets
+        from course_utils.grading.seccomp import deny_sockets
         STATUS = deny_sockets()
         """,
         after="""
@@ -392,7 +393,7 @@ def test_an_unknown_arch_installs_nothing(filtered):
         platform.machine = lambda: "riscv64"
         """,
         install="""
-        from course_utils.seccomp import deny_sockets
+        from course_utils.grading.seccomp import deny_sockets
         STATUS = deny_sockets()
         """,
         after="""

@@ -1,4 +1,5 @@
-"""Chapter 11: attention as it is served (course_utils/serving.py, kernels/flash_decoding.py).
+"""Chapter 11: attention as it is served (course_utils/library/serving.py,
+kernels/flash_decoding.py).
 
 First the float64 references against a brute-force loop and SDPA, and the helpers (packing, the
 bottom-right mask, pages, the LSE merge, the PyTorch split-KV). Then the Triton kernels against
@@ -17,7 +18,7 @@ import torch
 
 import course_utils as cu
 from course_utils import checks, reference, serving
-from course_utils.kernels import flash_decoding as fd
+from course_utils.library.kernels import flash_decoding as fd
 
 GPU = cu.on_gpu()
 DEV = cu.device()

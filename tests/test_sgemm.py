@@ -1,4 +1,4 @@
-"""Chapter 04's CUDA C++ matmul ladder (course_utils/kernels/sgemm.{cu,py}).
+"""Chapter 04's CUDA C++ matmul ladder (course_utils/library/kernels/sgemm.{cu,py}).
 
 On a CPU: the step table matches the source, every step's kernel can be printed, and the file
 compiles for sm_90 with nothing spilled. On a GPU: every step against float64 on shapes that are
@@ -14,7 +14,7 @@ import torch
 
 from course_utils import cuda as C
 from course_utils import runtime
-from course_utils.kernels import sgemm
+from course_utils.library.kernels import sgemm
 
 HAS_GPU = runtime.on_gpu()
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")

@@ -3,8 +3,8 @@
 import pytest
 
 from course_utils import show
-from course_utils.harness.ch07 import KERNEL_PATH
-from course_utils.show import PLAIN_MAX_LINES, show_source, source_view
+from course_utils.grading.harness.ch07 import KERNEL_PATH
+from course_utils.publishing.show import PLAIN_MAX_LINES, show_source, source_view
 
 LOOP, EPILOGUE = "    for (int j = 0; j < n_tiles; ++j)", "// END EPILOGUE"
 
@@ -14,8 +14,8 @@ def test_markers_pick_the_lines_and_the_summary_names_the_file():
     v = source_view(KERNEL_PATH, start=LOOP, end=EPILOGUE, title="the K/V loop")
     assert v.lines[0].startswith(LOOP) and EPILOGUE in v.lines[-1]
     assert lines[v.first - 1] == v.lines[0] and lines[v.last - 1] == v.lines[-1]
-    assert v.summary == (f"the K/V loop (course_utils/kernels/flash_attention_forward.cu, lines "
-                         f"{v.first}-{v.last} of {len(lines)})")  # fmt: skip
+    assert v.summary == ("the K/V loop (course_utils/library/kernels/flash_attention_forward.cu, "
+                         f"lines {v.first}-{v.last} of {len(lines)})")  # fmt: skip
 
 
 def test_html_is_folded_highlighted_and_has_no_table_rows():
@@ -33,8 +33,8 @@ def test_plain_text_is_short_and_says_what_is_left():
     text = str(v)
     assert len(text.splitlines()) == 1 + PLAIN_MAX_LINES + 1
     assert text.splitlines()[-1] == (f"... {v.total - PLAIN_MAX_LINES} more lines in "
-                                     f"course_utils/kernels/flash_attention_forward.cu (lines "
-                                     f"{PLAIN_MAX_LINES + 1}-{v.total})")  # fmt: skip
+                                     "course_utils/library/kernels/flash_attention_forward.cu "
+                                     f"(lines {PLAIN_MAX_LINES + 1}-{v.total})")  # fmt: skip
     short = str(source_view(KERNEL_PATH, 1, 3))
     assert "more lines" not in short and len(short.splitlines()) == 4
 
@@ -56,8 +56,8 @@ def test_show_source_displays_html_in_jupyter(monkeypatch):
 
 def test_python_objects_and_relative_paths():
     v = source_view(source_view)
-    assert v.name == "course_utils/show.py" and v.lines[0].startswith("def source_view(")
-    assert source_view("course_utils/show.py", 1, 1).lines[0].startswith('"""')
+    assert v.name == "course_utils/publishing/show.py" and v.lines[0].startswith("def source_view(")
+    assert source_view("course_utils/publishing/show.py", 1, 1).lines[0].startswith('"""')
 
 
 def test_bad_markers_and_ranges_say_what_is_wrong():

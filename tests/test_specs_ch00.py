@@ -5,7 +5,7 @@ from numba import cuda
 from spec_helpers import Slip
 
 from course_utils import grader
-from course_utils.specs import ch00
+from course_utils.grading.specs import ch00
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

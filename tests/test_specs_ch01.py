@@ -7,8 +7,8 @@ import torch
 from spec_helpers import Slip
 
 from course_utils import grader, reference
-from course_utils.harness.ch01 import measured_peak_bytes
-from course_utils.specs import ch01
+from course_utils.grading.harness.ch01 import measured_peak_bytes
+from course_utils.grading.specs import ch01
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

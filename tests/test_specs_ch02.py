@@ -11,9 +11,9 @@ from numba import cuda, float32
 from spec_helpers import Slip, module_builder, solution_source
 
 from course_utils import grader, runtime
-from course_utils.checks import CheckFailure
-from course_utils.harness.ch02 import THREADS
-from course_utils.specs import ch02
+from course_utils.grading.checks import CheckFailure
+from course_utils.grading.harness.ch02 import THREADS
+from course_utils.grading.specs import ch02
 
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions/02_softmax_stable_and_online.ipynb"
 BASE = solution_source(SOLUTION, lambda s: s.startswith("import math") or "BEGIN SOLUTION" in s)

@@ -11,7 +11,7 @@ import pytest
 from spec_helpers import Slip, module_builder, solution_source, stub
 
 from course_utils import grader
-from course_utils.specs import ch03
+from course_utils.grading.specs import ch03
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
@@ -239,7 +239,7 @@ def test_unknown_slips_get_the_generic_hint():
 def test_the_slips_differ_from_the_answer_on_every_visible_case_they_name():
     """Each mistake model of the bound exercise is told apart from the answer somewhere
     visible, or its slip could not be named before grading."""
-    from course_utils.checks import Mistake
+    from course_utils.grading.checks import Mistake
 
     told = set()
     for case in ch03.bound.cases:

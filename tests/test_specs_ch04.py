@@ -7,10 +7,10 @@ from numba import cuda, float32
 from spec_helpers import Slip
 
 from course_utils import grader
-from course_utils.checks import CheckFailure
-from course_utils.harness import ch04 as harness
+from course_utils.grading.checks import CheckFailure
+from course_utils.grading.harness import ch04 as harness
+from course_utils.grading.specs import ch04
 from course_utils.runtime import on_gpu
-from course_utils.specs import ch04
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
@@ -183,7 +183,7 @@ NAIVE_BODY = r"""
 
 
 def _cuda_available():
-    from course_utils.cuda import nvcc_path, nvrtc_available
+    from course_utils.toolbox.cuda import nvcc_path, nvrtc_available
 
     return nvcc_path() is not None or nvrtc_available()
 
@@ -194,7 +194,8 @@ needs_compiler = pytest.mark.skipif(not _cuda_available(), reason="no nvcc or NV
 @needs_compiler
 def test_cuda_right_body():
     r = grader.check("04.cuda_tiled_qk", CUDA_TEMPLATE.replace("BODY", RIGHT_BODY))
-    assert r.status == "passed"  # without a GPU: on the CPU emulation (course_utils.cuda_cpu)
+    # without a GPU: on the CPU emulation (course_utils.toolbox.cuda_cpu)
+    assert r.status == "passed"
     # a function returning the source is accepted too
     r2 = grader.check("04.cuda_tiled_qk", lambda: CUDA_TEMPLATE.replace("BODY", RIGHT_BODY))
     assert r2.status == r.status

@@ -7,9 +7,9 @@ from numba import cuda, float32
 from spec_helpers import Slip
 
 from course_utils import grader, runtime
-from course_utils.checks import CheckFailure
-from course_utils.harness import ch05 as harness
-from course_utils.specs import ch05
+from course_utils.grading.checks import CheckFailure
+from course_utils.grading.harness import ch05 as harness
+from course_utils.grading.specs import ch05
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

@@ -6,8 +6,8 @@ import pytest
 from spec_helpers import Slip
 
 from course_utils import grader
-from course_utils.cuda import nvcc_path, nvrtc_available
-from course_utils.specs import ch06
+from course_utils.grading.specs import ch06
+from course_utils.toolbox.cuda import nvcc_path, nvrtc_available
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 needs_compiler = pytest.mark.skipif(
@@ -62,7 +62,7 @@ def test_ptxas_case_measures_the_compiler():
     assert r.status == "failed" and r.passed >= 1  # only the "one small block" case is right
     only_ptxas = [c for c in ch06.launch_bounds.cases if c.name.startswith("ptxas")]
     assert len(only_ptxas) == 1
-    from course_utils.checks import CheckFailure
+    from course_utils.grading.checks import CheckFailure
 
     with pytest.raises(CheckFailure, match="ptxas gave the kernel 168 registers"):
         only_ptxas[0].run(lambda t, b, s: ch06.searched_max_registers(t, b, s) if t != 320 else 204)

@@ -16,8 +16,8 @@ from numba import cuda
 from spec_helpers import Slip, module_builder, solution_source
 
 from course_utils import grader
-from course_utils.harness import ch07 as harness
-from course_utils.specs import ch07
+from course_utils.grading.harness import ch07 as harness
+from course_utils.grading.specs import ch07
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
@@ -337,7 +337,7 @@ def test_combine_without_a_cuda_compiler_still_scores_on_a_cpu(monkeypatch):
 
 def _emulated_gpu(monkeypatch, bug=None):
     """The GPU path of 07.combine_splits on a CPU: NVRTC replaced by a torch emulation."""
-    import course_utils.cuda
+    import course_utils.toolbox.cuda
 
     def launch(grid, block, O_parts, LSE_parts, O, LSE, n_splits, rows, d):
         assert grid == (rows,) and block == (d,) and O_parts.shape == (n_splits, rows, d)
@@ -351,7 +351,7 @@ def _emulated_gpu(monkeypatch, bug=None):
         O.copy_(got_O)
         LSE.copy_(got_LSE)
 
-    monkeypatch.setattr(course_utils.cuda, "compile_kernel", lambda source, name: launch)
+    monkeypatch.setattr(course_utils.toolbox.cuda, "compile_kernel", lambda source, name: launch)
     monkeypatch.setattr(harness, "_compiled", {})
     monkeypatch.setattr(ch07, "on_gpu", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)

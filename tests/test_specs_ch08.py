@@ -14,7 +14,7 @@ import torch
 from spec_helpers import Slip, module_builder, solution_source
 
 from course_utils import grader
-from course_utils.specs import ch08
+from course_utils.grading.specs import ch08
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

@@ -26,7 +26,8 @@ pytestmark = [
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "09_triton_flash_attention.ipynb"
 _HEADER = """import triton
 import triton.language as tl
-from course_utils.kernels.flash_attention_triton import causal_split_kv, dkdv_inner  # noqa: F401
+from course_utils.library.kernels.flash_attention_triton import (  # noqa: F401
+    causal_split_kv, dkdv_inner)
 
 """
 _MARKER = re.compile(r"^\s*### (BEGIN|END) SOLUTION\s*$")
@@ -215,7 +216,7 @@ def test_gqa_dkdv_stub_is_not_implemented(tmp_path):
 def test_the_package_kernels_pieces_are_not_answers():
     # The issue's attack: hand in the course kernel's own device functions, re-jitted. The
     # exercises are variants (a window, grouped heads), so these fail instead of scoring.
-    from course_utils.kernels import flash_attention_triton as fat
+    from course_utils.library.kernels import flash_attention_triton as fat
 
     for exercise, piece in [("09.window_split", fat.causal_split),
                             ("09.window_inner", fat.forward_inner)]:

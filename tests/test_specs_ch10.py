@@ -14,8 +14,8 @@ from spec_helpers import (
 )
 
 from course_utils import cuda, grader, runtime
-from course_utils.checks import CheckFailure
-from course_utils.specs import ch10
+from course_utils.grading.checks import CheckFailure
+from course_utils.grading.specs import ch10
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
@@ -57,7 +57,7 @@ def test_k32_probe_compiles():
 
 @pytest.mark.skipif(not runtime.on_gpu(), reason="needs a CUDA GPU (sm_80 or newer)")
 def test_k32_map_meets_the_hardware():
-    from course_utils.grader import LocalCandidate
+    from course_utils.grading.grader import LocalCandidate
 
     ch10._hardware_case(LocalCandidate(_k32()))  # the PTX table is what the instruction reads
     for slip in (dict(swap_halves=True), dict(no_k_half=True), dict(reversed_bytes=True)):
@@ -183,9 +183,11 @@ def test_loop_exact_softmax_without_mma_is_refused():
 
 
 def test_loop_from_another_module_name_is_traced():
-    # ``from course_utils.mma import mma_m16n8k16`` is traced as well as ``mma.mma_m16n8k16``
+    # ``from course_utils.library.mma import mma_m16n8k16`` is traced as well as
+    # ``mma.mma_m16n8k16``
     fn = loop(("from course_utils import grader, mma",
-               "from course_utils import grader, mma\nfrom course_utils.mma import mma_m16n8k16"),
+               "from course_utils import grader, mma\n"
+               "from course_utils.library.mma import mma_m16n8k16"),
               ("o[nd] = mma.mma_m16n8k16(p_a,", "o[nd] = mma_m16n8k16(p_a,"))()
     assert grader.check("10.warp_loop", fn).status == "passed"
 
@@ -424,8 +426,8 @@ def test_simulator_rules():
 
 def test_loop_trace_with_a_changed_result_is_refused():
     # the grader replays every recorded mma: a result the primitive did not compute fails
-    from course_utils.harness.ch10 import traced_forward
-    from course_utils.specs import ch10_loop
+    from course_utils.grading.harness.ch10 import traced_forward
+    from course_utils.grading.specs import ch10_loop
 
     rng = np.random.default_rng(3)
     Q, K, V = ch10_loop._inputs(rng, 40, 32, 1.0)

@@ -12,8 +12,8 @@ import torch
 from spec_helpers import fails_visibly, module_builder, solution_source, stub
 
 from course_utils import grader
-from course_utils.harness.ch11 import prefix_reads
-from course_utils.specs import ch11
+from course_utils.grading.harness.ch11 import prefix_reads
+from course_utils.grading.specs import ch11
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

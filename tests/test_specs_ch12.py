@@ -13,8 +13,8 @@ import torch
 from spec_helpers import fails_visibly, module_builder, solution_source, stub
 
 from course_utils import grader
-from course_utils.harness import ch12 as harness
-from course_utils.specs import ch12
+from course_utils.grading.harness import ch12 as harness
+from course_utils.grading.specs import ch12
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

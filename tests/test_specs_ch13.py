@@ -2,7 +2,7 @@
 
 The right answers are the solution notebook's own cells (written to a module); each slip
 (``NAMED_MISTAKES``) is that code with one edit. The ring's slips run in the grader's rank
-processes (``course_utils.ranks``), a few seconds per case.
+processes (``course_utils.grading.ranks``), a few seconds per case.
 """
 
 from pathlib import Path
@@ -11,8 +11,8 @@ import pytest
 from spec_helpers import Slip, fails_visibly, module_builder, solution_source, stub
 
 from course_utils import grader
-from course_utils.checks import CheckFailure
-from course_utils.specs import ch13
+from course_utils.grading.checks import CheckFailure
+from course_utils.grading.specs import ch13
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

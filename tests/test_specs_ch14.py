@@ -2,8 +2,8 @@
 
 The right answer is the solution notebook's own cell (written to a module); each named slip
 (``NAMED_MISTAKES``) is that code with one edit and must fail a *visible* case whose hint names
-the field. The byte model the grader decodes with (``course_utils.hopper``) is checked here on
-its own too: the 64- and 32-byte swizzles keep 16-byte chunks whole, spread a column of chunks
+the field. The byte model the grader decodes with (``course_utils.library.hopper``) is checked here
+on its own too: the 64- and 32-byte swizzles keep 16-byte chunks whole, spread a column of chunks
 over the banks, and the descriptors of the lecture's kernel still read what it needs.
 """
 
@@ -16,8 +16,8 @@ from spec_helpers import Slip, module_builder, solution_source
 
 from course_utils import cuda as C
 from course_utils import grader, hopper
-from course_utils.checks import CheckFailure
-from course_utils.specs import ch14
+from course_utils.grading.checks import CheckFailure
+from course_utils.grading.specs import ch14
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

@@ -3,8 +3,8 @@ mistakes of an overlapped loop, naming the operation, the tile and the cause.
 
 The right answer is the solution notebook's own cell (written to a module); each named slip
 (``NAMED_MISTAKES``) is that code with one edit, or the loop without overlap, and must fail a
-*visible* case whose hint names the cause. The model (``course_utils.hopper_pipeline``) is checked
-on its own too: its numbers against float64, its hazards in a random order, and the CUDA it
+*visible* case whose hint names the cause. The model (``course_utils.library.hopper_pipeline``) is
+checked on its own too: its numbers against float64, its hazards in a random order, and the CUDA it
 generates for the GPU build, which must compile for sm_90a where nvcc is.
 """
 
@@ -19,7 +19,7 @@ from spec_helpers import Slip, module_builder, solution_source
 from course_utils import cuda as C
 from course_utils import grader
 from course_utils import hopper_pipeline as hp
-from course_utils.specs import ch14_overlap
+from course_utils.grading.specs import ch14_overlap
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 

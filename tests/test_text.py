@@ -1,4 +1,4 @@
-"""Notebooks as percent-format text (course_utils.text): the view git diffs show."""
+"""Notebooks as percent-format text (course_utils.publishing.text): the view git diffs show."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import nbformat
 
-from course_utils.text import to_percent
+from course_utils.publishing.text import to_percent
 
 ROOT = Path(__file__).resolve().parent.parent
 

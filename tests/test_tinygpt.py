@@ -1,5 +1,5 @@
 """The tiny GPT's data, its entropy floor, the direct comparison and the profiler's split
-(course_utils/tinygpt.py, chapter 12).
+(course_utils/library/tinygpt.py, chapter 12).
 
 The generated batches are sums, fresh every call and the same for one seed; the validation set
 is fixed and not a training batch; the entropy floor is exact (against brute force over all

@@ -37,7 +37,7 @@ from torch.autograd import _enable_profiler_legacy as _captured_start_profiler
 from torch.autograd import _enable_record_function as _captured_record_function
 
 from course_utils import specs, watch
-from course_utils.watch import EXIT_BUDGET, ForbiddenCall, forbid
+from course_utils.grading.watch import EXIT_BUDGET, ForbiddenCall, forbid
 
 PYTHON_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
 SOFTMAX = "02.stable_softmax"  # softmax, log_softmax, logsumexp forbidden
@@ -146,8 +146,8 @@ def test_honest_cascade_reads_its_offsets():
 def test_checkers_beside_the_candidate_still_work():
     """The grader's own modes (harness.largest_created, harness.ch11.prefix_reads) run above the
     watch's and may read storages; a nested watch works too."""
-    from course_utils.harness import largest_created
-    from course_utils.harness.ch11 import prefix_reads
+    from course_utils.grading.harness import largest_created
+    from course_utils.grading.harness.ch11 import prefix_reads
 
     Q, K, V = qkv()
     ex = specs.get(FORWARD)

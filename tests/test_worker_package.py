@@ -1,5 +1,5 @@
-"""The package a grading worker imports (course_utils.worker_package): what it holds, and that
-nothing in it answers an exercise.
+"""The package a grading worker imports (course_utils.grading.worker_package): what it holds, and
+that nothing in it answers an exercise.
 
 The copy is built into a temporary folder, then copied once more as ``cu_worker`` with every
 ``course_utils`` in its source renamed, so that this process imports the worker's version of
@@ -53,7 +53,7 @@ import pytest
 import torch
 from triton.runtime.jit import KernelInterface
 
-from course_utils import grader, sandbox, worker_package
+from course_utils import SHORT_NAMES, grader, sandbox, worker_package
 
 ROOT = Path(__file__).resolve().parent.parent
 COPY = "cu_worker"  # the worker's package under a name of its own in this process
@@ -63,27 +63,27 @@ CASE_SECONDS = 10.0  # a case that runs longer is stopped (a candidate that loop
 # outside this test (processes, signals, file descriptors, this process's security settings) or
 # only compile CUDA (seconds each, writing the build cache; a compiler answers no exercise).
 EXCLUDED = {
-    "sandbox.kill_tree": "SIGKILLs the process group it is given and this process's children",
-    "sandbox.set_subreaper": "makes this process adopt orphans (prctl)",
-    "sandbox.landlock_restrict": "locks this process's file access for good",
-    "sandbox.worker_main": "reads a job from the descriptors it is given and exits the process",
-    "sandbox.start_worker": "starts a worker process",
-    "sandbox.send": "writes a message to any file descriptor it is given (an int argument)",
-    "sandbox.copy_package": "writes a package copy into a folder",
-    "sandbox.scratch_root": "creates a folder under /tmp",
-    "sandbox.remove_tree": "deletes the folder it is given",
-    "sandbox.verify_isolation": "deletes the files its probe argument names",
-    "seccomp.deny_sockets": "installs a seccomp filter on this process for good",
-    "grader.grade_notebook": "starts grading workers",
-    "grader.grade_notebooks": "starts grading workers",
-    "grader.execute_notebook": "starts a Jupyter kernel",
-    "grader.write_reports": "writes grade files into a folder",
-    "cuda.load_cuda": "compiles CUDA (a torch extension build)",
-    "cuda.compile_kernel": "compiles CUDA (NVRTC)",
-    "cuda.resource_usage": "compiles CUDA (nvcc or NVRTC)",
-    "harness.ch04.launch_cuda": "compiles CUDA (cuda.compile_kernel)",
-    "harness.ch06.launch_cuda": "compiles CUDA (cuda.compile_kernel)",
-    "harness.ch07.run_combine": "compiles CUDA (cuda.compile_kernel)",
+    "grading.sandbox.kill_tree": "SIGKILLs the process group it is given and this process's children",
+    "grading.sandbox.set_subreaper": "makes this process adopt orphans (prctl)",
+    "grading.sandbox.landlock_restrict": "locks this process's file access for good",
+    "grading.sandbox.worker_main": "reads a job from the descriptors it is given and exits the process",
+    "grading.sandbox.start_worker": "starts a worker process",
+    "grading.sandbox.send": "writes a message to any file descriptor it is given (an int argument)",
+    "grading.sandbox.copy_package": "writes a package copy into a folder",
+    "grading.sandbox.scratch_root": "creates a folder under /tmp",
+    "grading.sandbox.remove_tree": "deletes the folder it is given",
+    "grading.sandbox.verify_isolation": "deletes the files its probe argument names",
+    "grading.seccomp.deny_sockets": "installs a seccomp filter on this process for good",
+    "grading.grader.grade_notebook": "starts grading workers",
+    "grading.grader.grade_notebooks": "starts grading workers",
+    "grading.grader.execute_notebook": "starts a Jupyter kernel",
+    "grading.grader.write_reports": "writes grade files into a folder",
+    "toolbox.cuda.load_cuda": "compiles CUDA (a torch extension build)",
+    "toolbox.cuda.compile_kernel": "compiles CUDA (NVRTC)",
+    "toolbox.cuda.resource_usage": "compiles CUDA (nvcc or NVRTC)",
+    "grading.harness.ch04.launch_cuda": "compiles CUDA (cuda.compile_kernel)",
+    "grading.harness.ch06.launch_cuda": "compiles CUDA (cuda.compile_kernel)",
+    "grading.harness.ch07.run_combine": "compiles CUDA (cuda.compile_kernel)",
 }
 
 
@@ -143,7 +143,7 @@ def worker_copy(tmp_path_factory):
 
 def test_the_copy_has_no_specs_no_bytecode_and_is_read_only(worker_copy):
     built, _ = worker_copy
-    assert not (built / "specs").exists()
+    assert not (built / "grading" / "specs").exists()
     every = [built, *built.rglob("*")]
     assert not [p for p in every if p.name == "__pycache__" or p.suffix == ".pyc"]
     wrong = [f"{p.relative_to(built.parent)} {oct(p.stat().st_mode & 0o777)}" for p in every
@@ -172,8 +172,9 @@ def test_the_renamed_copy_imports_only_itself(worker_copy):
     """Relative imports of the renamed copy land in the copy: no module or callable of the copy
     comes from the real package."""
     _, modules = worker_copy
-    assert modules["harness.ch09"].fat is modules["kernels.flash_attention_triton"]
-    assert modules["checks"].reference is modules["reference"]
+    assert modules["grading.harness.ch09"].fat is \
+        modules["library.kernels.flash_attention_triton"]
+    assert modules["grading.checks"].reference is modules["reference"]
     for name, module in modules.items():
         assert module.__file__.startswith(str(Path(modules[""].__file__).parent)), name
         for attr, value in vars(module).items():
@@ -240,8 +241,12 @@ def _notebook_uses() -> dict[tuple[str, str], set[str]]:
                     "course_utils":
                 module = node.module.partition(".")[2]
                 for a in node.names:
-                    uses.setdefault((module, a.name), set()).add(where)
                     dotted = f"{module}.{a.name}".strip(".")
+                    if not module and a.name in SHORT_NAMES:  # from course_utils import grader
+                        dotted = SHORT_NAMES[a.name]
+                        uses.setdefault((dotted, ""), set()).add(where)
+                    else:
+                        uses.setdefault((module, a.name), set()).add(where)
                     if worker_package.module_path(dotted).is_file():  # a module, not a name
                         aliases[a.asname or a.name] = dotted
         for node in (n for tree in trees for n in ast.walk(tree)):
@@ -254,7 +259,7 @@ def _notebook_uses() -> dict[tuple[str, str], set[str]]:
 def test_every_course_utils_name_the_notebooks_use_resolves_in_the_copy(worker_copy):
     built, _ = worker_copy
     uses = _notebook_uses()
-    assert ("", "setup") in uses and ("grader", "check") in uses
+    assert ("", "setup") in uses and ("grading.grader", "check") in uses
     missing = []
     for (module, name), notebooks in sorted(uses.items()):
         base = built.joinpath(*module.split(".")) if module else built
@@ -643,7 +648,7 @@ def quiet_process(tmp_path, monkeypatch, worker_copy):
     real_resolve = grader.resolve
 
     def resolve(target):  # the helpers of the worker's copy, as in a worker
-        if target.startswith("course_utils.harness"):
+        if target.startswith("course_utils.grading.harness"):
             module, _, name = target.partition(":")
             return getattr(importlib.import_module(COPY + module[len("course_utils"):]), name)
         return real_resolve(target)
@@ -651,7 +656,7 @@ def quiet_process(tmp_path, monkeypatch, worker_copy):
     monkeypatch.setattr(grader, "resolve", resolve)
     # chapter 12's helpers name each op they register course_ex12::<op>_<n>: start the copy's
     # count where the real package's (used by other tests in this process) will not reach
-    monkeypatch.setattr(modules["harness.ch12"], "_fresh", itertools.count(10**6))
+    monkeypatch.setattr(modules["grading.harness.ch12"], "_fresh", itertools.count(10**6))
     for owner, name in ((os, "kill"), (os, "killpg"), (shutil, "rmtree"),
                         (subprocess, "Popen")):  # fmt: skip
         monkeypatch.setattr(owner, name, _refused(f"{owner.__name__}.{name}"))

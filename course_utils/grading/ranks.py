@@ -1,0 +1,936 @@
+"""Rank processes for graded ring code (chapter 13): the grader starts them, they run one cell.
+
+A ring exercise hands in a function that must run in R processes joined in one
+``torch.distributed`` group. The grading process (or, when a student checks locally, the
+student's kernel) starts those R processes itself, per case, with :func:`run`::
+
+    grading process                                  rank r (R of them, fresh per case)
+    ---------------                                  ----------------------------------
+    private folder: FileStore, R scratch folders     joins the gloo (or NCCL) group through
+                                                     the FileStore, passes one warm-up block
+                                                     around the ring, then locks itself in:
+                                                     Landlock (like the notebook's worker),
+                                                     rlimits, no new socket (seccomp)
+                                       <- "ready"
+    -> rank r's shard only, the cell's source        runs the cell (untrusted text), calls the
+                                                     function with its shard, every
+                                                     batch_isend_irecv recorded
+                              <- outputs + the log
+    compares the gathered outputs with float64,      (killed with everything it started)
+    judges the log
+
+**Why this order.** gloo connects its full mesh of TCP sockets when the group is created (lazy
+init off: ``TORCH_GLOO_LAZY_INIT`` is removed from the ranks' environment), and NCCL creates its
+point-to-point communicators at the first exchange (hence the warm-up). After that no rank
+needs a new socket: sends and receives use the sockets already open, which the seccomp filter
+leaves working, while ``socket()``/``connect()`` are refused, so no rank can reach another
+notebook's ranks (or anything else). The store is a file in a folder of this case's alone, made
+unreadable by the lock before the student's code runs; each rank gets its inputs over its own
+pipe, so no rank can read another's shard (not in a file, not through ``/proc``: Landlock
+forbids ptrace across domains, each rank is locked in its own).
+
+**What a rank records.** ``dist.batch_isend_irecv`` is replaced, in the rank, by a recorder: each
+call is logged (peers, bytes, the compute operations run since the last event), a receive lands
+in a private buffer and is copied into the student's tensor only by ``wait()`` (the student's
+tensor holds NaN until then, as undefined memory may), and a sent tensor written before its
+``wait()`` is noticed. A ``TorchFunctionMode`` counts the compute (matmul, exp, softmax, ...)
+between the events and notices compute that reads a buffer still being received into, or an
+in-place write into one (``add_``, ``x[i] = ...``: the arriving data would overwrite it). The
+log is data the grader judges (it never trusts a verdict from a rank); the outputs are compared
+in the grading process. Collectives (``all_gather``, ``broadcast``, ...) and blocking
+``send``/``recv`` raise ``ForbiddenCall`` in a rank: a ring passes blocks with
+``batch_isend_irecv``.
+
+**The zygote.** Importing torch costs seconds per process, so the ranks are not started from
+scratch: the first case starts, from the grading process, one *zygote* per process (before any
+student code exists in it, with one thread): a Python that imports torch once and, for each
+rank of each case, forks a child. The child closes every descriptor it inherited but its own
+pipes and log, takes a session of its own, and only then becomes a rank as above (join, warm
+up, lock in, run the cell). The zygote itself never receives a cell; a rank is never reused.
+A case then costs a fraction of a second instead of seconds per rank.
+``COURSE_RANKS_ZYGOTE=0`` starts each rank as its own ``python`` process instead.
+
+**Cleanup.** A case has two deadlines (the ranks start: :data:`CASE_SECONDS`; the cell runs
+and replies: :data:`RUN_SECONDS`, ample for the exercises' tiny shards); past one, or when a rank
+crashes or raises, every rank's process tree is killed
+(:func:`course_utils.grading.sandbox.kill_tree`), also every process started in a rank's session,
+and the case's folder (store included) is deleted. A deadlock, a hang or a crash costs that case.
+
+**GPUs.** Where ``torch.cuda.device_count() >= R`` the ranks use NCCL, one GPU each, with
+:data:`NCCL_ENV` (no NVLink multicast) set before the communicator exists.
+``COURSE_RANKS_NCCL_SECCOMP=0`` leaves the socket filter off for NCCL ranks (Landlock and the
+rest stay), should a driver need a new socket after the warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import sandbox
+
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}  # as course_utils.library.ring.NCCL_ENV
+CASE_SECONDS = 90.0  # one case: start R processes, join, warm up, lock in
+RUN_SECONDS = 6.0  # then the cell on tiny shards, and the replies (a deadlock fails the case)
+GROUP_SECONDS = 20  # torch.distributed's own timeout inside the ranks (a wrong peer errors)
+REPLY_MB = 256
+# Collectives a ring exercise may not use (the ring passes blocks with batch_isend_irecv).
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+               "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
+               "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "scatter", "scatter_object_list", "send", "recv", "barrier")
+# Functions counted as compute between the transfer events (by __name__).
+COMPUTE = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "einsum", "baddbmm",
+                     "addmm", "softmax", "_softmax", "exp", "exp_", "exp2", "logsumexp",
+                     "scaled_dot_product_attention", "log_softmax"})
+
+__all__ = ["CASE_SECONDS", "RankFailure", "backend_for", "defining_cell", "run"]
+
+
+class RankFailure(Exception):
+    """A case's ranks did not all reply: ``status`` (crashed, timed out, error, forbidden,
+    not implemented), the rank (or None) and why."""
+
+    def __init__(self, status: str, rank, reason: str, exc=None):
+        super().__init__(f"rank {rank}: {reason}" if rank is not None else reason)
+        self.status, self.rank, self.reason, self.exc = status, rank, reason, exc
+
+
+# ============================================================================ student's side
+
+
+def defining_cell(fn) -> tuple[str, str]:
+    """``(source, name)``: the whole cell (or file) that defines ``fn``, and its name.
+
+    Runs next to the candidate (``grader.invoke``); the text is untrusted and is executed only
+    inside the locked-in ranks.
+    """
+    import linecache
+
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__name__", None)
+    if code is None or not isinstance(name, str):
+        raise TypeError("hand in the function itself (a def in a cell), not "
+                        f"{type(fn).__name__}")
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        import inspect
+
+        lines = inspect.getsource(fn).splitlines(keepends=True)
+    return "".join(lines), name
+
+
+# ============================================================================ the rank
+
+
+def _writes(name, kwargs):
+    """Whether the torch function ``name`` writes into its first argument (or ``out=``)."""
+    return (name.endswith("_") and not name.startswith("_")) or name in (
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__") or bool(
+        kwargs and kwargs.get("out") is not None)
+
+
+def _span(t):
+    """``(lo, hi)``: the bytes of memory a tensor's view can touch."""
+    if t.numel() == 0:
+        return (0, 0)
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
+    lo = t.data_ptr()
+    return (lo, lo + extent * t.element_size())
+
+
+def _overlaps(a, b):
+    return a[0] < b[1] and b[0] < a[1]
+
+
+class _Recorder:
+    """The rank's log of transfers and compute; installs itself over ``dist``."""
+
+    def __init__(self, torch, dist):
+        self.torch, self.dist = torch, dist
+        self.log, self.ops, self.quiet = [], 0, False
+        self.pending = {}  # batch -> {"recvs": [(user, staging, span)], "sends": [...]}
+        self.batches = 0
+        self.real = dist.batch_isend_irecv
+
+    def event(self, **what):
+        what["ops"] = self.ops
+        self.ops = 0
+        self.log.append(what)
+
+    def hazard(self, what, batch):
+        if not any(e.get("ev") == "hazard" and e.get("what") == what and e.get("batch") == batch
+                   for e in self.log):
+            self.event(ev="hazard", what=what, batch=batch)
+
+    # ---- compute, seen by a TorchFunctionMode
+    def saw(self, func, args, kwargs):
+        name = getattr(func, "__name__", "")
+        if self.quiet:
+            return
+        if _writes(name, kwargs):
+            self.wrote(args, kwargs)
+        if name not in COMPUTE:
+            return
+        self.ops += 1
+        torch = self.torch
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        for batch, entry in self.pending.items():
+            for user, _, span in entry["recvs"]:
+                if any(_overlaps(_span(t), span) for t in tensors if t.device == user.device):
+                    self.hazard("compute read a buffer still being received into", batch)
+
+    def wrote(self, args, kwargs):
+        """An in-place operation (``add_``, ``x[i] = ...``, ``out=``): its target must not be a
+        buffer still being received into (the arriving data would overwrite the write)."""
+        torch = self.torch
+        targets = [a for a in (args[:1] if args else ()) if isinstance(a, torch.Tensor)]
+        out = (kwargs or {}).get("out")
+        targets += [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                    if isinstance(t, torch.Tensor)]
+        for batch, entry in self.pending.items():
+            for user, _, span in entry["recvs"]:
+                if any(_overlaps(_span(t), span) for t in targets if t.device == user.device):
+                    self.hazard("wrote into a buffer still being received into", batch)
+
+    # ---- transfers
+    def batch_isend_irecv(self, p2p_ops):
+        torch, dist = self.torch, self.dist
+        self.quiet = True
+        try:
+            batch = self.batches
+            self.batches += 1
+            rank = dist.get_rank()
+            sends, recvs, real_ops = [], [], []
+            for op in p2p_ops:
+                t = op.tensor
+                if op.op is dist.isend:
+                    sends.append((t, t.detach().clone(), _span(t)))
+                    real_ops.append(op)
+                else:
+                    staging = torch.empty_like(t, memory_format=torch.contiguous_format)
+                    recvs.append((t, staging, _span(t)))
+                    real_ops.append(dist.P2POp(dist.irecv, staging, op.peer, op.group, op.tag))
+            for _user, _, span in recvs:
+                if any(_overlaps(span, s) for _, _, s in sends) or any(
+                        _overlaps(span, s) for e in self.pending.values()
+                        for _, _, s in e["sends"]):
+                    self.hazard("received into a buffer that is being sent", batch)
+            self.event(ev="post", batch=batch, rank=rank,
+                       sends=[[int(op.peer), int(op.tensor.numel() * op.tensor.element_size())]
+                              for op in p2p_ops if op.op is dist.isend],
+                       recvs=[[int(op.peer), int(op.tensor.numel() * op.tensor.element_size())]
+                              for op in p2p_ops if op.op is not dist.isend])
+            for t, _, _ in recvs:  # undefined until wait(): NaN (or the dtype's maximum)
+                t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+            works = self.real(real_ops)
+            self.pending[batch] = {"recvs": recvs, "sends": sends}
+            return [_Work(self, batch, works) for _ in (works or [None])]
+        finally:
+            self.quiet = False
+
+    def finish(self, batch, works):
+        if batch not in self.pending:
+            return
+        self.quiet = True
+        try:
+            for w in works:
+                w.wait()
+            entry = self.pending.pop(batch)
+            for user, staging, _ in entry["recvs"]:
+                user.copy_(staging)
+            for user, snapshot, _ in entry["sends"]:
+                same = (user == snapshot) | (user.isnan() & snapshot.isnan()) \
+                    if user.dtype.is_floating_point else (user == snapshot)
+                if not bool(same.all()):
+                    self.hazard("a tensor being sent was written before its wait()", batch)
+            self.event(ev="wait", batch=batch)
+        finally:
+            self.quiet = False
+
+
+class _Work:
+    def __init__(self, recorder, batch, works):
+        self.recorder, self.batch, self.works = recorder, batch, works
+
+    def wait(self, *args, **kwargs):
+        self.recorder.finish(self.batch, self.works)
+        return True
+
+    def is_completed(self):
+        return self.batch not in self.recorder.pending
+
+
+def _forbidden(name):
+    from .watch import ForbiddenCall
+
+    def refuse(*args, **kwargs):
+        raise ForbiddenCall(f"dist.{name}: a ring passes its blocks to the next rank with "
+                            "dist.batch_isend_irecv (P2POp isend / irecv) only")
+
+    return refuse
+
+
+def _lock(job) -> dict:
+    """Lock this rank in (after the group exists): Landlock, then no new socket."""
+    locked = {}
+    if job.get("landlock"):
+        try:
+            locked["landlock"] = sandbox.landlock_restrict(**job["landlock"])
+        except Exception as exc:
+            locked["landlock"] = f"unavailable ({type(exc).__name__}: {exc})"
+    if job.get("seccomp"):
+        try:
+            from .seccomp import deny_sockets
+
+            locked["seccomp"] = deny_sockets()
+        except Exception as exc:
+            locked["seccomp"] = f"unavailable ({type(exc).__name__}: {exc})"
+    import socket
+
+    try:  # the grader's own code still: a socket must be refused now
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+        locked["socket"] = "opened"
+    except OSError:
+        locked["socket"] = "refused"
+    probe = job.get("probe")
+    if probe:
+        try:
+            with open(probe, "rb") as f:
+                locked["read"] = f.read(16).hex()
+        except OSError:
+            locked["read"] = "refused"
+    return locked
+
+
+def _rank_main(fd_in: int, fd_out: int) -> None:
+    """A rank: join the group, warm up, lock in, run the cell's function on its shard."""
+    channel = sandbox._Channel(fd_in, fd_out)
+    job, _ = channel.recv()
+    sys.path[1:1] = [p for p in job.get("sys_path", []) if isinstance(p, str)]
+    sandbox._apply_rlimits(job.get("limits", {}))
+    sandbox._volunteer_for_oom_killer()
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world, backend = job["rank"], job["world"], job["backend"]
+    torch.set_num_threads(max(1, int(job.get("threads", 1))))
+    kwargs = {}
+    if backend == "nccl":
+        os.environ.update(NCCL_ENV)
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    store = dist.FileStore(job["store"], world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=job.get("group_seconds", GROUP_SECONDS)),
+                            **kwargs)
+    # Warm-up: one block around the ring (NCCL makes its P2P communicators here, gloo proves
+    # the mesh), before the lock takes new sockets away.
+    token = torch.full((4,), float(rank), device=device)
+    got = torch.empty_like(token)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, token, (rank + 1) % world),
+                                     dist.P2POp(dist.irecv, got, (rank - 1) % world)]):
+        w.wait()
+    if int(got[0].item()) != (rank - 1) % world:
+        os._exit(5)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    locked = _lock(job)
+    channel.send({"ready": locked})
+    task, buffers = channel.recv()
+    dec = sandbox._Decoder(task["regions"], buffers)
+    args = dec.dec(task["args"])
+    call_kwargs = dec.dec(task["kwargs"])
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    recorder = _Recorder(torch, dist)
+    from torch.overrides import TorchFunctionMode
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, fargs=(), fkwargs=None):
+            recorder.saw(func, fargs, fkwargs)
+            return func(*fargs, **(fkwargs or {}))
+
+    dist.batch_isend_irecv = recorder.batch_isend_irecv
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.batch_isend_irecv = recorder.batch_isend_irecv
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, _forbidden(name))
+    try:
+        namespace = {"__name__": "__ring_cell__"}
+        import linecache
+
+        cell = "<the exercise's cell>"  # tracebacks quote the line that raised
+        linecache.cache[cell] = (len(task["source"]), None,
+                                 task["source"].splitlines(keepends=True), cell)
+        exec(compile(task["source"], cell, "exec"), namespace)
+        fn = namespace.get(task["name"])
+        if not callable(fn):
+            raise NameError(f"the cell does not define {task['name']}")
+        with Watch():
+            out = fn(*args, **call_kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        recorder.event(ev="end", pending=sorted(recorder.pending))
+        enc = sandbox._Encoder()
+        value = enc.enc(_to_cpu(torch, out))
+        log = enc.enc(recorder.log)
+        reply, data = enc.message({"ok": value, "log": log})
+        channel.send(reply, data)
+    except BaseException as exc:  # noqa: BLE001 (the student's code: report what and where)
+        try:
+            channel.send(sandbox._raised(exc if isinstance(exc, Exception)
+                                         else RuntimeError(repr(exc))))
+        except Exception:
+            os._exit(6)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:  # wait to be killed: leaving early could strand a peer's last receive
+        channel.recv()
+    finally:
+        os._exit(0)
+
+
+def _to_cpu(torch, x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_cpu(torch, v) for v in x)
+    return x
+
+
+# ============================================================================ the zygote
+
+
+def _zygote_child(fds, request) -> None:
+    """In a process just forked by the zygote: become a fresh rank (its own session, its
+    pipes on fds 3 and 4, nothing else inherited), then run :func:`_rank_main`."""
+    try:
+        import fcntl
+
+        # high copies first, so that no dup2 below overwrites a descriptor not yet moved
+        to_r, from_w, log = (fcntl.fcntl(f, fcntl.F_DUPFD, 1000) for f in fds)
+        os.setsid()
+        devnull = fcntl.fcntl(os.open(os.devnull, os.O_RDONLY), fcntl.F_DUPFD, 1000)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.dup2(to_r, 3)
+        os.dup2(from_w, 4)
+        os.closerange(5, 1 << 16)  # the zygote's socket and every other rank's pipes
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None
+        _rank_main(3, 4)
+    finally:
+        os._exit(7)
+
+
+def _zygote_main(fd: int) -> None:
+    """The zygote: import torch once, then fork one fresh rank per request, until its socket
+    closes. It runs no cell: each child becomes a rank (:func:`_zygote_child`) and the
+    zygote reports the children's exits. It forks only while it has a single thread."""
+    import json
+
+    import torch  # noqa: F401 (what the ranks would each import: seconds)
+    import torch.distributed  # noqa: F401
+    import torch.distributed.distributed_c10d  # noqa: F401
+    import torch.overrides  # noqa: F401
+
+    control = socket.socket(fileno=fd)
+    control.setblocking(False)
+    control.send(json.dumps({"ready": os.getpid()}).encode())
+    while True:
+        while True:  # reap and report
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            control.send(json.dumps({"exit": pid,
+                                     "code": os.waitstatus_to_exitcode(status)}).encode())
+        ready, _, _ = select.select([control], [], [], 0.05)
+        if not ready:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
+        except BlockingIOError:
+            continue
+        if not message:  # the grading process is gone: leave nothing behind
+            sandbox.remove_tree(Path(os.getcwd()))
+            os._exit(0)
+        request = json.loads(message)
+        if len(fds) != 3 or len(os.listdir("/proc/self/task")) != 1:
+            for f in fds:
+                os.close(f)
+            control.send(json.dumps({"error": f"{len(fds)} fds, threads "
+                                     f"{len(os.listdir('/proc/self/task'))}"}).encode())
+            continue
+        pid = os.fork()
+        if pid == 0:
+            control.detach()  # the child closes the fd itself; no object may close it later
+            _zygote_child(fds, request)
+        for f in fds:
+            os.close(f)
+        control.send(json.dumps({"pid": pid}).encode())
+
+
+class _Zygote:
+    """The grading process's zygote (one per process, started on first use, before any
+    student code exists in it): a Python with torch imported that forks the ranks."""
+
+    BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from course_utils.grading.ranks import _zygote_main; _zygote_main(int(sys.argv[2]))")
+
+    def __init__(self):
+        import atexit
+
+        _remove_orphaned_zygote_folders()
+        self.folder = Path(tempfile.mkdtemp(prefix=f"course-ranks-zygote-{os.getpid()}-"))
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.package = self.folder / "package"
+            self.package.mkdir()
+            sandbox.copy_package(self.package)
+            os.chmod(self.package, 0o555)
+            env = dict(_base_env(), HOME=str(self.folder), OMP_NUM_THREADS="1",
+                       OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")  # no thread at a fork
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-B", "-u", "-c", self.BOOT, str(self.package),
+                 str(theirs.fileno())], pass_fds=(theirs.fileno(),), cwd=self.folder, env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+        except BaseException:
+            ours.close()
+            _remove_walking(self.folder)
+            raise
+        finally:
+            theirs.close()
+        self.sock, self.exits, self.ready = ours, {}, False
+        atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _take(self, message) -> dict:
+        import json
+
+        got = json.loads(message)
+        if "exit" in got:
+            self.exits[int(got["exit"])] = int(got["code"])
+        if "ready" in got:
+            self.ready = True
+        return got
+
+    def drain(self) -> None:
+        while True:
+            try:
+                message = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if not message:
+                return
+            self._take(message)
+
+    def spawn(self, fds, cwd, env, seconds=120.0) -> _Forked:
+        """A fresh rank whose fds are ``(to_r, from_w, log)``; raises RankFailure."""
+        import json
+
+        socket.send_fds(self.sock, [json.dumps({"cwd": cwd, "env": env}).encode()], fds)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ready, _, _ = select.select([self.sock], [], [], 0.2)
+            if not ready:
+                if not self.alive():
+                    break
+                continue
+            got = self._take(self.sock.recv(1 << 16))
+            if "pid" in got:
+                self.exits.pop(int(got["pid"]), None)  # an earlier process's, were a pid reused
+                return _Forked(self, int(got["pid"]))
+            if "error" in got:  # a thread in the zygote (some import started one)
+                raise _ZygoteRefused(got["error"])
+        raise RankFailure("crashed", None, "the zygote that starts the ranks did not answer")
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except Exception:
+            pass
+        sandbox.remove_tree(self.folder)
+
+
+class _ZygoteRefused(Exception):
+    """The zygote would not fork (it is not single-threaded): start ranks with Popen."""
+
+
+class _Forked:
+    """A rank forked by the zygote, with the part of ``subprocess.Popen`` that :func:`run`
+    uses: ``pid``, ``poll()`` and ``wait(timeout)``."""
+
+    def __init__(self, zygote, pid):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.zygote.drain()
+            self.returncode = self.zygote.exits.pop(self.pid, None)
+        if self.returncode is None and not self.zygote.alive():
+            try:  # the zygote died: its children are ours now (subreaper)
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:
+                if _session_of(self.pid) is None:
+                    self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout=None):
+        end = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired("rank", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+_ZYGOTE = None
+_ZYGOTE_REFUSED = False  # set once a zygote refused to fork: Popen from then on
+
+
+def _remove_walking(folder: Path) -> None:
+    """Delete ``folder`` file by file (no ``shutil``): a failed start leaves nothing behind."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        try:
+            os.chmod(root, 0o700)  # the package copy is read-only
+        except OSError:
+            pass
+        for name in files:
+            try:
+                os.unlink(os.path.join(root, name))
+            except OSError:
+                pass
+        for name in dirs:
+            try:
+                os.rmdir(os.path.join(root, name))
+            except OSError:
+                pass
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def _remove_orphaned_zygote_folders() -> None:
+    """Delete the zygote folders of grading processes that no longer run (one killed before
+    its zygote could clean up): ``course-ranks-zygote-<pid>-*``."""
+    import glob
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "course-ranks-zygote-*-*")):
+        owner = os.path.basename(path).split("-")[3]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            sandbox.remove_tree(Path(path))
+
+
+def _zygote():
+    """This process's zygote, started (again) if it is not running; None where it is off
+    (``COURSE_RANKS_ZYGOTE=0``) or cannot fork (not Linux)."""
+    global _ZYGOTE
+    if _ZYGOTE_REFUSED or os.environ.get("COURSE_RANKS_ZYGOTE", "1") == "0" \
+            or sys.platform != "linux" \
+            or not hasattr(socket, "send_fds"):
+        return None
+    if _ZYGOTE is None or not _ZYGOTE.alive():
+        if _ZYGOTE is not None:
+            _ZYGOTE.close()
+        _ZYGOTE = _Zygote()
+    return _ZYGOTE
+
+
+def _base_env() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("COURSE_CHECKS_RAISE", "COURSE_GRADING", "PYTEST_", "PYTHON",
+                                 "TORCH_GLOO_LAZY_INIT", "MASTER_", "RANK", "WORLD_SIZE",
+                                 "LOCAL_RANK"))}
+
+
+# ============================================================================ the grader's side
+
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from course_utils.grading.ranks import _rank_main; "
+         "_rank_main(int(sys.argv[2]), int(sys.argv[3]))")
+
+
+def backend_for(world: int) -> str:
+    """``"nccl"`` where this machine has a GPU per rank, else ``"gloo"`` (CPU shards)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+            return "nccl"
+    except Exception:
+        pass
+    return "gloo"
+
+
+def _session_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2:].split()[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _family(pids):
+    """The ranks, their descendants and every process in one of their sessions."""
+    found = set(pids)
+    for p in pids:
+        found.update(sandbox.descendants(p))
+    sessions = set(pids)
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and _session_of(int(entry)) in sessions:
+                found.add(int(entry))
+    return found
+
+
+def _kill_all(procs, before=frozenset()):
+    """Kill every rank, all they started (in their sessions or below them), and every process
+    that became this process's descendant during the case (an orphan re-parented here, this
+    process being a subreaper): only ``before`` (what ran before the case) is kept."""
+    pids = [p.pid for p in procs]
+    for _ in range(3):
+        family = _family(pids)
+        keep = frozenset(p for p in sandbox.descendants(os.getpid())
+                         if p not in family and p in before)
+        for p in pids:
+            sandbox.kill_tree(p, keep)
+        for p in family:  # a process of a rank's session that is not our descendant
+            try:
+                os.kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if not any(_session_of(p) is not None for p in _family(pids) if p != os.getpid()):
+            break
+
+
+class _Deadline:
+    def __init__(self, seconds, procs, what="start (join, warm up, lock in)"):
+        self.end, self.procs = time.monotonic() + seconds, procs
+        self.seconds, self.what = seconds, what
+
+    def wait(self, fd, rank):
+        while True:
+            left = self.end - time.monotonic()
+            if left <= 0:
+                raise RankFailure("timed out", None, f"the ranks did not {self.what} within "
+                                  f"{self.seconds:g} s (a deadlock: does every send have its "
+                                  "receive on the peer, in the same order?)")
+            ready, _, _ = select.select([fd], [], [], min(left, 0.2))
+            if ready:
+                return
+            code = self.procs[rank].poll()
+            if code is not None:
+                raise RankFailure("crashed", rank, f"the process ended "
+                                  f"({sandbox._exit_reason(code)})")
+
+
+def _recv(reader, deadline, rank):
+    try:
+        return reader.recv(lambda fd: deadline.wait(fd, rank))
+    except EOFError:
+        code = deadline.procs[rank].poll()
+        raise RankFailure("crashed", rank, "the process ended "
+                          f"({sandbox._exit_reason(code)})") from None
+    except sandbox.ProtocolError as exc:
+        raise RankFailure("error", rank, f"sent a malformed reply ({exc})") from None
+
+
+def _first_ready(readers, deadline, todo):
+    """The rank (of ``todo``) whose pipe has data first."""
+    while True:
+        left = deadline.end - time.monotonic()
+        if left <= 0:
+            deadline.wait(readers[todo[0]].fd, todo[0])  # raises timed out
+        fds = {readers[r].fd: r for r in todo}
+        ready, _, _ = select.select(list(fds), [], [], min(max(left, 0.001), 0.2))
+        if ready:
+            return fds[ready[0]]
+        for r in todo:
+            code = deadline.procs[r].poll()
+            if code is not None:
+                raise RankFailure("crashed", r, f"the process ended "
+                                  f"({sandbox._exit_reason(code)})")
+
+
+def _protected():
+    """What a rank may not read: the course, every grading run's and every case's folders."""
+    import glob
+
+    tmp = tempfile.gettempdir()
+    paths = [str(sandbox.PACKAGE.parent), *glob.glob(os.path.join(tmp, "course-grade-*")),
+             *glob.glob(os.path.join(tmp, "course-ranks-*")), "/dev/shm", "/dev/mqueue"]
+    return [p for p in paths if os.path.exists(p)]
+
+
+def run(source: str, name: str, shards, kwargs=None, *, backend=None,
+        seconds: float = CASE_SECONDS, run_seconds: float = RUN_SECONDS):
+    """Run ``name`` from the cell ``source`` in ``len(shards)`` fresh, locked-in ranks.
+
+    ``shards[r]`` is the tuple of positional arguments of rank r (tensors, numbers), ``kwargs``
+    the keyword arguments of every rank. Returns a list, per rank, of ``(output, log)``: the
+    function's output (tensors on the CPU) and the rank's event log (see the module's
+    docstring). Raises :class:`RankFailure` when a rank crashes, times out or raises (``exc``:
+    the rebuilt exception). Every process is killed and every file deleted before it returns.
+    """
+    world = len(shards)
+    backend = backend or backend_for(world)
+    sandbox.set_subreaper()
+    zygote = _zygote()  # before ``before``: the zygote outlives the case
+    before = frozenset(sandbox.descendants(os.getpid()))
+    folder = Path(tempfile.mkdtemp(prefix="course-ranks-"))
+    procs, writers, readers = [], [], []
+    try:
+        if zygote is not None:
+            package = zygote.package
+        else:
+            package = folder / "package"
+            package.mkdir()
+            sandbox.copy_package(package)
+            os.chmod(package, 0o555)
+        (folder / "store").mkdir(mode=0o700)
+        abi = sandbox.landlock_abi()
+        protected = _protected()
+        probe = next((f for f in (sandbox._first_file(p) for p in protected[:1]) if f), None)
+        base_env = _base_env()
+        threads = max(1, (os.cpu_count() or 1) // world)
+        for r in range(world):
+            scratch = folder / f"rank{r}"
+            scratch.mkdir(mode=0o700)
+            for sub in ("home", "tmp", "cache"):
+                (scratch / sub).mkdir()
+            env = dict(base_env, HOME=str(scratch / "home"), TMPDIR=str(scratch / "tmp"),
+                       XDG_CACHE_HOME=str(scratch / "cache"), GLOO_SOCKET_IFNAME="lo",
+                       OMP_NUM_THREADS=str(threads), MPLBACKEND="Agg",
+                       TRITON_CACHE_DIR=str(scratch / "cache" / "triton"))
+            if backend == "nccl":
+                env.update(NCCL_ENV)
+            to_r, to_w = os.pipe()
+            from_r, from_w = os.pipe()
+            log = open(scratch / "rank.log", "ab")  # noqa: SIM115 (handed to the process)
+            try:
+                forked = None
+                if zygote is not None:  # forked with torch imported: seconds saved per rank
+                    try:
+                        forked = zygote.spawn((to_r, from_w, log.fileno()), str(scratch), env)
+                    except _ZygoteRefused:
+                        global _ZYGOTE_REFUSED
+                        _ZYGOTE_REFUSED = True
+                if forked is not None:
+                    procs.append(forked)
+                else:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-I", "-B", "-u", "-c", _BOOT, str(package),
+                         str(to_r), str(from_w)], pass_fds=(to_r, from_w), cwd=scratch,
+                        env=env, stdin=subprocess.DEVNULL, stdout=log,
+                        stderr=subprocess.STDOUT, start_new_session=True))
+            finally:
+                log.close()
+                os.close(to_r)
+                os.close(from_w)
+            writers.append(to_w)
+            readers.append(sandbox._Reader(from_r, REPLY_MB << 20))
+            job = {"rank": r, "world": world, "backend": backend, "threads": threads,
+                   "store": str(folder / "store" / "filestore"), "probe": probe,
+                   "sys_path": sandbox._import_path(folder),
+                   "limits": {"file_bytes": 64 << 20}, "group_seconds": GROUP_SECONDS}
+            if abi >= 1:
+                writable = [str(scratch), "/dev/null", "/dev/zero", "/dev/urandom",
+                            "/dev/random"]
+                unreadable = [*protected, str(folder)]
+                if backend == "nccl":  # the GPUs, and NCCL's shared-memory segments
+                    writable += [*sandbox._writable_devices(), "/dev/shm"]
+                    unreadable = [p for p in unreadable if p != "/dev/shm"]
+                job["landlock"] = {"read_protected": unreadable,
+                                   "writable": writable,
+                                   "read_extra": [str(scratch), str(package), sys.prefix,
+                                                  sys.base_prefix]}
+                job["seccomp"] = backend != "nccl" or \
+                    os.environ.get("COURSE_RANKS_NCCL_SECCOMP", "1") != "0"
+            sandbox.send(to_w, job)
+        deadline = _Deadline(seconds, procs)
+        for r in range(world):
+            header, _ = _recv(readers[r], deadline, r)
+            locked = header.get("ready")
+            if not isinstance(locked, dict):
+                raise RankFailure("error", r, "did not report its lock")
+            if locked.get("socket") != "refused" and job.get("seccomp"):
+                raise RankFailure("error", r, f"the lock did not hold: a socket opened "
+                                  f"({locked})")
+            if abi >= 1 and probe and locked.get("read") != "refused":
+                raise RankFailure("error", r, f"the lock did not hold: read {probe}")
+        for r in range(world):
+            enc = sandbox._Encoder()
+            header = {"source": source, "name": name, "args": enc.enc(tuple(shards[r])),
+                      "kwargs": enc.enc(dict(kwargs or {}))}
+            header, data = enc.message(header)
+            sandbox.send(writers[r], header, data)
+        deadline = _Deadline(min(run_seconds, max(0.0, deadline.end - time.monotonic())),
+                             procs, "run the cell")
+        replies = [None] * world
+        todo = list(range(world))
+        while todo:
+            r = _first_ready(readers, deadline, todo)
+            header, data = _recv(readers[r], deadline, r)
+            todo.remove(r)
+            if "raised" in header:
+                exc = sandbox._rebuild_exception(header["raised"])
+                info = header["raised"] if isinstance(header["raised"], dict) else {}
+                raise RankFailure(str(info.get("kind", "error")), r,
+                                  f"{type(exc).__name__}: {exc}{getattr(exc, 'where', '')}",
+                                  exc)
+            try:
+                dec = sandbox._Decoder(header.get("regions", []), data, strict=True)
+                replies[r] = (dec.dec(header.get("ok")), dec.dec(header.get("log")))
+            except (sandbox.ProtocolError, KeyError, TypeError, ValueError) as exc:
+                raise RankFailure("error", r, f"sent a malformed reply ({exc})") from None
+        return replies
+    finally:
+        _kill_all(procs, before)
+        for fd in writers:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for reader in readers:
+            try:
+                os.close(reader.fd)
+            except OSError:
+                pass
+        sandbox.remove_tree(folder)

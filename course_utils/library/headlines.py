@@ -1,0 +1,252 @@
+"""The headline of a fast chapter: its default kernel against SDPA's flash backend and cuDNN.
+
+A headline is one kernel fixed *before* timing (chapter 10: the ``mma.sync`` forward and backward;
+chapter 14: the forward variant :func:`default_variant` picks for the shape, then the ``wgmma``
+backward), timed together with SDPA's flash backend (FlashAttention-2, an Ampere ``mma.sync``
+kernel) and SDPA's cuDNN backend (Hopper ``wgmma``: the bar on an H100/H200) on the same inputs,
+in interleaved rounds (:func:`course_utils.toolbox.bench.interleaved`). Each round gives a ratio;
+the headline is their median with the lowest and highest round (:func:`bench.ratio_summary`), never
+the best of many kernels per shape.
+
+    python -m course_utils.library.headlines 10 14      # on a GPU: measure, print; COURSE_RECORD=1
+    saves
+
+``show(chapter)`` measures on a GPU that can run the chapter's kernel and prints the recording
+(``course_utils/recorded/NN_headline.json``) elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+
+from .. import paths
+
+ROUNDS = 5
+TOKENS, HIDDEN = 32768, 2048  # B x N and H x d of every shape: the same work per shape
+NS = (1024, 2048, 4096, 8192, 16384)
+DS = (64, 128)
+BASELINES = ("sdpa flash", "sdpa cudnn")
+COURSE = "course"
+KERNELS = paths.KERNELS
+BF16_PEAK_TFLOPS = 989  # H100 SXM and H200 datasheets: dense bf16 on the tensor cores
+CHAPTERS = {10: "FlashAttention-2 on tensor cores (mma.sync), chapter 10",
+            14: "the Hopper kernel (TMA, wgmma, default variant), chapter 14"}
+
+__all__ = ["CHAPTERS", "ROUNDS", "default_variant", "measure", "show", "summary"]
+
+
+def default_variant(D: int, causal: bool, Nk: int) -> int:
+    """Chapter 14's forward variant for a shape, fixed before any headline is timed.
+
+    Without the mask: 6, the persistent kernel. With it: 3 (128-key tiles) up to 4096 keys, where
+    a causal tile wastes less of a 128-key block than of a 176-key one; beyond, FlashAttention-3's
+    tiles: 4 (176 keys) at d = 128, 5 (three consumers) at d = 64. Chosen from the H100 ladder
+    of lecture 14, not per measurement.
+    """
+    if D not in DS:
+        raise ValueError(f"chapter 14's kernel is built for d in {DS}, got d = {D}")
+    if not causal:
+        return 6
+    return 3 if Nk <= 4096 else {64: 5, 128: 4}[D]
+
+
+def _course_kernels(chapter: int):
+    """(forward(q, k, v, causal) -> O, autograd function(q, k, v, causal) -> O) of a chapter:
+    the front door's builds of the same kernels (``course_utils.library.attention``, impl "mma" or
+    "hopper"; chapter 14's forward variant from :func:`default_variant`)."""
+    if chapter not in CHAPTERS:
+        raise ValueError(f"chapters with a headline: {sorted(CHAPTERS)}, not {chapter!r}")
+    from ..contract import TOP_LEFT
+    from .attention import _KernelAttention, _pair
+
+    impl = {10: "mma", 14: "hopper"}[chapter]
+
+    def fwd(q, k, v, causal):
+        return _pair(q, k, v, causal, impl)[0]
+
+    def train(q, k, v, causal):
+        return _KernelAttention.apply(q, k, v, impl, TOP_LEFT if causal else None, None)[0]
+
+    return fwd, train
+
+
+def _sdpa(backend):
+    import torch
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def _shape_row(chapter, fwd, train, D, causal, N, rounds):
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from ..toolbox import bench
+
+    B, H = TOKENS // N, HIDDEN // D
+    q, k, v, dO = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    impls = {COURSE: fwd, "sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+             "sdpa cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION)}
+    # the same answer first: the course's O against float64 and against SDPA's flash backend
+    O = fwd(q, k, v, causal).float()
+    ref = _sdpa(SDPBackend.FLASH_ATTENTION)(q, k, v, causal).float()
+    from ..reference import attention
+
+    O64, _ = attention(q[:1, :1].double(), k[:1, :1].double(), v[:1, :1].double(), causal=causal)
+    err64 = float((O[:1, :1].double() - O64).abs().max())
+    if not math.isfinite(err64) or err64 > 2e-2:
+        raise AssertionError(f"chapter {chapter}, d={D}, causal={causal}, N={N}: the course's O "
+                             f"is {err64:.1e} from float64: not timing a wrong kernel")
+    rows = []
+    for mode in ("fwd", "fwd+bwd"):
+        def run(impl, mode=mode):
+            if mode == "fwd":
+                return lambda: impl(q, k, v, causal)
+            f = train if impl is fwd else impl
+
+            def step():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                f(*leaves, causal).backward(dO)
+            return step
+
+        runs = {}
+        for name, impl in impls.items():
+            try:
+                run(impl)()  # a backend may refuse a shape: then it has no figure here
+                runs[name] = run(impl)
+            except RuntimeError as exc:
+                if name == COURSE:
+                    raise
+                print(f"{name} refused d={D}, causal={causal}, N={N}: {str(exc)[:120]}")
+        ms = bench.interleaved(runs, rounds=rounds)
+        flops = bench.attention_flops(B, H, N, N, D, causal, mode=mode)
+        rows.append({
+            "D": D, "causal": causal, "N": N, "B": B, "H": H, "mode": mode,
+            "variant": default_variant(D, causal, N) if chapter == 14 else None,
+            "tflops": {name: bench.tflops(flops, statistics.median(t)) for name, t in ms.items()},
+            "ratio": {b: bench.ratio_summary(ms, COURSE, b) if b in ms else None
+                      for b in BASELINES},
+            "max_abs_vs_float64": err64,
+            "max_abs_vs_flash": float((O - ref).abs().max()),
+        })
+    return rows
+
+
+def measure(chapter: int, *, rounds: int = ROUNDS, Ns=NS, save: bool = True,
+            progress: bool = False) -> dict:
+    """Time chapter ``chapter``'s default kernel against SDPA flash and cuDNN on every shape
+    (d in 64 and 128, causal and not, N in ``Ns``; B x N and H x d fixed), in ``rounds``
+    interleaved rounds; save the result as ``NN_headline`` while recording."""
+    import torch
+
+    from .. import recorded
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("measuring a headline needs a CUDA GPU; on a CPU, show() prints the "
+                           "recording")  # fmt: skip
+    if chapter == 14 and torch.cuda.get_device_capability() != (9, 0):
+        raise RuntimeError("chapter 14's kernel runs on sm_90 (H100/H200) only")
+    fwd, train = _course_kernels(chapter)
+    rows = []
+    for D in DS:
+        for causal in (False, True):
+            for N in Ns:
+                rows += _shape_row(chapter, fwd, train, D, causal, N, rounds)
+                if progress:
+                    print(f"  measured d={D}, causal={causal}, N={N}", file=sys.stderr, flush=True)
+    data = {"chapter": chapter, "kernel": CHAPTERS[chapter], "device": torch.cuda.get_device_name(),
+            "rounds": rounds, "dtype": "bfloat16", "tokens": TOKENS, "hidden": HIDDEN,
+            "peak_tflops": BF16_PEAK_TFLOPS, "rows": rows}  # fmt: skip
+    if save:
+        recorded.save(f"{chapter}_headline", data)
+    return data
+
+
+def summary(data: dict, baseline: str, *, mode: str = "fwd", D=None, causal=None,
+            min_N: int = 0) -> dict:
+    """The spread of the per-shape median ratios against ``baseline`` over the selected shapes:
+    ``{"lo", "hi", "shapes", "rounds_lo", "rounds_hi"}`` (the lowest/highest median, and the
+    lowest/highest single round)."""
+    sel = [r for r in data["rows"] if r["mode"] == mode and r["N"] >= min_N
+           and (D is None or r["D"] == D) and (causal is None or r["causal"] == causal)]
+    if not sel:
+        raise ValueError("no recorded shape matches that selection")
+    med = [r["ratio"][baseline]["median"] for r in sel]
+    return {"lo": min(med), "hi": max(med), "shapes": len(sel),
+            "rounds_lo": min(r["ratio"][baseline]["lo"] for r in sel),
+            "rounds_hi": max(r["ratio"][baseline]["hi"] for r in sel)}
+
+
+def _fmt(r):
+    if r is None:
+        return "refused"
+    return f"{r['median']:4.2f} ({r['lo']:.2f}-{r['hi']:.2f})"
+
+
+def _print(data: dict, where: str) -> None:
+    print(f"{data['kernel']}: bf16, B x N = {data['tokens']}, H x d = {data['hidden']}; "
+          f"{where}")
+    print(f"ratio = SDPA's time / the course's time, median (lowest-highest) over "
+          f"{data['rounds']} interleaved rounds; > 1: the course is faster")
+    head = f"{'d':>3} {'causal':>6} {'N':>5} | "
+    print(head + " | ".join(f"{m + ' TFLOP/s':>15} {'x flash':>16} {'x cuDNN':>16}"
+                            for m in ("fwd", "fwd+bwd")))
+    by_shape = {}
+    for r in data["rows"]:
+        by_shape.setdefault((r["D"], r["causal"], r["N"]), {})[r["mode"]] = r
+    for (D, causal, N), modes in by_shape.items():
+        cells = []
+        for m in ("fwd", "fwd+bwd"):
+            r = modes[m]
+            cells.append(f"{r['tflops'][COURSE]:15.0f} {_fmt(r['ratio']['sdpa flash']):>16} "
+                         f"{_fmt(r['ratio']['sdpa cudnn']):>16}")
+        print(f"{D:3d} {str(causal):>6} {N:5d} | " + " | ".join(cells))
+    worst = max(r["max_abs_vs_float64"] for r in data["rows"])
+    print(f"every shape checked first: largest |O - float64 O| {worst:.1e} (bf16 inputs)")
+
+
+def runtime_on_gpu() -> bool:
+    from .. import runtime
+
+    return runtime.on_gpu()
+
+
+def show(chapter: int, *, rounds: int = ROUNDS, progress: bool = False) -> None:
+    """Measure and print chapter ``chapter``'s headline on a GPU that runs its kernel; print the
+    recording elsewhere. (It returns nothing, so that a notebook cell ending with it does not
+    echo the data: :func:`measure` and ``recorded.load`` give the data.)"""
+    from .. import recorded, runtime
+
+    if chapter not in CHAPTERS:
+        raise ValueError(f"chapters with a headline: {sorted(CHAPTERS)}, not {chapter!r}")
+    live = runtime.on_gpu()
+    if live:
+        import torch
+
+        cap = torch.cuda.get_device_capability()
+        live = cap == (9, 0) if chapter == 14 else cap >= (8, 0)
+    if live:
+        import torch
+
+        data = measure(chapter, rounds=rounds, progress=progress)
+        _print(data, f"measured now on {torch.cuda.get_device_name()}")
+        return None
+    name = f"{chapter}_headline"
+    try:
+        data = recorded.load(name, verbose=False)
+    except FileNotFoundError as why:
+        print(f"not recorded yet: {why}")
+        return None
+    _print(data, recorded.label(name))
+    return None
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:] or ["10", "14"]:
+        show(int(arg), progress=True)
