@@ -63,10 +63,12 @@ CASE_SECONDS = 10.0  # a case that runs longer is stopped (a candidate that loop
 # outside this test (processes, signals, file descriptors, this process's security settings) or
 # only compile CUDA (seconds each, writing the build cache; a compiler answers no exercise).
 EXCLUDED = {
-    "grading.sandbox.kill_tree": "SIGKILLs the process group it is given and this process's children",
+    "grading.sandbox.kill_tree": "SIGKILLs the process group it is given and this process's "
+                                 "children",
     "grading.sandbox.set_subreaper": "makes this process adopt orphans (prctl)",
     "grading.sandbox.landlock_restrict": "locks this process's file access for good",
-    "grading.sandbox.worker_main": "reads a job from the descriptors it is given and exits the process",
+    "grading.sandbox.worker_main": "reads a job from the descriptors it is given and exits the "
+                                   "process",
     "grading.sandbox.start_worker": "starts a worker process",
     "grading.sandbox.send": "writes a message to any file descriptor it is given (an int argument)",
     "grading.sandbox.copy_package": "writes a package copy into a folder",

@@ -25,175 +25,33 @@ and dicts of them. The candidate's side never sees an expected value.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
-import traceback
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
+from .types import (
+    Candidate,
+    Case,
+    Exercise,
+    LocalCandidate,
+    NeedsGPU,
+    Result,
+    as_candidate,
+    invoke,
+    resolve,
+    student_error,
+)
 from .watch import ForbiddenCall, forbid
 
 GRADING_ENV = "COURSE_GRADING"  # "1": also run hidden cases (set by the grade command)
 RAISE_ENV = "COURSE_CHECKS_RAISE"  # "1": a failed check raises (used by the test suite)
 
-__all__ = ["Candidate", "Exercise", "ForbiddenCall", "NeedsGPU", "Result", "check", "forbid",
-           "grade_notebook", "grade_notebooks", "invoke", "results", "score_table",
+# The exercise model (types) is re-exported: ``grader.Exercise``, ``grader.invoke`` and the rest
+# are what notebooks, tests and the worker use.
+__all__ = ["Candidate", "Case", "Exercise", "ForbiddenCall", "LocalCandidate", "NeedsGPU",
+           "Result", "as_candidate", "check", "forbid", "grade_notebook", "grade_notebooks",
+           "invoke", "resolve", "results", "score_table", "student_error",
            "write_reports"]  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- exercises
-
-
-@dataclass
-class Case:
-    """One graded case: ``run(candidate)`` raises (usually ``CheckFailure``) when it fails."""
-
-    name: str
-    run: Callable
-    hidden: bool = False
-
-
-@dataclass
-class Exercise:
-    """A graded exercise. Register cases with the ``@exercise.case("...")`` decorator.
-
-    ``forbidden`` names operations the candidate may not reach (see :func:`watch.forbid`:
-    ``"softmax"`` covers every route to ``aten._softmax``); ``torch_only`` also refuses leaving
-    torch for numpy, where nothing can be watched.
-    """
-
-    id: str
-    title: str
-    points: int
-    forbidden: tuple[str, ...] = ()
-    cases: list[Case] = field(default_factory=list)
-    torch_only: bool = False
-
-    def case(self, name: str, hidden: bool = False):
-        def register(run: Callable) -> Callable:
-            if any(c.name == name for c in self.cases):
-                raise ValueError(f"{self.id}: two cases are named {name!r}")
-            self.cases.append(Case(name, run, hidden))
-            return run
-
-        return register
-
-
-class NeedsGPU(Exception):  # noqa: N818 (a verdict, not an error)
-    """Raised by a case whose result can only be decided on a GPU (CUDA C++ run on CPU).
-
-    The case scores nothing and is reported as ``needs gpu``: compiling is not grading.
-    """
-
-
-# ----------------------------------------------------------------------------- candidates
-
-
-class Candidate:
-    """What a case's ``run`` receives: the student's function, kernel or source, at arm's length.
-
-    ``LocalCandidate`` holds the object itself (a notebook checking its own work);
-    ``sandbox.RemoteCandidate`` stands for an object in the sandboxed worker. Both watch the
-    exercise's forbidden operations around every call into the student's code.
-    """
-
-    def __call__(self, *args, **kwargs):
-        raise NotImplementedError
-
-    def __getitem__(self, launch_config):
-        """``candidate[grid, block]``: a launcher for a Numba kernel."""
-        return lambda *args: self._launch(launch_config, args)
-
-    def invoke(self, target: str, *args, **kwargs):
-        """``target(obj, *args, **kwargs)`` on the student's side; ``target`` is
-        ``"course_utils.grading.harness.chNN:function"``."""
-        raise NotImplementedError
-
-    def _launch(self, launch_config, args):
-        raise NotImplementedError
-
-
-def resolve(target: str):
-    """The student-side helper named ``"course_utils.grading.harness...:function"``."""
-    module, _, name = target.partition(":")
-    if not module.startswith("course_utils.grading.harness") or not name:
-        raise ValueError(f"invoke targets live in course_utils.grading.harness: got {target!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-class LocalCandidate(Candidate):
-    """The candidate object in this process, every call watched for forbidden operations."""
-
-    def __init__(self, obj, forbidden=(), torch_only=False):
-        self.obj, self.forbidden, self.torch_only = obj, tuple(forbidden), torch_only
-
-    def __call__(self, *args, **kwargs):
-        with forbid(self.forbidden, torch_only=self.torch_only):
-            return self.obj(*args, **kwargs)
-
-    def _launch(self, launch_config, args):
-        with forbid(self.forbidden, torch_only=self.torch_only):
-            return self.obj[launch_config](*args)
-
-    def invoke(self, target, *args, **kwargs):
-        fn = resolve(target)
-        with forbid(self.forbidden, torch_only=self.torch_only):
-            return fn(self.obj, *args, **kwargs)
-
-    def __repr__(self):
-        return f"LocalCandidate({self.obj!r})"
-
-
-def as_candidate(obj, exercise: Exercise | None = None):
-    """Wrap a student object (a tuple or list of them: each item) as a :class:`Candidate`."""
-    if isinstance(obj, Candidate):
-        return obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(as_candidate(x, exercise) for x in obj)
-    forbidden = exercise.forbidden if exercise else ()
-    return LocalCandidate(obj, forbidden, exercise.torch_only if exercise else False)
-
-
-def invoke(candidate, target: str, *args, **kwargs):
-    """Run the student-side helper ``target`` on the candidate object: ``fn(obj, *args)``.
-
-    Use it where a case needs the object itself rather than a call: a Triton function passed
-    into a kernel as a constexpr, CUDA source to compile and launch, a simulator launch traced
-    by ``course_utils.toolbox.trace``. ``target`` is
-    ``"course_utils.grading.harness.chNN:function"``; the function runs in the candidate's process
-    (the sandboxed worker when grading), so it must not compute or receive an expected value.
-    Returns what it returns (data only: tensors, arrays, numbers, strings, and tuples/lists/dicts of
-    them).
-    """
-    if isinstance(candidate, Candidate):
-        return candidate.invoke(target, *args, **kwargs)
-    return resolve(target)(candidate, *args, **kwargs)
-
-
-# ----------------------------------------------------------------------------- results
-
-
-@dataclass
-class Result:
-    """The outcome of one exercise's check."""
-
-    id: str
-    title: str
-    points: int
-    score: float
-    passed: int
-    total: int
-    status: str  # passed, failed, not implemented, forbidden, error, needs gpu, timed out, ...
-    message: str
-    hidden_run: bool
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "passed"
-
-    def _ipython_display_(self) -> None:
-        """Show nothing: ``check`` has already printed the verdict above the cell's result."""
 
 
 _results: list[Result] = []
@@ -205,19 +63,6 @@ def results() -> list[Result]:
 
 
 # ----------------------------------------------------------------------------- checking
-
-
-def _student_error(exc: BaseException) -> str:
-    """One readable line for an exception the candidate raised, with where it happened."""
-    where = getattr(exc, "where", "")  # set on exceptions that crossed from the worker
-    if not where:
-        library = ("course_utils", "site-packages", "dist-packages")
-        frames = traceback.extract_tb(exc.__traceback__)
-        own = [f for f in frames if not any(p in f.filename.replace("\\", "/") for p in library)]
-        if own:
-            f = own[-1]
-            where = f" (at line {f.lineno}: `{(f.line or '').strip()}`)"
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _run_case(case: Case, candidate) -> tuple[str, str]:
@@ -242,7 +87,7 @@ def _run_case(case: Case, candidate) -> tuple[str, str]:
     except Unsendable as exc:
         return "failed", f"case {case.name!r}: what your function returned cannot be checked: {exc}"
     except Exception as exc:  # the candidate crashed: say how, briefly
-        return "error", f"case {case.name!r}: your code raised {_student_error(exc)}"
+        return "error", f"case {case.name!r}: your code raised {student_error(exc)}"
     return "passed", ""
 
 

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import paths
-from .grader import Candidate
+from .types import Candidate, NeedsGPU, Result, student_error
 
 _WORKER = None  # the worker's channel to the grader, inside a worker
 MAX_HEADER = 64 << 20  # bytes of one message's JSON header
@@ -496,14 +496,13 @@ def _at(obj, path):
 
 
 def _raised(exc) -> dict:
-    from .grader import NeedsGPU, _student_error
     from .watch import ForbiddenCall
 
     kind = ("unsendable" if isinstance(exc, Unsendable) else
             "not implemented" if isinstance(exc, NotImplementedError) else
             "forbidden" if isinstance(exc, ForbiddenCall) else
             "needs gpu" if isinstance(exc, NeedsGPU) else "error")  # fmt: skip
-    line = _student_error(exc)
+    line = student_error(exc)
     where = line[line.rfind(" (at line"):] if " (at line" in line else ""
     return {"raised": {"kind": kind, "type": type(exc).__name__, "message": str(exc)[:4000],
                        "where": where}}  # fmt: skip
@@ -625,7 +624,6 @@ def _serve(channel: _Channel, candidate) -> dict:
 
 def hand_over(exercise_id: str, candidate):
     """``grader.check`` inside a worker: the grader runs the cases and sends the verdict."""
-    from .grader import Result
 
     channel = _WORKER
     if exercise_id in channel.skip_ids:
@@ -1459,7 +1457,6 @@ class RemoteCandidate(Candidate):
 
 
 def _rebuild_exception(info: dict) -> BaseException:
-    from .grader import NeedsGPU
     from .watch import ForbiddenCall
 
     if not isinstance(info, dict):

@@ -109,7 +109,7 @@ COMPILE_TIMEOUT_S = 120.0
 MAX_PRINTED = 4000  # characters of the kernel's printf output kept
 
 __all__ = ["EmulationError", "HINTS", "Parameter", "compile_source", "kernel_parameters",
-           "launch", "launch_twice", "run_case", "with_mma_helpers"]  # fmt: skip
+           "launch", "launch_twice", "with_mma_helpers"]  # fmt: skip
 
 # What to change, per kind of error: the grader shows it under the emulator's message.
 HINTS = {
@@ -465,25 +465,3 @@ def launch_twice(source: str, kernel: str, grid, block, *args, folder=None,
             f"{flat_b[first]} when the last thread runs first. {why}",
         )
     return printed
-
-
-def run_case(candidate, kernel: str, grid, block, *args, case: str, hints=None,
-             timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    """The grader's side of an emulated launch: run it where the candidate lives (through
-    ``grader.invoke`` and :func:`course_utils.grading.harness.cuda_cpu_launch.launch`, which runs it
-    twice, in two thread orders) and turn what went wrong into a CheckFailure for ``case``
-    with the emulator's message and a hint (``hints[kind]``, else :data:`HINTS`). Returns the
-    report of a launch that ran (with its ``shared_bytes`` and ``barriers``)."""
-    from ..grading.checks import CheckFailure, brief
-    from ..grading.grader import invoke
-
-    report = invoke(candidate, "course_utils.grading.harness.cuda_cpu_launch:launch", kernel, grid,
-                    block, *args, timeout=timeout)  # fmt: skip
-    if not isinstance(report, dict) or not isinstance(report.get("kind"), str):
-        raise CheckFailure(case, f"the CPU launch returned {brief(report)}, not its report", None)
-    kind = report["kind"]
-    if kind:
-        hint = (hints or {}).get(kind) or HINTS.get(kind)
-        raise CheckFailure(case, f"on the CPU emulation ({kind}): {report.get('message', '')}",
-                           hint)  # fmt: skip
-    return report

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ..grader import Exercise
+from ..types import Exercise
 
 
 def _chapter_modules():
@@ -73,7 +73,7 @@ def returned_dict(x, what: str, case: str, keys=()) -> dict:
 def source_of(candidate) -> str:
     """The CUDA source a candidate gives: a str, or a function that returns one."""
     from ..checks import CheckFailure
-    from ..grader import invoke
+    from ..types import invoke
 
     source = invoke(candidate, "course_utils.grading.harness:source_text")
     if not isinstance(source, str):
@@ -94,7 +94,7 @@ def require_implemented(candidate) -> None:
     the Python function behind the kernel (Numba's ``py_func``, Triton's ``fn``) makes the stub
     fail the same clear way on a GPU as in the simulator.
     """
-    from ..grader import invoke
+    from ..types import invoke
 
     reason = invoke(candidate, "course_utils.grading.harness:stub_reason")
     if not isinstance(reason, str):

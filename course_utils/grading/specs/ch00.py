@@ -32,7 +32,7 @@ from ..checks import (
     tolerance,
     validated,
 )
-from ..grader import Exercise
+from ..types import Exercise
 from . import require_implemented
 
 MISSING_GUARD_HINT = (

@@ -52,8 +52,8 @@ from ..checks import (
     tolerance,
     validated,
 )
-from ..grader import Exercise
 from ..harness.ch01 import measured_peak_bytes
+from ..types import Exercise
 
 # ----------------------------------------------------------------------------- NaN, computed
 

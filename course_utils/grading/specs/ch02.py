@@ -57,8 +57,8 @@ from ..checks import (
     tolerance,
     validated,
 )
-from ..grader import Exercise, invoke
 from ..harness.ch02 import THREADS  # threads per block of 02.softmax_kernel
+from ..types import Exercise, invoke
 from . import require_implemented, returned_text
 from .ch01 import compare_computed
 

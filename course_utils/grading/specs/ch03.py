@@ -47,7 +47,7 @@ from ..checks import (
     poisoned,
     unchanged,
 )
-from ..grader import Exercise, invoke
+from ..types import Exercise, invoke
 from . import require_implemented
 from .ch02 import access_counts
 

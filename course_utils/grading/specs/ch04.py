@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from ...runtime import device, kernel_array, on_gpu, pick, synchronize
-from ...toolbox import cuda_cpu
+from .. import emulated
 from ..checks import (
     CheckFailure,
     Mistake,
@@ -68,7 +68,6 @@ from ..checks import (
     validated,
     whole_number,
 )
-from ..grader import Exercise, invoke
 from ..harness.ch04 import (
     BC,
     BK,
@@ -81,6 +80,7 @@ from ..harness.ch04 import (
     TN,
     matmul_tolerance,
 )
+from ..types import Exercise, invoke
 from . import compiled_resources, require_implemented, returned_dict, returned_text, source_of
 
 
@@ -981,7 +981,7 @@ def _cuda_case(Nq: int, Nk: int, d: int):
             invoke(candidate, "course_utils.grading.harness.ch04:launch_cuda", CUDA_KERNEL, grid,
                    (CUDA_TILE, CUDA_TILE), Q, K, buffer, Nq, Nk, d)  # fmt: skip
         else:
-            report = cuda_cpu.run_case(candidate, CUDA_KERNEL, grid, (CUDA_TILE, CUDA_TILE),
+            report = emulated.run_case(candidate, CUDA_KERNEL, grid, (CUDA_TILE, CUDA_TILE),
                                        Q, K, buffer, Nq, Nk, d, case=case,
                                        hints=_CPU_HINTS)  # fmt: skip
             if not compiled:

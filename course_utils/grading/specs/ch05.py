@@ -47,8 +47,8 @@ from ..checks import (
     snapshot,
     whole_number,
 )
-from ..grader import Exercise, invoke
 from ..harness.ch05 import BLOCK_ROWS, TILE
+from ..types import Exercise, invoke
 from . import require_implemented, returned_dict, returned_text
 
 WARP = trace.WARP_SIZE

@@ -35,12 +35,12 @@ import random
 import torch
 
 from ...runtime import on_gpu
-from ...toolbox import cuda_cpu
 from ...toolbox.cuda import nvcc_path, nvrtc_available
 from ...toolbox.occupancy import SM90, active_blocks, fa_registers_per_thread, fa_shared_bytes
+from .. import emulated
 from ..checks import CheckFailure, Mistake, compare
-from ..grader import Exercise, invoke
 from ..harness.ch06 import KERNEL, NB, W
+from ..types import Exercise, invoke
 from . import compiled_resources, source_of
 
 
@@ -448,7 +448,7 @@ def _no_local_case(n_rows: int):
                 invoke(candidate, "course_utils.grading.harness.ch06:launch_cuda", KERNEL, blocks,
                        threads, x, w, out, n_rows, s)  # fmt: skip
             else:  # the same body on the CPU (course_utils.toolbox.cuda_cpu)
-                cuda_cpu.run_case(candidate, KERNEL, blocks, threads, x, w, out, n_rows, s,
+                emulated.run_case(candidate, KERNEL, blocks, threads, x, w, out, n_rows, s,
                                   case=where, hints={"out of bounds": HINT_ROWS})  # fmt: skip
             if not torch.isnan(out[n_rows:]).all():
                 raise CheckFailure(where, "a thread wrote past the last row of out", HINT_ROWS)

@@ -46,7 +46,7 @@ import torch
 
 from ... import reference
 from ...runtime import device, kernel_array, on_gpu, synchronize
-from ...toolbox import cuda_cpu
+from .. import emulated
 from ..checks import (
     AttentionCase,
     CheckFailure,
@@ -59,8 +59,8 @@ from ..checks import (
     unchanged,
     validated,
 )
-from ..grader import Exercise, invoke
 from ..harness.ch07 import COMBINE_KERNEL, KERNEL_PATH, ONLINE_BC, ONLINE_BR, ONLINE_D
+from ..types import Exercise, invoke
 from . import compiled_resources, require_implemented, source_of
 from .ch01 import compare_computed
 
@@ -844,7 +844,7 @@ def _combine_case(*problems):
                              LSE_parts, out_O, out_LSE)  # fmt: skip
             else:  # the same body on the CPU (course_utils.toolbox.cuda_cpu): one block per row
                 name = f"{name} (CPU emulation)"
-                cuda_cpu.run_case(candidate, COMBINE_KERNEL, (rows,), (d,), O_parts, LSE_parts,
+                emulated.run_case(candidate, COMBINE_KERNEL, (rows,), (d,), O_parts, LSE_parts,
                                   out_O, out_LSE, n_splits, rows, d, case=name)  # fmt: skip
                 got = (out_O, out_LSE)
             if not isinstance(got, (tuple, list)) or len(got) != 2:

@@ -63,8 +63,8 @@ from ..checks import (
     unchanged,
     validated,
 )
-from ..grader import Exercise, invoke
 from ..harness.ch08 import DKDV_BC, DKDV_BR, DKDV_D, DKDV_G, GRAD_TOL, SCORE_ATOL
+from ..types import Exercise, invoke
 from . import require_implemented
 from .ch01 import compare_computed
 from .ch07 import same_range, window_keep

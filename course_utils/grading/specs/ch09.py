@@ -50,8 +50,8 @@ from ..checks import (
     validated,
     whole_number,
 )
-from ..grader import Exercise, invoke
 from ..harness.ch09 import DKDV_CONFIG, FWD_CONFIG, LOG2E, grad_tolerance
+from ..types import Exercise, invoke
 from . import require_implemented, returned_text
 
 H = "course_utils.grading.harness.ch09:"

@@ -43,7 +43,6 @@ import torch
 from ...library import mma
 from ...runtime import on_gpu
 from ..checks import CheckFailure, brief, validated
-from ..grader import Exercise, invoke
 from ..harness.ch10 import (
     CHUNK_ELEMENTS,
     D_SMALL,
@@ -54,6 +53,7 @@ from ..harness.ch10 import (
     OPS,
     SWIZZLE_ROWS,
 )
+from ..types import Exercise, invoke
 from . import ch10_cuda, ch10_loop
 
 H = "course_utils.grading.harness.ch10:"

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from ...runtime import on_gpu
-from ...toolbox import cuda_cpu
+from .. import emulated
 from ..checks import CheckFailure, Mistake, compare
-from ..grader import Exercise, invoke
 from ..harness.ch10 import LOOP_BC, LOOP_D, LOOP_KERNEL
+from ..types import Exercise, invoke
 from . import source_of
 from .ch10_loop import (
     M_BASE2,
@@ -178,7 +178,7 @@ def run_case(candidate, Nq, N, q_offset, causal, logits, rng):
     else:
         O = torch.full((Nq, LOOP_D), math.nan)
         LSE = torch.full((Nq,), math.nan)
-        cuda_cpu.run_case(candidate, LOOP_KERNEL, ((Nq + 15) // 16,), (32,), Q, K, V, O, LSE, Nq,
+        emulated.run_case(candidate, LOOP_KERNEL, ((Nq + 15) // 16,), (32,), Q, K, V, O, LSE, Nq,
                           N, q_offset, scale, int(causal), case=case)  # fmt: skip
     slips_O, slips_LSE = _mistakes(S, visible, Vd, O_want, LSE_want)
     dev = O.device if isinstance(O, torch.Tensor) else "cpu"

@@ -34,7 +34,7 @@ import torch
 
 from ...library import mma
 from ..checks import CheckFailure, Mistake, brief, compare, validated
-from ..grader import Exercise, invoke
+from ..types import Exercise, invoke
 
 H = "course_utils.grading.harness.ch10:"
 LANES = 32

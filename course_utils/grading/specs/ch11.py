@@ -55,8 +55,8 @@ from ..checks import (
     tolerance,
     validated,
 )
-from ..grader import Exercise, invoke
 from ..harness.ch11 import PREFILL_BLOCK_N, PREFILL_D
+from ..types import Exercise, invoke
 from . import require_implemented, returned_text
 
 H = "course_utils.grading.harness.ch11:"

@@ -32,8 +32,8 @@ import torch
 
 from ...runtime import device
 from ..checks import CheckFailure, Mistake, brief, compare, sequence, validated, whole_number
-from ..grader import Exercise, invoke
 from ..harness.ch12 import CAP, append_problem
+from ..types import Exercise, invoke
 from . import require_implemented, returned_dict, returned_text
 
 H = "course_utils.grading.harness.ch12:"
@@ -439,7 +439,7 @@ def _whole(pair):
     ``grader.check`` gives a case one candidate per item of a tuple; ``register_autograd``
     needs the two functions together, in the process where they live.
     """
-    from ..grader import LocalCandidate
+    from ..types import LocalCandidate
 
     first = pair[0]
     if isinstance(first, LocalCandidate):  # of the pair's own kind (a test's stand-in, say)

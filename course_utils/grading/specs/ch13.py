@@ -33,7 +33,7 @@ import random
 import torch
 
 from ..checks import CheckFailure, Mistake, brief, compare, tolerance, validated
-from ..grader import Exercise
+from ..types import Exercise
 from ..watch import ForbiddenCall
 
 LN2 = math.log(2.0)
@@ -282,7 +282,7 @@ def _slip_merges(Q, K, V, causal, R):
 
 def _cell_of(candidate, label):
     """The source of the cell that defines the candidate, and the function's name."""
-    from ..grader import invoke
+    from ..types import invoke
 
     why = invoke(candidate, "course_utils.grading.harness:stub_reason")
     if why:

@@ -34,7 +34,7 @@ import numpy as np
 from ... import paths, runtime
 from ...library import hopper
 from ..checks import CheckFailure, brief
-from ..grader import Exercise
+from ..types import Exercise
 from . import require_implemented
 
 descriptors = Exercise(

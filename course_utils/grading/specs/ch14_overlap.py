@@ -29,7 +29,7 @@ from ... import paths
 from ...library import hopper_pipeline as hp
 from ...runtime import on_gpu
 from ..checks import CheckFailure, compare
-from ..grader import Exercise
+from ..types import Exercise
 from . import require_implemented
 
 __all__ = ["consumer_loop"]
