@@ -54,6 +54,7 @@ import types
 
 import torch
 
+from .. import paths
 from ..contract import BOTTOM_RIGHT, TOP_LEFT, causal_alignment
 
 IMPLS = ("triton", "mma", "hopper", "cuda", "numba", "torch", "reference")
@@ -276,16 +277,35 @@ def _kernels(impl):
                  bwd_fn(q, k, v, O, dO, LSE, causal)), False)  # fmt: skip
     if impl == "cuda":
         from ..toolbox.cuda import load_cuda
-        from .headlines import KERNELS
 
-        fwd_mod = load_cuda(KERNELS / "flash_attention_forward.cu", ["flash_attention_forward"])
-        bwd_mod = load_cuda(KERNELS / "flash_attention_backward.cu", ["flash_attention_backward"])
+        fwd_mod = load_cuda(paths.KERNELS / "flash_attention_forward.cu",
+                            ["flash_attention_forward"])
+        bwd_mod = load_cuda(paths.KERNELS / "flash_attention_backward.cu",
+                            ["flash_attention_backward"])
         return ((lambda q, k, v, causal, scale:
                  tuple(fwd_mod.flash_attention_forward(q, k, v, causal, scale))),
                 (lambda q, k, v, O, LSE, dO, dLSE, causal, scale:
                  tuple(bwd_mod.flash_attention_backward(q, k, v, O, LSE, dO, causal, scale,
                                                         True))), False)  # fmt: skip
     raise ValueError(impl)
+
+
+HOPPER_HEAD_DIMS = (64, 128)  # the head dims chapter 14's kernels are built for
+
+
+def default_variant(D: int, causal: bool, Nk: int) -> int:
+    """Chapter 14's forward variant for a shape, fixed before any headline is timed.
+
+    Without the mask: 6, the persistent kernel. With it: 3 (128-key tiles) up to 4096 keys, where
+    a causal tile wastes less of a 128-key block than of a 176-key one; beyond, FlashAttention-3's
+    tiles: 4 (176 keys) at d = 128, 5 (three consumers) at d = 64. Chosen from the H100 ladder
+    of lecture 14, not per measurement.
+    """
+    if D not in HOPPER_HEAD_DIMS:
+        raise ValueError(f"chapter 14's kernel is built for d in {HOPPER_HEAD_DIMS}, got d = {D}")
+    if not causal:
+        return 6
+    return 3 if Nk <= 4096 else {64: 5, 128: 4}[D]
 
 
 _CUDA_MODULES: dict = {}
@@ -295,18 +315,17 @@ def _cuda_module(impl):
     """The built extension of chapter 10 or 14 (forward and backward), built once."""
     if impl not in _CUDA_MODULES:
         from ..toolbox.cuda import load_cuda
-        from .headlines import KERNELS
 
         if impl == "mma":
             _CUDA_MODULES[impl] = (load_cuda(
-                KERNELS / "flash_attention_mma.cu",
+                paths.KERNELS / "flash_attention_mma.cu",
                 ["flash_attention_mma", "flash_attention_mma_backward"],
                 name="flash_attention_mma"),) * 2
         else:
             _CUDA_MODULES[impl] = (
-                load_cuda(KERNELS / "flash_attention_hopper.cu", ["flash_attention_hopper"],
+                load_cuda(paths.KERNELS / "flash_attention_hopper.cu", ["flash_attention_hopper"],
                           name="flash_attention_hopper", arch="sm_90a"),
-                load_cuda(KERNELS / "flash_attention_hopper_bwd.cu",
+                load_cuda(paths.KERNELS / "flash_attention_hopper_bwd.cu",
                           ["flash_attention_hopper_bwd"], name="flash_attention_hopper_bwd",
                           arch="sm_90a"))  # fmt: skip
     return _CUDA_MODULES[impl]
@@ -318,8 +337,6 @@ def _pair(q, k, v, causal, impl):
     if impl == "mma":
         O, LSE = fwd_mod.flash_attention_mma(q, k, v, causal)
     else:
-        from .headlines import default_variant
-
         O, LSE = fwd_mod.flash_attention_hopper(q, k, v, causal,
                                                 default_variant(q.shape[-1], causal, k.shape[-2]))
     return O, LSE

@@ -22,6 +22,7 @@ import statistics
 import sys
 
 from .. import paths
+from .attention import default_variant
 
 ROUNDS = 5
 TOKENS, HIDDEN = 32768, 2048  # B x N and H x d of every shape: the same work per shape
@@ -35,21 +36,6 @@ CHAPTERS = {10: "FlashAttention-2 on tensor cores (mma.sync), chapter 10",
             14: "the Hopper kernel (TMA, wgmma, default variant), chapter 14"}
 
 __all__ = ["CHAPTERS", "ROUNDS", "default_variant", "measure", "show", "summary"]
-
-
-def default_variant(D: int, causal: bool, Nk: int) -> int:
-    """Chapter 14's forward variant for a shape, fixed before any headline is timed.
-
-    Without the mask: 6, the persistent kernel. With it: 3 (128-key tiles) up to 4096 keys, where
-    a causal tile wastes less of a 128-key block than of a 176-key one; beyond, FlashAttention-3's
-    tiles: 4 (176 keys) at d = 128, 5 (three consumers) at d = 64. Chosen from the H100 ladder
-    of lecture 14, not per measurement.
-    """
-    if D not in DS:
-        raise ValueError(f"chapter 14's kernel is built for d in {DS}, got d = {D}")
-    if not causal:
-        return 6
-    return 3 if Nk <= 4096 else {64: 5, 128: 4}[D]
 
 
 def _course_kernels(chapter: int):
