@@ -1,5 +1,5 @@
 """Chapter 11: attention as it is served (course_utils/library/serving.py,
-kernels/flash_decoding.py).
+kernels/flash_decoding*.py).
 
 First the float64 references against a brute-force loop and SDPA, and the helpers (packing, the
 bottom-right mask, pages, the LSE merge, the PyTorch split-KV). Then the Triton kernels against
