@@ -63,10 +63,16 @@ def imports(module: str) -> set[str]:
     is_package = path.name == "__init__.py"
     found = set()
 
+    own_packages = {".".join(module.split(".")[:i]) for i in range(len(module.split(".")))}
+
     def add(parts, names=()):
         for i in range(len(parts) + 1):
             name = ".".join(parts[:i])
-            if name in MODULES and (i == len(parts) or name):
+            # the packages on the way, except the importer's own: a module of a package runs
+            # after its __init__ began, so importing a sibling does not run that __init__
+            # again (a package that re-exports its submodules is not a circle)
+            if name in MODULES and (i == len(parts) or name) and (
+                    i == len(parts) or name not in own_packages):
                 found.add(name)
         for n in names:
             sub = ".".join([*parts, n])
