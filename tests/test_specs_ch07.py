@@ -17,7 +17,7 @@ from spec_helpers import Slip, module_builder, solution_source
 
 from course_utils import grader
 from course_utils.grading.harness import ch07 as harness
-from course_utils.grading.specs import ch07
+from course_utils.grading.specs import ch07, ch07_combine
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
@@ -288,7 +288,8 @@ def combine_torch(O_parts, LSE_parts):
     (8, 256, 64, 4, 1.0), (50, 40, 32, 3, 1.0), (8, 300, 128, 5, 30.0), (20, 8, 16, 2, 1.0),
     (3, 1000, 128, 16, 1.0)])  # fmt: skip
 def test_combine_problems_are_what_the_combine_gives(rows, Nk, d, splits, logits):
-    (O_parts, LSE_parts), (O, LSE), max_score = ch07._combine_problem(rows, Nk, d, splits, logits)
+    problem = ch07_combine._combine_problem(rows, Nk, d, splits, logits)
+    (O_parts, LSE_parts), (O, LSE), max_score = problem
     got_O, got_LSE = combine_torch(O_parts, LSE_parts)
     atol, rtol = grader_tolerance(max_score)
     assert bool(torch.isneginf(LSE_parts).any()) == (rows > Nk)  # empty splits
@@ -324,13 +325,13 @@ def test_combine_placeholder_is_not_implemented():
 
 def test_combine_without_a_cuda_compiler_still_scores_on_a_cpu(monkeypatch):
     """No nvcc or NVRTC: the CPU emulation (g++) still decides the values."""
-    if ch07.on_gpu():
+    if ch07_combine.on_gpu():
         pytest.skip("on a GPU the kernel is compiled and run by NVRTC")
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("resource_usage needs a CUDA compiler and found none: install one")
 
-    monkeypatch.setattr(ch07, "compiled_resources", no_compiler)
+    monkeypatch.setattr(ch07_combine, "compiled_resources", no_compiler)
     r = grader.check("07.combine_splits", COMBINE + "\n// no compiler\n")
     assert r.status == "passed", r.message
 
@@ -353,7 +354,7 @@ def _emulated_gpu(monkeypatch, bug=None):
 
     monkeypatch.setattr(course_utils.toolbox.cuda, "compile_kernel", lambda source, name: launch)
     monkeypatch.setattr(harness, "_compiled", {})
-    monkeypatch.setattr(ch07, "on_gpu", lambda: True)
+    monkeypatch.setattr(ch07_combine, "on_gpu", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
 

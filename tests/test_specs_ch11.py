@@ -13,7 +13,7 @@ from spec_helpers import fails_visibly, module_builder, solution_source, stub
 
 from course_utils import grader
 from course_utils.grading.harness.ch11 import prefix_reads
-from course_utils.grading.specs import ch11
+from course_utils.grading.specs import ch11, ch11_splits
 
 pytestmark = pytest.mark.usefixtures("grading_env")  # hidden cases too (tests/conftest.py)
 
@@ -265,7 +265,7 @@ def test_the_kernel_case_uses_the_plan_it_was_given(build, monkeypatch):
 def test_best_num_splits_is_the_largest_that_fits_with_no_empty_split():
     """The brute force against the rule written another way: the most that fit the waves, at
     most ``n_blocks``, then one fewer while the last split would start past the last block."""
-    for args in ch11._random_split_rows(3):
+    for args in ch11_splits._random_split_rows(3):
         B, Hkv, seqlen_k, BLOCK_N, num_sms, programs_per_sm, target_waves = args
         n_blocks = -(-seqlen_k // BLOCK_N)
         fit = target_waves * num_sms * programs_per_sm // (B * Hkv)
