@@ -858,3 +858,24 @@ def test_budget_admits_a_few_values_and_refuses_more():
 
 def test_the_attack_list_covers_every_class():
     assert len(ATTACKS) >= 60
+
+
+@pytest.mark.parametrize("front", ["course_utils.reference", "course_utils.library.serving",
+                                   "course_utils.library.ring", "course_utils.library.ulysses"])
+def test_every_answer_function_behind_a_front_module_is_in_the_table(front):
+    """A module split into parts (ring.py re-exports ring_layouts, ring_pass, ...) keeps every
+    public function forbidden: the table must name the module each one is defined in (the
+    watch swaps the code of the functions whose ``__module__`` the table names)."""
+    import importlib
+    import inspect
+
+    from course_utils.grading.watch_rules import _ANSWER_FUNCTIONS
+
+    module = importlib.import_module(front)
+    public = [f for name, f in vars(module).items()  # its own and its parts' (front_*.py)
+              if not name.startswith("_") and inspect.isfunction(f)
+              and (f.__module__ == front or f.__module__.startswith(front + "_"))]
+    assert public, front
+    missing = sorted({f"{f.__module__}.{f.__name__}" for f in public
+                      if f.__module__ not in _ANSWER_FUNCTIONS})
+    assert not missing, f"answer functions the watch would not swap: {missing}"
