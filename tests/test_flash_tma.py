@@ -18,6 +18,8 @@ import triton.language as tl
 import course_utils as cu
 from course_utils import checks, reference
 from course_utils.library.kernels import flash_attention_tma as tma
+from course_utils.library.kernels.flash_attention_tma_parts import configs as tma_configs
+from course_utils.library.kernels.flash_attention_tma_parts import fp8 as tma_fp8
 
 GPU = cu.on_gpu()
 DEV = cu.device()
@@ -478,7 +480,7 @@ def test_bad_configs_are_named():
 def test_pipelines_that_cannot_fit_shared_memory_are_named(monkeypatch):
     # the numbers of an H100 (227 KiB a block; the interpreter uses them too); checked on a GPU
     # only, where they matter
-    monkeypatch.setattr(tma, "INTERPRETED", False)
+    monkeypatch.setattr(tma_configs, "INTERPRETED", False)  # where the checks read it
     monkeypatch.setattr(tma.fat, "device_shared_memory_bytes", lambda: 227 * 1024)
     tma._check_shared(128, 128, 3, 128, 2, 0)  # bf16, d = 128, 3 stages: 225 KiB, fits
     tma._check_shared(128, 128, 2, 128, 2, 2)  # persistent (O staged too), 2 stages: 193 KiB
@@ -494,7 +496,7 @@ def test_pipelines_that_cannot_fit_shared_memory_are_named(monkeypatch):
 
 @pytest.mark.skipif(not GPU, reason="the check reads the GPU's compute capability")
 def test_fp8_on_a_gpu_without_fp8_tensor_cores_says_what_to_do(monkeypatch):
-    monkeypatch.setattr(tma, "_capability", lambda index: (8, 0))  # what an A100 reports
+    monkeypatch.setattr(tma_fp8, "_capability", lambda index: (8, 0))  # an A100's
     q, k, v = _qkv(dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"sm_80\) has no FP8 tensor cores.*forward_tma"):
         tma.attention_forward_fp8(q, k, v)
@@ -810,7 +812,7 @@ def test_backward_default_configs_follow_the_tile_rules_and_fit_an_h100():
 
 def test_backward_configs_that_cannot_fit_shared_memory_are_named(monkeypatch):
     # the numbers of an H100 (227 KiB a block), as for the forward
-    monkeypatch.setattr(tma, "INTERPRETED", False)
+    monkeypatch.setattr(tma_configs, "INTERPRETED", False)  # where the checks read it
     monkeypatch.setattr(tma.fat, "device_shared_memory_bytes", lambda: 227 * 1024)
     tma._check_shared_backward("dkdv", 64, 256, 3, 128, 2)  # 128 + 3 x 32 KiB + 1 = 225 KiB
     with pytest.raises(ValueError, match=r"dkdv: BLOCK_M=64, BLOCK_N=256, num_stages=4 at "

@@ -175,7 +175,9 @@ def test_prune_fits_the_shared_memory_of_each_generation():
 
 @pytest.mark.skipif(not GPU, reason="the check reads the GPU's compute capability")
 def test_bf16_on_a_gpu_without_bf16_tensor_cores_says_use_float16(monkeypatch):
-    monkeypatch.setattr(fat, "_capability", lambda index: (7, 5))  # what a T4 reports
+    from course_utils.library.kernels.flash_attention_triton_parts import checks as fat_checks
+
+    monkeypatch.setattr(fat_checks, "_capability", lambda index: (7, 5))  # what a T4 reports
     q = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"sm_75\) has no bfloat16 tensor cores.*float16"):
         fat.attention_forward(q, q, q)
