@@ -385,9 +385,14 @@ def _specs():
 
 
 def _modules():
-    names = [m.name for m in pkgutil.iter_modules([str(PACKAGE)], "course_utils.")]
-    names += [m.name for m in pkgutil.iter_modules([str(PACKAGE / "kernels")],
-                                                   "course_utils.library.kernels.")]
+    """The modules at the top of each layer (core, toolbox, library, grading, publishing) and
+    of library/kernels: where the package's public functions live."""
+    names = []
+    for folder in ("", "toolbox", "library", "grading", "publishing", "library/kernels"):
+        prefix = "course_utils." + (folder.replace("/", ".") + "." if folder else "")
+        names += [m.name for m in pkgutil.iter_modules([str(PACKAGE / folder)], prefix)
+                  if m.name.rsplit(".", 1)[1] not in ("toolbox", "library", "grading",
+                                                        "publishing")]
     return sorted(names)
 
 

@@ -23,7 +23,7 @@ from spec_helpers import poison_free_cuda_memory
 from course_utils import cuda as C
 from course_utils import hopper, portability, reference, runtime
 
-KERNELS = Path(__file__).resolve().parents[1] / "course_utils" / "kernels"
+KERNELS = Path(__file__).resolve().parents[1] / "course_utils" / "library" / "kernels"
 SOURCE = KERNELS / "flash_attention_hopper.cu"
 CONST = portability.cxx_constants(SOURCE.read_text())
 BLOCK_M, BLOCK_N = CONST["fa_hopper::BLOCK_M"], CONST["fa_hopper::BLOCK_N"]

@@ -35,7 +35,7 @@ from course_utils import checks, hopper, portability, runtime
 from course_utils import cuda as C
 from course_utils.grading.harness.ch09 import grad_tolerance, reference_gradients
 
-KERNELS = Path(__file__).resolve().parents[1] / "course_utils" / "kernels"
+KERNELS = Path(__file__).resolve().parents[1] / "course_utils" / "library" / "kernels"
 SOURCE = KERNELS / "flash_attention_hopper_bwd.cu"
 CONST = portability.cxx_constants(SOURCE.read_text())
 BLOCK_M, BLOCK_N = CONST["fa_hopper_bwd::BLOCK_M"], CONST["fa_hopper_bwd::BLOCK_N"]

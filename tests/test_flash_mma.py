@@ -18,7 +18,8 @@ from spec_helpers import poison_free_cuda_memory
 from course_utils import cuda as C
 from course_utils import reference, runtime
 
-SOURCE = Path(__file__).resolve().parents[1] / "course_utils" / "kernels" / "flash_attention_mma.cu"
+SOURCE = (Path(__file__).resolve().parents[1] / "course_utils" / "library" / "kernels"
+          / "flash_attention_mma.cu")
 needs_gpu = pytest.mark.skipif(not runtime.on_gpu(), reason="needs a CUDA GPU (sm_80 or newer)")
 
 

@@ -212,7 +212,7 @@ def test_each_start_gets_fresh_folders_and_a_verified_lock(tmp_path):
         assert "verified:" in first.isolation and "landlock abi" in first.isolation
         assert "seccomp: sockets denied" in first.isolation
         assert first.package != second.package and first.scratch != second.scratch
-        assert not (first.package / "course_utils" / "specs").exists()
+        assert not (first.package / "course_utils" / "grading" / "specs").exists()
         assert all(not (p.stat().st_mode & 0o222)
                    for p in (first.package / "course_utils").rglob("*"))
     finally:
