@@ -63,18 +63,19 @@ CASE_SECONDS = 10.0  # a case that runs longer is stopped (a candidate that loop
 # outside this test (processes, signals, file descriptors, this process's security settings) or
 # only compile CUDA (seconds each, writing the build cache; a compiler answers no exercise).
 EXCLUDED = {
-    "grading.sandbox.kill_tree": "SIGKILLs the process group it is given and this process's "
-                                 "children",
-    "grading.sandbox.set_subreaper": "makes this process adopt orphans (prctl)",
-    "grading.sandbox.landlock_restrict": "locks this process's file access for good",
+    "grading.sandbox.process.kill_tree": "SIGKILLs the process group it is given and this "
+                                         "process's children",
+    "grading.sandbox.process.set_subreaper": "makes this process adopt orphans (prctl)",
+    "grading.sandbox.isolation.landlock_restrict": "locks this process's file access for good",
     "grading.sandbox.worker_main": "reads a job from the descriptors it is given and exits the "
                                    "process",
     "grading.sandbox.start_worker": "starts a worker process",
-    "grading.sandbox.send": "writes a message to any file descriptor it is given (an int argument)",
-    "grading.sandbox.copy_package": "writes a package copy into a folder",
-    "grading.sandbox.scratch_root": "creates a folder under /tmp",
-    "grading.sandbox.remove_tree": "deletes the folder it is given",
-    "grading.sandbox.verify_isolation": "deletes the files its probe argument names",
+    "grading.sandbox.codec.send": "writes a message to any file descriptor it is given (an int "
+                                  "argument)",
+    "grading.sandbox.isolation.copy_package": "writes a package copy into a folder",
+    "grading.sandbox.isolation.scratch_root": "creates a folder under /tmp",
+    "grading.sandbox.isolation.remove_tree": "deletes the folder it is given",
+    "grading.sandbox.isolation.verify_isolation": "deletes the files its probe argument names",
     "grading.seccomp.deny_sockets": "installs a seccomp filter on this process for good",
     "grading.grader.grade_notebook": "starts grading workers",
     "grading.grader.grade_notebooks": "starts grading workers",
