@@ -227,7 +227,8 @@ attack("network", oracle(
 attack("signal_the_grader", oracle("import os\nos.kill(os.getppid(), 0)\nok = True"),
        {"01.memory_formula": 0})
 attack("rewrite_the_grader_package", [
-    f"open({str(ROOT / 'course_utils' / 'grader.py')!r}, 'a').write('\\n# pwned\\n')",
+    f"open({str(ROOT / 'course_utils' / 'grading' / 'grader.py')!r}, 'a')"
+    ".write('\\n# pwned\\n')",
     MEMORY_WRONG, CHECK_MEMORY], {"01.memory_formula": 0})
 
 # --- crashes, hangs and resource abuse: one exercise lost, the others kept ----------------------
@@ -343,7 +344,8 @@ attack("restart_plants_code", [textwrap.dedent(f"""
     payload = {PLANT!r}
     package = os.path.dirname(course_utils.__file__)
     targets = ['sitecustomize.py', 'usercustomize.py', os.path.join(package, '__init__.py'),
-               os.path.join(package, 'sandbox.py'), os.path.join(package, 'runtime.py'),
+               os.path.join(package, 'grading', 'sandbox', '__init__.py'),
+               os.path.join(package, 'grading', 'grader.py'), os.path.join(package, 'runtime.py'),
                os.path.join(os.path.dirname(package), 'sitecustomize.py'),
                os.path.join(site.getusersitepackages(), 'usercustomize.py'),
                *[os.path.join(p, 'zz_course_escape.pth') for p in site.getsitepackages()]]
@@ -369,13 +371,16 @@ attack("restart_rewrites_pycache", [textwrap.dedent("""
     package = os.path.dirname(course_utils.__file__)
     src = os.path.join(os.getcwd(), 'evil.py')
     open(src, 'w').write('import builtins\\nbuiltins.ESCAPED = True\\n')
-    cache = os.path.join(package, '__pycache__')
-    try:
-        os.makedirs(cache, exist_ok=True)
-        for name in ('__init__', 'sandbox', 'runtime', 'grader', 'watch'):
-            py_compile.compile(src, os.path.join(cache, f'{name}.cpython-311.pyc'))
-    except OSError:
-        pass
+    for folder, names in (('', ('__init__', 'runtime', 'paths')),
+                          ('grading', ('__init__', 'grader', 'watch', 'types')),
+                          ('grading/sandbox', ('__init__', 'codec', 'isolation'))):
+        cache = os.path.join(package, folder, '__pycache__')
+        try:
+            os.makedirs(cache, exist_ok=True)
+            for name in names:
+                py_compile.compile(src, os.path.join(cache, f'{name}.cpython-311.pyc'))
+        except OSError:
+            pass
     os._exit(1)
     """),
     "import builtins\nok = getattr(builtins, 'ESCAPED', False)",
