@@ -10,6 +10,7 @@ directory per test module, so every compile here really happens once and is then
 from __future__ import annotations
 
 import re
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from course_utils import cuda as C
-from course_utils import runtime
+from course_utils import paths, runtime
+from course_utils.toolbox import cuda_tools  # every cuda room asks it for nvcc and NVRTC
 
 HAS_NVCC = C.nvcc_path() is not None
 HAS_NVRTC = C.nvrtc_available()
@@ -341,7 +343,7 @@ def test_launch_bounds_force_spills():
     not NVRTC_REPORTS_RELIABLY, reason="this NVRTC omits ptxas reports on compute-cache hits"
 )
 def test_nvrtc_fallback_gives_the_same_report(monkeypatch):
-    monkeypatch.setattr(C, "nvcc_path", lambda: None)
+    monkeypatch.setattr(cuda_tools, "nvcc_path", lambda: None)
     capped = C.resource_usage(SPILL_SRC, "many_live_values", extra_flags=["-maxrregcount=16"])
     assert capped.spills > 0
     local = C.resource_usage(KERNELS_SRC, "local_array_kernel")
@@ -350,15 +352,15 @@ def test_nvrtc_fallback_gives_the_same_report(monkeypatch):
 
 @needs_nvrtc
 def test_nvrtc_fallback_without_a_report_says_so(monkeypatch):
-    monkeypatch.setattr(C, "nvcc_path", lambda: None)
+    monkeypatch.setattr(cuda_tools, "nvcc_path", lambda: None)
     monkeypatch.setattr(C, "_nvrtc_compile", lambda *a, **k: (None, ""))  # as on a cache hit
     with pytest.raises(RuntimeError, match="no ptxas report.*CUDA_CACHE_DISABLE=1"):
         C.resource_usage(SPILL_SRC)
 
 
 def test_no_compiler_at_all_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(C, "nvcc_path", lambda: None)
-    monkeypatch.setattr(C, "nvrtc_available", lambda: False)
+    monkeypatch.setattr(cuda_tools, "nvcc_path", lambda: None)
+    monkeypatch.setattr(cuda_tools, "nvrtc_available", lambda: False)
     with pytest.raises(RuntimeError, match="cuda-nvcc.*nvidia-cuda-nvrtc"):
         C.resource_usage(SPILL_SRC)
 
@@ -430,7 +432,7 @@ def test_load_cuda_compile_error_points_at_the_line(cpu_mode):
 
 
 def test_load_cuda_without_nvcc_or_gpu_prints_one_line(cpu_mode, monkeypatch, capsys):
-    monkeypatch.setattr(C, "nvcc_path", lambda: None)
+    monkeypatch.setattr(cuda_tools, "nvcc_path", lambda: None)
     m = C.load_cuda(VECTOR_ADD_SRC, ["vector_add"])
     out = capsys.readouterr().out.strip()
     assert "\n" not in out and "no GPU and no nvcc" in out and "cuda-nvcc" in out
@@ -440,7 +442,7 @@ def test_load_cuda_without_nvcc_or_gpu_prints_one_line(cpu_mode, monkeypatch, ca
 
 
 def test_load_cuda_reads_a_cu_file(cpu_mode, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(C, "nvcc_path", lambda: None)  # only the reading is tested here
+    monkeypatch.setattr(cuda_tools, "nvcc_path", lambda: None)  # only the reading is tested here
     path = tmp_path / "vector_add.cu"
     path.write_text(VECTOR_ADD_SRC)
     assert C.load_cuda(path, ["vector_add"]).functions == ["vector_add"]
@@ -643,7 +645,7 @@ def test_compile_kernel_dynamic_shared_memory_over_48k():
 # The course's FlashAttention .cu kernels (chapters 07, 08): grid limits and float4 alignment
 # ---------------------------------------------------------------------------------------------
 
-KERNELS_DIR = Path(C.__file__).resolve().parent / "kernels"
+KERNELS_DIR = paths.KERNELS  # the chapters' .cu files (course_utils/library/kernels)
 
 
 @pytest.fixture(scope="module")
@@ -835,21 +837,21 @@ FAKE_PTXAS = (
 def _fake_nvcc(monkeypatch, tmp_path):
     """nvcc replaced by a stand-in that writes an empty cubin at once; returns its call log."""
     calls = []
-    real_run = C.subprocess.run
+    real_run = subprocess.run
 
     def run(cmd, *args, **kwargs):
         if cmd[0] != "fake-nvcc":
             return real_run(cmd, *args, **kwargs)
         if "--version" in cmd:
-            return C.subprocess.CompletedProcess(cmd, 0, "Cuda compilation tools, fake\n", "")
+            return subprocess.CompletedProcess(cmd, 0, "Cuda compilation tools, fake\n", "")
         calls.append(cmd)
         out = Path(kwargs["cwd"]) / cmd[cmd.index("-o") + 1]
         out.write_bytes(b"")
-        return C.subprocess.CompletedProcess(cmd, 0, "", FAKE_PTXAS)
+        return subprocess.CompletedProcess(cmd, 0, "", FAKE_PTXAS)
 
     monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(C, "nvcc_path", lambda: "fake-nvcc")
-    monkeypatch.setattr(C.subprocess, "run", run)
+    monkeypatch.setattr(cuda_tools, "nvcc_path", lambda: "fake-nvcc")
+    monkeypatch.setattr(subprocess, "run", run)
     return calls
 
 
