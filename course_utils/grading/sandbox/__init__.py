@@ -218,7 +218,7 @@ class _Pristine:
             codes = {k: v.__code__ for k, v in saved.items()
                      if isinstance(v, types.FunctionType)}  # fmt: skip
             self.entries[name] = (module, saved, codes)
-        from .watch import forbid
+        from ..watch import forbid
 
         self.forbid = forbid
 
