@@ -673,6 +673,7 @@ def _flash_check(fwd, bwd, Q, K, V, dO, causal, case):
                            atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_flash_cu_host_checks_compile_without_gpu(cpu_mode, capsys):
     # The (T, H, B) grids, the grid-limit and alignment checks (TORCH_CHECK_VALUE) compile with

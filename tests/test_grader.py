@@ -108,6 +108,7 @@ def _notebook(path, *sources):
     return path
 
 
+@pytest.mark.slow
 def test_grade_survives_a_hanging_and_a_dying_notebook(tmp_path):
     ok = _notebook(tmp_path / "00_ok.ipynb",
                    "import course_utils as cu\ncu.setup()",

@@ -24,6 +24,8 @@ import pytest
 
 from course_utils import sandbox
 
+pytestmark = pytest.mark.slow  # the whole file: minutes on 2 cores (not slow: -m "not slow")
+
 ROOT = Path(__file__).resolve().parent.parent
 LANDLOCK = sandbox.landlock_abi()
 needs_landlock = pytest.mark.skipif(LANDLOCK < 1, reason="Landlock is not available here")

@@ -23,6 +23,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.slow  # the whole file: minutes on 2 cores (not slow: -m "not slow")
+
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "lab_walk.py"
 

@@ -39,6 +39,7 @@ def test_every_lecture_has_solution_and_exercise_twins():
     assert lectures == {p.name for p in (ROOT / "exercises").glob("*.ipynb")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
 def test_solution_scores_full_marks(path):
     report = grader.grade_notebook(path)

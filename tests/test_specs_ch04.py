@@ -414,6 +414,7 @@ def test_register_qk_missing_guards_are_named():
         assert "only when i < Nq and j < Nk" in r.message or not simulated
 
 
+@pytest.mark.slow
 @traced_only
 def test_register_qk_missing_barriers_are_caught():
     # The simulator's values may or may not come out wrong (it depends on how it schedules the
@@ -429,6 +430,7 @@ def test_register_qk_missing_barriers_are_caught():
         assert hazard in message and "no barrier between" in message, message
 
 
+@pytest.mark.slow
 @traced_only
 def test_register_qk_whole_tile_per_thread_fails_the_global_reads():
     r = grader.check("04.register_qk", _register_kernel(cooperative=False))

@@ -681,6 +681,7 @@ def quiet_process(tmp_path, monkeypatch, worker_copy):
     return modules
 
 
+@pytest.mark.slow
 def test_no_public_callable_of_the_copy_answers_an_exercise(quiet_process, capsys):
     from course_utils import specs
 
