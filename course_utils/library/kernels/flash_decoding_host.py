@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .flash_attention_triton import LOG2E, SUPPORTED_D, _check_dtype_and_device
+from .flash_attention_triton import LOG2E, SUPPORTED_D, _check_dtype_and_device, _real_capability
 from .flash_decoding_common import (
     DECODE_BLOCK_N,
     H100_SMS,
@@ -74,12 +74,7 @@ def _pdl_possible(device):
     """Programmatic dependent launch exists here: a Hopper-or-later GPU, a Triton with it."""
     if INTERPRETED or gdc_wait is None or not torch.cuda.is_available():
         return False
-    return _major(torch.device(device).index) >= 9
-
-
-@functools.cache
-def _major(index):
-    return torch.cuda.get_device_capability(index)[0]
+    return _real_capability(torch.device(device).index)[0] >= 9
 
 
 def decode_programs_per_sm(paged=False):
