@@ -42,13 +42,16 @@ in the grading process. Collectives (``all_gather``, ``broadcast``, ...) and blo
 ``batch_isend_irecv``.
 
 **The zygote.** Importing torch costs seconds per process, so the ranks are not started from
-scratch: the first case starts, from the grading process, one *zygote* per process (before any
-student code exists in it, with one thread): a Python that imports torch once and, for each
-rank of each case, forks a child. The child closes every descriptor it inherited but its own
+scratch: the first case starts, from the grading process, one *zygote* per process
+(:mod:`course_utils.grading.sandbox.zygote`, shared with the notebooks' workers; before any
+student code exists, with one thread): a Python that imports torch and this package's rank code
+once, from a read-only copy the ranks share, and forks a child for each rank of each case. The
+child is adopted by the grading process, closes every descriptor it inherited but its own
 pipes and log, takes a session of its own, and only then becomes a rank as above (join, warm
 up, lock in, run the cell). The zygote itself never receives a cell; a rank is never reused.
 A case then costs a fraction of a second instead of seconds per rank.
-``COURSE_RANKS_ZYGOTE=0`` starts each rank as its own ``python`` process instead.
+``COURSE_RANKS_ZYGOTE=0`` (or ``COURSE_ZYGOTE=0``, for every zygote) starts each rank as its
+own ``python`` process instead.
 
 **Cleanup.** A case has two deadlines (the ranks start: :data:`CASE_SECONDS`; the cell runs
 and replies: :data:`RUN_SECONDS`, ample for the exercises' tiny shards); past one, or when a rank
@@ -71,7 +74,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -86,6 +88,7 @@ from .rank_process import (  # noqa: F401 (re-exported: the rank's constants)
     NCCL_ENV,
     _rank_main,
 )
+from .sandbox import zygote
 
 CASE_SECONDS = 90.0  # one case: start R processes, join, warm up, lock in
 RUN_SECONDS = 6.0  # then the cell on tiny shards, and the replies (a deadlock fails the case)
@@ -129,209 +132,30 @@ def defining_cell(fn) -> tuple[str, str]:
 
 # ============================================================================ the zygote
 
+# What every rank would import at its start: the ranks' zygote imports them once, with the
+# package copy the ranks share (sandbox.zygote: forked, adopted, one thread).
+RANK_PRELOAD = ("torch", "torch.distributed", "torch.distributed.distributed_c10d",
+                "torch.overrides", "course_utils.grading.rank_process")
+RANK_ENTRY = "course_utils.grading.rank_process:_rank_main"
 
-def _zygote_child(fds, request) -> None:
-    """In a process just forked by the zygote: become a fresh rank (its own session, its
-    pipes on fds 3 and 4, nothing else inherited), then run :func:`_rank_main`."""
+
+def _make_zygote():
+    """The ranks' zygote: a folder holding the package copy the ranks import, deleted with it."""
+    _remove_orphaned_zygote_folders()
+    folder = Path(tempfile.mkdtemp(prefix=f"course-ranks-zygote-{os.getpid()}-"))
     try:
-        import fcntl
-
-        # high copies first, so that no dup2 below overwrites a descriptor not yet moved
-        to_r, from_w, log = (fcntl.fcntl(f, fcntl.F_DUPFD, 1000) for f in fds)
-        os.setsid()
-        devnull = fcntl.fcntl(os.open(os.devnull, os.O_RDONLY), fcntl.F_DUPFD, 1000)
-        os.dup2(devnull, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.dup2(to_r, 3)
-        os.dup2(from_w, 4)
-        os.closerange(5, 1 << 16)  # the zygote's socket and every other rank's pipes
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        tempfile.tempdir = None
-        _rank_main(3, 4)
-    finally:
-        os._exit(7)
-
-
-def _zygote_main(fd: int) -> None:
-    """The zygote: import torch once, then fork one fresh rank per request, until its socket
-    closes. It runs no cell: each child becomes a rank (:func:`_zygote_child`) and the
-    zygote reports the children's exits. It forks only while it has a single thread."""
-    import json
-
-    import torch  # noqa: F401 (what the ranks would each import: seconds)
-    import torch.distributed  # noqa: F401
-    import torch.distributed.distributed_c10d  # noqa: F401
-    import torch.overrides  # noqa: F401
-
-    control = socket.socket(fileno=fd)
-    control.setblocking(False)
-    control.send(json.dumps({"ready": os.getpid()}).encode())
-    while True:
-        while True:  # reap and report
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            control.send(json.dumps({"exit": pid,
-                                     "code": os.waitstatus_to_exitcode(status)}).encode())
-        ready, _, _ = select.select([control], [], [], 0.05)
-        if not ready:
-            continue
-        try:
-            message, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
-        except BlockingIOError:
-            continue
-        if not message:  # the grading process is gone: leave nothing behind
-            sandbox.remove_tree(Path(os.getcwd()))
-            os._exit(0)
-        request = json.loads(message)
-        if len(fds) != 3 or len(os.listdir("/proc/self/task")) != 1:
-            for f in fds:
-                os.close(f)
-            control.send(json.dumps({"error": f"{len(fds)} fds, threads "
-                                     f"{len(os.listdir('/proc/self/task'))}"}).encode())
-            continue
-        pid = os.fork()
-        if pid == 0:
-            control.detach()  # the child closes the fd itself; no object may close it later
-            _zygote_child(fds, request)
-        for f in fds:
-            os.close(f)
-        control.send(json.dumps({"pid": pid}).encode())
-
-
-class _Zygote:
-    """The grading process's zygote (one per process, started on first use, before any
-    student code exists in it): a Python with torch imported that forks the ranks."""
-
-    BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from course_utils.grading.ranks import _zygote_main; _zygote_main(int(sys.argv[2]))")
-
-    def __init__(self):
-        import atexit
-
-        _remove_orphaned_zygote_folders()
-        self.folder = Path(tempfile.mkdtemp(prefix=f"course-ranks-zygote-{os.getpid()}-"))
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.package = self.folder / "package"
-            self.package.mkdir()
-            sandbox.copy_package(self.package)
-            os.chmod(self.package, 0o555)
-            env = dict(_base_env(), HOME=str(self.folder), OMP_NUM_THREADS="1",
-                       OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")  # no thread at a fork
-            self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-u", "-c", self.BOOT, str(self.package),
-                 str(theirs.fileno())], pass_fds=(theirs.fileno(),), cwd=self.folder, env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True)
-        except BaseException:
-            ours.close()
-            _remove_walking(self.folder)
-            raise
-        finally:
-            theirs.close()
-        self.sock, self.exits, self.ready = ours, {}, False
-        atexit.register(self.close)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def _take(self, message) -> dict:
-        import json
-
-        got = json.loads(message)
-        if "exit" in got:
-            self.exits[int(got["exit"])] = int(got["code"])
-        if "ready" in got:
-            self.ready = True
-        return got
-
-    def drain(self) -> None:
-        while True:
-            try:
-                message = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            if not message:
-                return
-            self._take(message)
-
-    def spawn(self, fds, cwd, env, seconds=120.0) -> _Forked:
-        """A fresh rank whose fds are ``(to_r, from_w, log)``; raises RankFailure."""
-        import json
-
-        socket.send_fds(self.sock, [json.dumps({"cwd": cwd, "env": env}).encode()], fds)
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            ready, _, _ = select.select([self.sock], [], [], 0.2)
-            if not ready:
-                if not self.alive():
-                    break
-                continue
-            got = self._take(self.sock.recv(1 << 16))
-            if "pid" in got:
-                self.exits.pop(int(got["pid"]), None)  # an earlier process's, were a pid reused
-                return _Forked(self, int(got["pid"]))
-            if "error" in got:  # a thread in the zygote (some import started one)
-                raise _ZygoteRefused(got["error"])
-        raise RankFailure("crashed", None, "the zygote that starts the ranks did not answer")
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        except Exception:
-            pass
-        sandbox.remove_tree(self.folder)
-
-
-class _ZygoteRefused(Exception):
-    """The zygote would not fork (it is not single-threaded): start ranks with Popen."""
-
-
-class _Forked:
-    """A rank forked by the zygote, with the part of ``subprocess.Popen`` that :func:`run`
-    uses: ``pid``, ``poll()`` and ``wait(timeout)``."""
-
-    def __init__(self, zygote, pid):
-        self.zygote, self.pid, self.returncode = zygote, pid, None
-
-    def poll(self):
-        if self.returncode is None:
-            self.zygote.drain()
-            self.returncode = self.zygote.exits.pop(self.pid, None)
-        if self.returncode is None and not self.zygote.alive():
-            try:  # the zygote died: its children are ours now (subreaper)
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-            except ChildProcessError:
-                if _session_of(self.pid) is None:
-                    self.returncode = -signal.SIGKILL
-        return self.returncode
-
-    def wait(self, timeout=None):
-        end = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while self.poll() is None:
-            if time.monotonic() > end:
-                raise subprocess.TimeoutExpired("rank", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-
-_ZYGOTE = None
-_ZYGOTE_REFUSED = False  # set once a zygote refused to fork: Popen from then on
+        package = folder / "package"
+        package.mkdir()
+        sandbox.copy_package(package)
+        os.chmod(package, 0o555)
+        made = zygote.Zygote(RANK_PRELOAD, sandbox._import_path(folder),
+                             dict(_base_env(), HOME=str(folder)), package=package,
+                             folder=folder, cwd=folder)  # fmt: skip
+    except BaseException:
+        _remove_walking(folder)
+        raise
+    made.package = package
+    return made
 
 
 def _remove_walking(folder: Path) -> None:
@@ -369,18 +193,11 @@ def _remove_orphaned_zygote_folders() -> None:
 
 
 def _zygote():
-    """This process's zygote, started (again) if it is not running; None where it is off
-    (``COURSE_RANKS_ZYGOTE=0``) or cannot fork (not Linux)."""
-    global _ZYGOTE
-    if _ZYGOTE_REFUSED or os.environ.get("COURSE_RANKS_ZYGOTE", "1") == "0" \
-            or sys.platform != "linux" \
-            or not hasattr(socket, "send_fds"):
+    """This process's ranks' zygote, started (again) if it is not running; None where it is
+    off (``COURSE_RANKS_ZYGOTE=0`` or ``COURSE_ZYGOTE=0``) or cannot fork (not Linux)."""
+    if os.environ.get("COURSE_RANKS_ZYGOTE", "1") == "0":
         return None
-    if _ZYGOTE is None or not _ZYGOTE.alive():
-        if _ZYGOTE is not None:
-            _ZYGOTE.close()
-        _ZYGOTE = _Zygote()
-    return _ZYGOTE
+    return zygote.get("ranks", _make_zygote)
 
 
 def _base_env() -> dict:
@@ -528,13 +345,13 @@ def run(source: str, name: str, shards, kwargs=None, *, backend=None,
     world = len(shards)
     backend = backend or backend_for(world)
     sandbox.set_subreaper()
-    zygote = _zygote()  # before ``before``: the zygote outlives the case
+    warm = _zygote()  # before ``before``: the zygote outlives the case
     before = frozenset(sandbox.descendants(os.getpid()))
     folder = Path(tempfile.mkdtemp(prefix="course-ranks-"))
     procs, writers, readers = [], [], []
     try:
-        if zygote is not None:
-            package = zygote.package
+        if warm is not None:
+            package = warm.package
         else:
             package = folder / "package"
             package.mkdir()
@@ -562,12 +379,9 @@ def run(source: str, name: str, shards, kwargs=None, *, backend=None,
             log = open(scratch / "rank.log", "ab")  # noqa: SIM115 (handed to the process)
             try:
                 forked = None
-                if zygote is not None:  # forked with torch imported: seconds saved per rank
-                    try:
-                        forked = zygote.spawn((to_r, from_w, log.fileno()), str(scratch), env)
-                    except _ZygoteRefused:
-                        global _ZYGOTE_REFUSED
-                        _ZYGOTE_REFUSED = True
+                if warm is not None:  # forked with torch imported: seconds saved per rank
+                    forked = zygote.spawn("ranks", _make_zygote, RANK_ENTRY,
+                                          (to_r, from_w, log.fileno()), scratch, env)
                 if forked is not None:
                     procs.append(forked)
                 else:

@@ -85,6 +85,7 @@ from pathlib import Path
 
 from ... import paths
 from ..types import Candidate, Result
+from . import zygote
 from .codec import (  # noqa: F401 (re-exported: the codec's names, as before the split)
     _BUILTIN_ERRORS,
     _TORCH_DTYPES,
@@ -485,7 +486,7 @@ class Worker:
 
     def stop(self):
         """Kill the worker and all it started, then delete its folders: none is used again."""
-        kill_tree(self.proc.pid, self.keep)
+        kill_tree(self.proc.pid, frozenset(self.keep or ()) | zygote.pids())
         for fd in (self.fd_to, self.fd_from):
             try:
                 os.close(fd)
@@ -495,6 +496,9 @@ class Worker:
             if folder is not None:
                 remove_tree(folder)
 
+
+# What a worker would import at every start: its zygote imports them once (a warm start).
+WORKER_PRELOAD = ("torch", "numpy", "IPython.core.interactiveshell", "triton")
 
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from course_utils.grading.sandbox import worker_main; "
@@ -524,8 +528,9 @@ def start_worker(run_root: Path, job: dict, limits: Limits, keep, protected) -> 
         (scratch / sub).mkdir()
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("COURSE_CHECKS_RAISE", "COURSE_GRADING", "PYTEST_", "PYTHON"))}
+    base_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("COURSE_CHECKS_RAISE", "COURSE_GRADING", "PYTEST_", "PYTHON"))}
+    env = dict(base_env)
     env.update(HOME=str(scratch / "home"), TMPDIR=str(scratch / "tmp"),
                XDG_CACHE_HOME=str(scratch / "cache"), MPLCONFIGDIR=str(scratch / "cache"),
                TRITON_CACHE_DIR=str(scratch / "cache" / "triton"),
@@ -537,7 +542,11 @@ def start_worker(run_root: Path, job: dict, limits: Limits, keep, protected) -> 
     env["COURSE_DEVICE"] = "gpu" if runtime.on_gpu() else "cpu"
     log = open(scratch / "worker.log", "ab")  # noqa: SIM115 (handed to the process)
     try:
-        proc = subprocess.Popen(
+        # Forked by the zygote with torch imported (a warm start), else started from nothing.
+        proc = zygote.spawn(
+            "worker", lambda: zygote.Zygote(WORKER_PRELOAD, _import_path(run_root), base_env),
+            "course_utils.grading.sandbox:worker_main", (to_r, from_w, log.fileno()), scratch,
+            env, package=package) or subprocess.Popen(
             [sys.executable, "-I", "-B", "-u", "-c", _BOOT, str(package), str(to_r), str(from_w)],
             pass_fds=(to_r, from_w), cwd=scratch, env=env, stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
