@@ -228,6 +228,19 @@ attack("network", oracle(
     {"01.memory_formula": 0})
 attack("signal_the_grader", oracle("import os\nos.kill(os.getppid(), 0)\nok = True"),
        {"01.memory_formula": 0})
+# The zygote that forks the workers is the grader's child too: killing it (possible without
+# Landlock's signal scoping, ABI 6) costs only warm starts, never a score.
+attack("kill_the_zygote", [
+    "import os, signal\n"
+    "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "    try:\n"
+    "        stat = open(f'/proc/{pid}/stat').read()\n"
+    "        ppid = int(stat[stat.rfind(')') + 2:].split()[1])\n"
+    "        if ppid == os.getppid() and b'zygote' in open(f'/proc/{pid}/cmdline', 'rb').read():\n"
+    "            os.kill(int(pid), signal.SIGKILL)\n"
+    "    except (OSError, ValueError):\n"
+    "        pass",
+    MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
 attack("rewrite_the_grader_package", [
     f"open({str(ROOT / 'course_utils' / 'grading' / 'grader.py')!r}, 'a')"
     ".write('\\n# pwned\\n')",
