@@ -121,7 +121,7 @@ NAMED_MISTAKES = [
          (_DIVIDE, "acc = mean / l_new[:, None]")), "no guard for a row that has seen no key"),
     Slip("09.window_inner", "m = the guarded max", _slip("window_inner",
          ("m_i = m_new  # the true", "m_i = ref  # the true")),
-         "the stand-in kept as the running max", "all scores below -100"),
+         "the stand-in kept as the running max", "scores < -100"),
     Slip("09.window_inner", "causal mask only", _slip("window_inner",
          (_MASK, "S = tl.where(back >= 0, S, float(\"-inf\"))")),
          "the window's left side not masked"),
