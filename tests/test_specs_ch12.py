@@ -63,13 +63,8 @@ def test_stub_is_not_implemented(exercise_id):
     assert grader.check(exercise_id, candidate).status == "not implemented"
 
 
-def test_solutions_pass_with_hidden_cases(build):
-    m = build()
-    for exercise_id, fn in zip(IDS, (m.varlen_attention_fake, (m.setup_context, m.backward),
-                                     m.attention_block, m.register_append_kv), strict=True):
-        r = grader.check(exercise_id, fn)
-        assert r.status == "passed" and r.hidden_run, (exercise_id, r.message)
-        assert r.score == r.points
+# The solution's full marks, hidden cases too, are checked once, where the solution notebook is
+# graded (tests/test_notebooks.py runs every cell and every case of its checks).
 
 
 # ----------------------------------------------------------------------------- varlen fake

@@ -50,13 +50,8 @@ def test_stub_is_not_implemented(exercise_id):
     assert grader.check(exercise_id, stub).status == "not implemented"
 
 
-def test_solutions_pass_with_hidden_cases(build):
-    m = build()
-    fns = (m.zigzag_layout, m.causal_schedule, m.ring_forward_gqa, m.ring_backward_gqa)
-    for exercise_id, fn in zip(IDS, fns, strict=True):
-        r = grader.check(exercise_id, fn)
-        assert r.status == "passed" and r.hidden_run, (exercise_id, r.message)
-        assert r.score == r.points
+# The solution's full marks, hidden cases too, are checked once, where the solution notebook is
+# graded (tests/test_notebooks.py runs every cell and every case of its checks).
 
 
 # ----------------------------------------------------------------------------- zig-zag chunks
@@ -141,7 +136,7 @@ NAMED_MISTAKES = [
          lambda: _zigzag((
              'rank[index] = r.expand(R, 2 * C)',
              'rank[index] = torch.arange(N).view(R, 2 * C) // C')).zigzag_layout,
-         'three ranks', 'rank[', '2R - 1 - c'),
+         'rank[', '2R - 1 - c', 'the row of index that holds t'),
     Slip("13.zigzag_chunks", "no error",
          lambda: _zigzag((
              'if R < 1 or N % (2 * R):',
