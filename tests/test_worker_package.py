@@ -74,8 +74,6 @@ EXCLUDED = {
     "grading.sandbox.zygote.get": "starts a zygote process",
     "grading.sandbox.zygote.spawn": "starts a zygote and forks a process from it",
     "grading.sandbox.zygote.shutdown": "kills this process's zygotes",
-    "grading.sandbox.zygote_server.main": "serves fork requests on the descriptor it is given",
-    "grading.sandbox.zygote_server.serve": "serves fork requests on the socket it is given",
     "grading.sandbox.codec.send": "writes a message to any file descriptor it is given (an int "
                                   "argument)",
     "grading.sandbox.isolation.copy_package": "writes a package copy into a folder",

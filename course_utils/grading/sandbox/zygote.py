@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+SERVER = Path(__file__).with_name("zygote_server.py")  # run as a script, never imported here
 MAX_STARTS = 3
 READY_SECONDS = 180.0  # a cold import of torch on a loaded machine
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -84,13 +85,11 @@ class Zygote:
 
     def __init__(self, preload, import_path: list[str], env: dict, *, package=None,
                  folder=None, cwd="/"):
-        from . import zygote_server
-
         config = {"preload": list(preload), "path": list(import_path),
                   "package": str(package) if package else None,
                   "folder": str(folder) if folder else None}  # fmt: skip
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        source = Path(zygote_server.__file__).read_text(encoding="utf-8")
+        source = SERVER.read_text(encoding="utf-8")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-B", "-u", "-c", source, str(theirs.fileno()),
