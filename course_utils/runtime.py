@@ -89,6 +89,9 @@ def setup(verbose: bool = True) -> Mode:
             )
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
         os.environ["TRITON_INTERPRET"] = "1"
+        from . import simulator
+
+        simulator.install()  # the simulator's blocks wait at barriers instead of polling
     else:
         _warn_numpy_too_new()
     _mode = mode

@@ -4,10 +4,10 @@ Every module's imports, at the top of the file and inside functions alike, make 
 rules hold on it, each a test that fails on the first change that breaks it:
 
 * **layers**: a module imports only modules of its own layer or the layers below it:
-  core (the package's root: runtime, paths, contract, reference, recorded) <- toolbox (GPU tools
-  that know no chapter) <- library (the chapters' code and kernels) <- grading (exercises,
-  checks, grader, sandbox, specs, harness) <- publishing (results, site, colab, ...) <- the
-  command line (``__main__``);
+  core (the package's root: runtime, paths, contract, reference, recorded, simulator) <-
+  toolbox (GPU tools that know no chapter) <- library (the chapters' code and kernels) <-
+  grading (exercises, checks, grader, sandbox, specs, harness) <- publishing (results, site,
+  colab, ...) <- the command line (``__main__``);
 * **no circle**: no module reaches itself through imports;
 * **no large room**: no module is longer than :data:`MAX_LINES` lines.
 """
