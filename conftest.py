@@ -18,10 +18,21 @@ import pytest
 matplotlib.use("Agg")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ["COURSE_CHECKS_RAISE"] = "1"
+# Under xdist with as many workers as cores (the README's `-n 2` on 2 cores), each process and
+# every notebook kernel it starts computes on one thread: two pools of OpenMP threads on two
+# cores spin against each other (about 10 % of the suite's time, measured). Set by the
+# environment, OMP_NUM_THREADS wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS and _WORKERS >= (os.cpu_count() or 1):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import course_utils  # noqa: E402
 
 course_utils.setup(verbose=False)
+if os.environ.get("OMP_NUM_THREADS") == "1":
+    import torch
+
+    torch.set_num_threads(1)  # torch may have started its pool before this file ran
 
 
 MAX_LECTURE_LINES = 60

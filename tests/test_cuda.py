@@ -9,6 +9,7 @@ directory per test module, so every compile here really happens once and is then
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import warnings
@@ -168,6 +169,9 @@ torch::Tensor vector_add(torch::Tensor x, torch::Tensor y) { return x; }
 # ---------------------------------------------------------------------------------------------
 # Fixtures
 # ---------------------------------------------------------------------------------------------
+
+
+_USER_CACHE = os.environ.get("COURSE_CACHE_DIR")  # before fresh_cache replaces it
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -675,9 +679,15 @@ def _flash_check(fwd, bwd, Q, K, V, dO, causal, case):
 
 @pytest.mark.slow
 @needs_nvcc
-def test_flash_cu_host_checks_compile_without_gpu(cpu_mode, capsys):
+def test_flash_cu_host_checks_compile_without_gpu(cpu_mode, capsys, monkeypatch):
     # The (T, H, B) grids, the grid-limit and alignment checks (TORCH_CHECK_VALUE) compile with
-    # torch's headers: nvcc parses the host functions too. No spill in any kernel.
+    # torch's headers: nvcc parses the host functions too. No spill in any kernel. The build
+    # cache is the one lectures 07 and 08 use (they compile these very files in CPU mode): each
+    # file is compiled once per suite (about 25 s each), by whichever comes first.
+    if _USER_CACHE is None:
+        monkeypatch.delenv("COURSE_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("COURSE_CACHE_DIR", _USER_CACHE)
     kernels = []
     for stem in ("forward", "backward"):
         path = KERNELS_DIR / f"flash_attention_{stem}.cu"
