@@ -9,8 +9,20 @@ from course_utils import grader
 _MARKERS = re.compile(r"(?m)^[ \t]*### (BEGIN|END) SOLUTION[ \t]*\n")
 
 
-def fails_visibly(exercise_id, candidate, *words):
-    """Grade ``candidate``; it must fail in a visible case whose message holds every word."""
+def fails_visibly(exercise_id, candidate, *words, every_case=False):
+    """Grade ``candidate``; it must fail in a visible case whose message holds every word.
+
+    The message is the first failure's and the names of the other failing cases. The cases
+    first run only up to the first failure (:func:`first_failure_names`); where that already
+    holds every word, so does the whole message, and the rest of the cases is skipped. Else,
+    and with ``every_case`` (the returned result then counts every case), all cases run.
+    """
+    if not every_case:
+        try:
+            first_failure_names(exercise_id, candidate, *words)
+            return None
+        except AssertionError:
+            pass  # a word may name a later failing case: the whole check decides
     r = grader.check(exercise_id, candidate)
     assert r.status == "failed", (r.status, r.message)
     assert not r.message.startswith("(hidden case)"), r.message

@@ -1,9 +1,11 @@
 """Grading that cannot be fooled: attack notebooks, each graded beside honest ones.
 
-Every notebook below is graded in ONE run of ``python -m course_utils grade`` (a subprocess, so
-an attack that escaped could only hurt that run, never pytest). Each attack asserts the score an
-honest grader gives it, and every run also holds two honest notebooks that must keep full
-marks whatever the attacks around them did.
+The notebooks below are graded in two runs of ``python -m course_utils grade`` (subprocesses, so
+an attack that escaped could only hurt its run, never pytest): chapter 01's attacks with a short
+limit per cell (:data:`QUICK_TIMEOUT`: its loops and hangs need only be stopped), the other
+chapters' (whose checks start ranks or simulators) with :data:`TIMEOUT`. Each attack asserts
+the score an honest grader gives it, and each run also holds two honest notebooks that must
+keep full marks whatever the attacks around them did.
 
 Capability attacks (read the solutions, reach the network, read the grader's memory, signal
 it) use the score as their only way out: the notebook hands in the right answer if the forbidden
@@ -514,7 +516,9 @@ BROKEN_FILES = {
 }
 
 
-CONTAINER_BYTES = 4 << 30  # the grading run must survive a container of this much memory
+CONTAINER_BYTES = 4 << 30  # the grading runs must survive a container of this much memory
+QUICK_TIMEOUT = 10  # s per cell and per exercise for chapter 01's notebooks (tiny checks)
+TIMEOUT = 25  # s for the other chapters' (ranks, simulators, Triton's interpreter)
 
 
 class MemoryContainer:
@@ -590,46 +594,56 @@ def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("attacks")
     out = tmp_path_factory.mktemp("grades")
     orphan_target = folder.parent / "orphan_wrote_this"
-    paths = []
+    prelude = (f"ORPHAN_TARGET = {str(orphan_target)!r}\n"
+               f"OTHERS_DIR = {str(folder)!r}\nNET_PORT = {listener.getsockname()[1]}")
+    quick, slow = [], []  # the two runs' notebooks
     for name, (cells, _) in ATTACKS.items():
-        prelude = (f"ORPHAN_TARGET = {str(orphan_target)!r}\n"
-                   f"OTHERS_DIR = {str(folder)!r}\nNET_PORT = {listener.getsockname()[1]}")
         path = folder / file_of(name)
         path.write_text(notebook([prelude, *cells]))
-        paths.append(path)
+        (quick if CHAPTER[name] == "01" else slow).append(path)
     for name, text in BROKEN_FILES.items():
         path = folder / name
         path.write_text(text if text is not None else notebook([MEMORY, CHECK_MEMORY]))
-        paths.append(path)
+        quick.append(path)
+    for name in ("honest_a", "honest_b"):  # the slow run's own honest notebooks
+        path = folder / f"01_{name}_beside_chapters.ipynb"
+        path.write_text(notebook([prelude, *ATTACKS[name][0]]))
+        slow.append(path)
+    paths = quick + slow
     before = {p: p.read_bytes() for p in paths}
     package_before = {p: p.read_bytes() for p in (ROOT / "course_utils").rglob("*.py")}
+    slow_out = tmp_path_factory.mktemp("grades_chapters")
     (out / "grades.json").unlink(missing_ok=True)
     os.mkfifo(out / "grades.csv")  # a FIFO planted at the output name must not hang the run
     env = dict(os.environ)
     env.pop("COURSE_CHECKS_RAISE", None)
     container = MemoryContainer(CONTAINER_BYTES)
     start = time.monotonic()
+    procs = []
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "course_utils", "grade", *map(str, paths), "--out", str(out),
-             "--timeout", "25", "--notebook-timeout", "300", "--memory-mb", "3072"],
-            capture_output=True, text=True, timeout=1800, env=env, cwd=folder,
-            preexec_fn=container.enter,
-        )
+        for notebooks, dest, timeout in ((quick, out, QUICK_TIMEOUT), (slow, slow_out, TIMEOUT)):
+            procs.append(subprocess.run(
+                [sys.executable, "-m", "course_utils", "grade", *map(str, notebooks), "--out",
+                 str(dest), "--timeout", str(timeout), "--notebook-timeout", "300",
+                 "--memory-mb", "3072"],
+                capture_output=True, text=True, timeout=1800, env=env, cwd=folder,
+                preexec_fn=container.enter,
+            ))
         elapsed = time.monotonic() - start
         memory = {"confined": container.path is not None, "peak": container.peak(),
                   "oom_kills": container.oom_kills()}
     finally:
         container.remove()
     listener.close()
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for proc in procs:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     time.sleep(7)  # longer than the orphans sleep: an escaped one would have written by now
-    data = json.loads((out / "grades.json").read_text())
+    data = [*json.loads((out / "grades.json").read_text()),
+            *json.loads((slow_out / "grades.json").read_text())]
     by_name = {Path(rep["notebook"]).name: rep for rep in data}
     return {"reports": by_name, "paths": paths, "before": before, "orphan": orphan_target,
-            "package_before": package_before, "stdout": proc.stdout, "elapsed": elapsed,
-            "memory": memory,
-            "out": out}
+            "package_before": package_before, "stdout": procs[0].stdout + procs[1].stdout,
+            "elapsed": elapsed, "memory": memory, "out": out}
 
 
 def _score(report, exercise):
@@ -668,7 +682,8 @@ def test_broken_files_cost_only_themselves(graded):
     assert "chapter number" in reports["no_chapter_number.ipynb"]["failure"]
     for rep in reports.values():
         assert rep["score"] <= rep["points"]
-    for honest in ("01_honest_a.ipynb", "01_honest_b.ipynb", "no_chapter_number.ipynb"):
+    for honest in ("01_honest_a.ipynb", "01_honest_b.ipynb", "no_chapter_number.ipynb",
+                   "01_honest_a_beside_chapters.ipynb", "01_honest_b_beside_chapters.ipynb"):
         if honest.startswith("01_"):
             assert reports[honest]["score"] == sum(HONEST.values())
 
@@ -749,7 +764,7 @@ def test_the_run_survives_a_4_gib_container(graded):
         pytest.skip("no memory cgroup could be made here (needs root and cgroup v1 or v2)")
     print(f"peak {memory['peak'] / 2**30:.2f} GiB of {CONTAINER_BYTES / 2**30:g}, "
           f"OOM kills {memory['oom_kills']}")
-    assert len(graded["reports"]) == len(ATTACKS) + len(BROKEN_FILES)
+    assert len(graded["reports"]) == len(ATTACKS) + len(BROKEN_FILES) + 2  # 2 honest, twice
     assert memory["peak"] is None or memory["peak"] <= CONTAINER_BYTES
 
 

@@ -77,7 +77,8 @@ def test_k32_table_is_the_ptx_description():
 
 
 def test_k32_swapped_register_halves_fail_the_table_and_the_mma():
-    r = fails_visibly("10.fragment_map_k32", _k32(swap_halves=True), "a_element_k32(", "lane")
+    r = fails_visibly("10.fragment_map_k32", _k32(swap_halves=True), "a_element_k32(", "lane",
+                      every_case=True)
     assert r.passed == 1  # still a bijection: only the table and the mma tell
     assert "an s8 mma built on your map" in r.message
 
@@ -310,7 +311,7 @@ def test_swizzle_passes_when_right():
 
 def test_swizzle_row_major_takes_four_wavefronts():
     r = fails_visibly("10.swizzle_64b", lambda row, col: row * 32 + col, "4 wavefronts",
-                       "rows r and r + 2")
+                       "rows r and r + 2", every_case=True)
     assert r.passed == 3  # a valid layout (64 and 128 rows), conflict-free stores: only ldmatrix
 
 
@@ -385,7 +386,8 @@ def test_other_correct_orders_pass():
 
 def test_wait_group_0_everywhere_fails_the_overlap():
     r = fails_visibly("10.wait_placement", _schedule(n_wait=lambda s: 0),
-                       "stages = 3", "forced complete by a wait", "does not overlap")
+                       "stages = 3", "forced complete by a wait", "does not overlap",
+                      every_case=True)
     assert r.passed == 1  # 2 stages: wait_group 0 is right there
 
 
