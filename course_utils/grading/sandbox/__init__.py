@@ -36,8 +36,10 @@ What this protects, and how:
   ``course_utils`` (:mod:`course_utils.grading.worker_package`: no ``specs``, no function that
   answers an exercise). The interpreter runs isolated (``-I``: no user site, ``PYTHONPATH`` or
   ``sitecustomize`` of the worker's making) and locks itself in before it imports anything a
-  worker could have written. The course's own code in the worker is saved before the first
-  cell; a request finds it replaced and refuses the exercise.
+  worker could have written. It starts warm: forked, with torch already imported, by a zygote
+  that never holds a notebook's code (:mod:`.zygote`; ``COURSE_ZYGOTE=0`` starts each worker
+  from nothing). The course's own code in the worker is saved before the first cell; a request
+  finds it replaced and refuses the exercise.
 - **Other notebooks and the instructor's files**: on Linux with Landlock (kernel 5.13+) the
   worker can write only its scratch folder (and the null, random and GPU devices), cannot read
   the course's tree, the notebooks' folders or ``/dev/shm``, cannot open TCP connections (ABI
