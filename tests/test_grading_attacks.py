@@ -1,11 +1,11 @@
 """Grading that cannot be fooled: attack notebooks, each graded beside honest ones.
 
 The notebooks below are graded in two runs of ``python -m course_utils grade`` (subprocesses, so
-an attack that escaped could only hurt its run, never pytest): chapter 01's attacks with a short
-limit per cell (:data:`QUICK_TIMEOUT`: its loops and hangs need only be stopped), the other
-chapters' (whose checks start ranks or simulators) with :data:`TIMEOUT`. Each attack asserts
-the score an honest grader gives it, and each run also holds two honest notebooks that must
-keep full marks whatever the attacks around them did.
+an attack that escaped could only hurt its run, never pytest): the attacks that only wait for a
+time limit (:data:`WAIT_FOR_THE_LIMIT`: endless loops, a cell that keeps talking) with a short
+one (:data:`QUICK_TIMEOUT`), all the others with :data:`TIMEOUT`. Each attack asserts the score
+an honest grader gives it, and each run also holds two honest notebooks that must keep full
+marks whatever the attacks around them did.
 
 Capability attacks (read the solutions, reach the network, read the grader's memory, signal
 it) use the score as their only way out: the notebook hands in the right answer if the forbidden
@@ -517,8 +517,10 @@ BROKEN_FILES = {
 
 
 CONTAINER_BYTES = 4 << 30  # the grading runs must survive a container of this much memory
-QUICK_TIMEOUT = 10  # s per cell and per exercise for chapter 01's notebooks (tiny checks)
-TIMEOUT = 25  # s for the other chapters' (ranks, simulators, Triton's interpreter)
+TIMEOUT = 25  # s per cell and per exercise (ranks, simulators, memory that grows)
+QUICK_TIMEOUT = 10  # s for the attacks that only wait for the limit (chapter 01's tiny checks)
+WAIT_FOR_THE_LIMIT = ("infinite_loop_in_check", "infinite_loop_in_cell",
+                      "chatty_cell_keeps_the_deadline")
 
 
 class MemoryContainer:
@@ -600,19 +602,19 @@ def graded(tmp_path_factory):
     for name, (cells, _) in ATTACKS.items():
         path = folder / file_of(name)
         path.write_text(notebook([prelude, *cells]))
-        (quick if CHAPTER[name] == "01" else slow).append(path)
+        (quick if name in WAIT_FOR_THE_LIMIT else slow).append(path)
     for name, text in BROKEN_FILES.items():
         path = folder / name
         path.write_text(text if text is not None else notebook([MEMORY, CHECK_MEMORY]))
-        quick.append(path)
-    for name in ("honest_a", "honest_b"):  # the slow run's own honest notebooks
+        slow.append(path)
+    for name in ("honest_a", "honest_b"):  # the quick run's own honest notebooks
         path = folder / f"01_{name}_beside_chapters.ipynb"
         path.write_text(notebook([prelude, *ATTACKS[name][0]]))
-        slow.append(path)
+        quick.append(path)
     paths = quick + slow
     before = {p: p.read_bytes() for p in paths}
     package_before = {p: p.read_bytes() for p in (ROOT / "course_utils").rglob("*.py")}
-    slow_out = tmp_path_factory.mktemp("grades_chapters")
+    quick_out = tmp_path_factory.mktemp("grades_quick")
     (out / "grades.json").unlink(missing_ok=True)
     os.mkfifo(out / "grades.csv")  # a FIFO planted at the output name must not hang the run
     env = dict(os.environ)
@@ -621,7 +623,7 @@ def graded(tmp_path_factory):
     start = time.monotonic()
     procs = []
     try:
-        for notebooks, dest, timeout in ((quick, out, QUICK_TIMEOUT), (slow, slow_out, TIMEOUT)):
+        for notebooks, dest, timeout in ((slow, out, TIMEOUT), (quick, quick_out, QUICK_TIMEOUT)):
             procs.append(subprocess.run(
                 [sys.executable, "-m", "course_utils", "grade", *map(str, notebooks), "--out",
                  str(dest), "--timeout", str(timeout), "--notebook-timeout", "300",
@@ -639,7 +641,7 @@ def graded(tmp_path_factory):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     time.sleep(7)  # longer than the orphans sleep: an escaped one would have written by now
     data = [*json.loads((out / "grades.json").read_text()),
-            *json.loads((slow_out / "grades.json").read_text())]
+            *json.loads((quick_out / "grades.json").read_text())]
     by_name = {Path(rep["notebook"]).name: rep for rep in data}
     return {"reports": by_name, "paths": paths, "before": before, "orphan": orphan_target,
             "package_before": package_before, "stdout": procs[0].stdout + procs[1].stdout,
