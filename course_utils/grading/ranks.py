@@ -154,7 +154,6 @@ def _make_zygote():
     except BaseException:
         _remove_walking(folder)
         raise
-    made.package = package
     return made
 
 

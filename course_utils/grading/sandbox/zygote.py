@@ -46,7 +46,12 @@ SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_T
 
 
 class ZygoteRefused(Exception):
-    """The zygote could not fork (it was not single-threaded, or it is gone)."""
+    """The zygote could not fork (it was not single-threaded, or it is gone). ``threads``:
+    it has more than one thread, so a zygote of its kind would refuse again."""
+
+    def __init__(self, why: str, threads: bool = False):
+        super().__init__(why)
+        self.threads = threads
 
 
 class ForkedProcess:
@@ -104,7 +109,7 @@ class Zygote:
         finally:
             theirs.close()
         self.sock, self.folder = ours, folder
-        atexit.register(self.close)
+        self.package = Path(package) if package else None  # what its children import
         self.sock.settimeout(READY_SECONDS)
         try:
             hello = json.loads(self.sock.recv(1 << 16) or b"{}")
@@ -128,7 +133,8 @@ class Zygote:
         except (OSError, ValueError) as exc:
             raise ZygoteRefused(f"the zygote did not answer ({exc})") from None
         if "pid" not in reply:
-            raise ZygoteRefused(str(reply.get("error", "the zygote is gone")))
+            raise ZygoteRefused(str(reply.get("error", "the zygote is gone")),
+                                threads=reply.get("threads", 1) != 1)
         return ForkedProcess(int(reply["pid"]))
 
     def alive(self) -> bool:
@@ -197,7 +203,7 @@ def spawn(kind: str, make, entry: str, fds, cwd, env: dict, package=None):
     try:
         return zygote.spawn(entry, fds, cwd, env, package=package)
     except ZygoteRefused as exc:
-        if "threads" in str(exc):
+        if exc.threads:
             _STARTS[kind] = MAX_STARTS
         zygote.close()
         _ZYGOTES.pop(kind, None)
@@ -209,3 +215,6 @@ def shutdown() -> None:
     for zygote in list(_ZYGOTES.values()):
         zygote.close()
     _ZYGOTES.clear()
+
+
+atexit.register(shutdown)

@@ -135,13 +135,13 @@ def serve(sock: socket.socket, config: dict, base_path) -> None:
             if config.get("folder"):
                 _remove(config["folder"])
             return
-        pid, why = None, ""
+        pid, why, threads = None, "", 1
         try:
             request = json.loads(data)
             if len(fds) != FDS_PER_REQUEST:
                 why = f"{len(fds)} descriptors, not {FDS_PER_REQUEST}"
-            elif _threads() != 1:
-                why = f"{_threads()} threads: a fork would copy only one"
+            elif (threads := _threads()) != 1:
+                why = f"{threads} threads: a fork would copy only one"
             else:
                 pid = _fork(request, fds, base_path)
                 why = "" if pid else "the fork failed"
@@ -150,7 +150,8 @@ def serve(sock: socket.socket, config: dict, base_path) -> None:
         finally:
             for fd in fds:
                 os.close(fd)
-        sock.send(json.dumps({"pid": pid} if pid else {"error": why}).encode())
+        reply = {"pid": pid} if pid else {"error": why, "threads": threads}
+        sock.send(json.dumps(reply).encode())
 
 
 def main(argv) -> None:
