@@ -8,6 +8,9 @@
   fails its nbval test instead of printing ❌ and passing.
 - Fails a lecture cell (``notebooks/``) that prints more than ``MAX_LECTURE_LINES`` lines: a
   lecture tells one story, and a long log belongs in a file, a folded view or the lab notes.
+- Starts nbval's kernels warm when they compute on one thread (the README's ``-n 2``): forked
+  from a server that imported torch once (``tests/kernel_zygote.py``; ``COURSE_KERNEL_ZYGOTE=0``
+  starts each from nothing).
 """
 
 import os
@@ -36,6 +39,68 @@ if os.environ.get("OMP_NUM_THREADS") == "1":
 
 
 MAX_LECTURE_LINES = 60
+
+
+# ----------------------------------------------------------------------------- warm kernels
+
+_KERNEL_SERVER: dict = {}
+
+
+def _kernel_server_socket() -> str | None:
+    """The socket of this process's kernel server, started on the first notebook (None: off,
+    or it did not come up, and nbval starts plain kernels)."""
+    import atexit
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    if os.environ.get("COURSE_KERNEL_ZYGOTE", "1") == "0" or \
+            os.environ.get("OMP_NUM_THREADS") != "1":  # the server computes on one thread
+        return None
+    if "socket" not in _KERNEL_SERVER:
+        folder = tempfile.mkdtemp(prefix="course-kernels-")
+        path = os.path.join(folder, "server")
+        script = Path(__file__).parent / "tests" / "kernel_zygote.py"
+        proc = subprocess.Popen([sys.executable, str(script), "serve", path],
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+        def stop():
+            proc.kill()
+            proc.wait()
+            for name in os.listdir(folder):
+                os.unlink(os.path.join(folder, name))
+            os.rmdir(folder)
+
+        atexit.register(stop)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _KERNEL_SERVER["socket"] = path if os.path.exists(path) else None
+    return _KERNEL_SERVER["socket"]
+
+
+def pytest_configure(config):
+    try:
+        from nbval import kernel
+    except ImportError:
+        return
+    plain = kernel.NbvalKernelspecManager.get_kernel_spec
+
+    def get_kernel_spec(self, kernel_name):
+        spec = plain(self, kernel_name)
+        path = _kernel_server_socket() if kernel_name == kernel.CURRENT_ENV_KERNEL_NAME else None
+        if path:
+            import sys
+            from pathlib import Path
+
+            script = Path(__file__).parent / "tests" / "kernel_zygote.py"
+            spec.argv = [sys.executable, str(script), "launch", "-f", "{connection_file}"]
+            spec.env = {**(spec.env or {}), "COURSE_KERNEL_ZYGOTE_SOCKET": path}
+        return spec
+
+    kernel.NbvalKernelspecManager.get_kernel_spec = get_kernel_spec
 
 
 def printed_lines(outputs) -> int:

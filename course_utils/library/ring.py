@@ -61,7 +61,7 @@ one room, and their names are re-exported here (``ring.X`` as before the split):
     ring_blocks     one block pair: block_kernel, block_forward / block_backward, merge
     ring_pass       ring_attention_forward / _backward, ring_attention (autograd)
     ring_allgather  allgather_attention / _backward
-    ring_launcher   launch (R spawned processes), NCCL_ENV
+    ring_launcher   launch (R processes from a fork server), NCCL_ENV
     ring_workers    check_worker, timeline_worker, roofline_worker, sequence_inputs
     ring_benchmark  benchmark_worker, check_gpu_worker (the GPU benchmark)
 

@@ -1,4 +1,4 @@
-"""Workers for :func:`launch` (importable, so spawn finds them): the checks on gloo or NCCL
+"""Workers for :func:`launch` (importable, so every rank finds them): the checks on gloo or NCCL
 (:func:`check_worker`), the per-rank timeline of section 4 (:func:`timeline_worker`) and the
 communication roofline (:func:`roofline_worker`), with the same-on-every-rank inputs
 (:func:`sequence_inputs`).
