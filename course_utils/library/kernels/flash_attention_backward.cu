@@ -27,7 +27,16 @@
 // (T, B * H) of a smaller problem still works: gridDim.z = 1.)
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
-#include <torch/types.h>
+// From torch, what this file uses: the Tensor class, one header per operator it calls, and
+// <torch/types.h>'s names for them (that header brings every operator: twice the compile time).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+namespace torch {
+using namespace at;
+constexpr auto kFloat32 = at::kFloat;
+}  // namespace torch
 #include <c10/cuda/CUDAStream.h>
 #include <cstdint>
 // Numbers in TORCH_CHECK messages go through std::to_string: on the H100 machine the course is

@@ -67,7 +67,16 @@
 // consumers may drift apart (slower).
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
-#include <torch/types.h>
+// From torch, what this file uses: the Tensor class, one header per operator it calls, and
+// <torch/types.h>'s names for them (that header brings every operator: twice the compile time).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+namespace torch {
+using namespace at;
+constexpr auto kFloat32 = at::kFloat;
+constexpr auto kInt32 = at::kInt;
+}  // namespace torch
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cudaTypedefs.h>

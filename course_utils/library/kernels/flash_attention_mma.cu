@@ -24,7 +24,15 @@
 // groups instead of one (rows are 128 or 256 bytes long, a multiple of the 128-byte bank width).
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
-#include <torch/types.h>
+// From torch, what this file uses: the Tensor class, one header per operator it calls, and
+// <torch/types.h>'s names for them (that header brings every operator: twice the compile time).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+namespace torch {
+using namespace at;
+constexpr auto kFloat32 = at::kFloat;
+}  // namespace torch
 #include <c10/cuda/CUDAStream.h>
 #include <string>
 #include <vector>

@@ -25,7 +25,14 @@
 // extensions on the machine the course is validated on).
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
-#include <torch/types.h>
+// From torch, what this file uses: the Tensor class, one header per operator it calls, and
+// <torch/types.h>'s names for them (that header brings every operator: twice the compile time).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+namespace torch {
+using namespace at;
+constexpr auto kFloat32 = at::kFloat;
+}  // namespace torch
 #include <c10/cuda/CUDAStream.h>
 #include <string>
 #endif
