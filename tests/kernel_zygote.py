@@ -157,11 +157,26 @@ def launch(argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "ipykernel_launcher", *argv])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: _forward(pid, signum))
-    pidfd = os.pidfd_open(pid)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # an older kernel or Python: ask every tenth of a second
+        import time
+
+        while _alive(pid):
+            time.sleep(0.1)
+        sys.exit(0)
     import select
 
     select.select([pidfd], [], [])  # readable once the kernel has exited
     sys.exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # the server reaps its children at once: a gone pid is an ended kernel
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _forward(pid: int, signum: int) -> None:
