@@ -46,15 +46,26 @@ MAX_LECTURE_LINES = 60
 _KERNEL_SERVER: dict = {}
 
 
+def _kernel_zygote():
+    """tests/kernel_zygote.py (not a package module: loaded by its path)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "kernel_zygote" not in sys.modules:
+        path = Path(__file__).parent / "tests" / "kernel_zygote.py"
+        spec = importlib.util.spec_from_file_location("kernel_zygote", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["kernel_zygote"] = module
+    return sys.modules["kernel_zygote"]
+
+
 def _kernel_server_socket() -> str | None:
     """The socket of this process's kernel server, started on the first notebook (None: off,
     or it did not come up, and nbval starts plain kernels)."""
     import atexit
-    import subprocess
-    import sys
     import tempfile
-    import time
-    from pathlib import Path
 
     if os.environ.get("COURSE_KERNEL_ZYGOTE", "1") == "0" or \
             os.environ.get("OMP_NUM_THREADS") != "1":  # the server computes on one thread
@@ -62,9 +73,7 @@ def _kernel_server_socket() -> str | None:
     if "socket" not in _KERNEL_SERVER:
         folder = tempfile.mkdtemp(prefix="course-kernels-")
         path = os.path.join(folder, "server")
-        script = Path(__file__).parent / "tests" / "kernel_zygote.py"
-        proc = subprocess.Popen([sys.executable, str(script), "serve", path],
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = _kernel_zygote().start(path)
 
         def stop():
             proc.kill()
@@ -74,9 +83,6 @@ def _kernel_server_socket() -> str | None:
             os.rmdir(folder)
 
         atexit.register(stop)
-        deadline = time.monotonic() + 120
-        while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
         _KERNEL_SERVER["socket"] = path if os.path.exists(path) else None
     return _KERNEL_SERVER["socket"]
 
@@ -92,12 +98,9 @@ def pytest_configure(config):
         spec = plain(self, kernel_name)
         path = _kernel_server_socket() if kernel_name == kernel.CURRENT_ENV_KERNEL_NAME else None
         if path:
-            import sys
-            from pathlib import Path
-
-            script = Path(__file__).parent / "tests" / "kernel_zygote.py"
-            spec.argv = [sys.executable, str(script), "launch", "-f", "{connection_file}"]
-            spec.env = {**(spec.env or {}), "COURSE_KERNEL_ZYGOTE_SOCKET": path}
+            warm = _kernel_zygote().kernel_spec(path)
+            spec.argv = warm["argv"]
+            spec.env = {**(spec.env or {}), **warm["env"]}
         return spec
 
     kernel.NbvalKernelspecManager.get_kernel_spec = get_kernel_spec

@@ -47,6 +47,31 @@ def preload_list(env) -> list[str]:
     return BASE + [m for var, mods in SWITCHED.items() if env.get(var) == "1" for m in mods]
 
 
+# ============================================================================= the grader side
+
+
+def start(path: str, env=None):
+    """Start a server that listens at ``path`` once it has imported its modules; return its
+    process once the socket is there (or the server ended, or two minutes passed: the caller
+    looks for the socket)."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, __file__, "serve", path], env=env,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+def kernel_spec(path: str) -> dict:
+    """The argv and environment of a kernel spec whose kernels come from the server at
+    ``path`` (``{connection_file}`` as jupyter_client fills it in)."""
+    return {"argv": [sys.executable, __file__, "launch", "-f", "{connection_file}"],
+            "env": {SOCKET_ENV: path}}
+
+
 # ============================================================================= the server
 
 
@@ -68,7 +93,7 @@ def serve(path: str) -> None:
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         sys.exit("kernel zygote: a preloaded module started a thread; forking is not safe")
     fixed = {var: os.environ.get(var) for var in FIXED_AT_IMPORT}
-    base_path = [p for p in sys.path[1:]]  # without this file's folder
+    base_path = sys.path[1:]  # without this file's folder
     signal.signal(signal.SIGCHLD, _reap)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
@@ -143,7 +168,7 @@ def _kernel(request, fds, conn, base_path) -> None:
 def launch(argv: list[str]) -> None:
     path = os.environ.get(SOCKET_ENV, "")
     pid = 0
-    if path and os.environ.get("COURSE_KERNEL_ZYGOTE", "1") != "0":
+    if path:
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(path)

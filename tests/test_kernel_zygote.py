@@ -3,11 +3,9 @@ in the notebook's folder with nbval's environment, an interrupt reaches it, kill
 ends it, and a kernel asking for another thread setting gets a plain kernel instead."""
 
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+import kernel_zygote
 import pytest
 
 jupyter_client = pytest.importorskip("jupyter_client")
@@ -15,19 +13,13 @@ jupyter_client = pytest.importorskip("jupyter_client")
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 
-SCRIPT = Path(__file__).parent / "kernel_zygote.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("kernels") / "server")
-    env = {**os.environ, **ONE_THREAD}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "serve", path], env=env,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    proc = kernel_zygote.start(path, env={**os.environ, **ONE_THREAD})
     assert os.path.exists(path), "the kernel server did not come up"
     yield proc, path
     proc.kill()
@@ -37,9 +29,8 @@ def server(tmp_path_factory):
 def _start(path, cwd, **extra_env):
     class Specs(KernelSpecManager):
         def get_kernel_spec(self, kernel_name):
-            return KernelSpec(argv=[sys.executable, str(SCRIPT), "launch", "-f",
-                                    "{connection_file}"], display_name="warm", language="python",
-                              env={"COURSE_KERNEL_ZYGOTE_SOCKET": path})  # fmt: skip
+            return KernelSpec(**kernel_zygote.kernel_spec(path), display_name="warm",
+                              language="python")
 
     km = KernelManager(kernel_name="warm", kernel_spec_manager=Specs())
     km.start_kernel(cwd=str(cwd), env={**os.environ, **ONE_THREAD, **extra_env})
