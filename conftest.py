@@ -8,7 +8,7 @@
   fails its nbval test instead of printing ❌ and passing.
 - Fails a lecture cell (``notebooks/``) that prints more than ``MAX_LECTURE_LINES`` lines: a
   lecture tells one story, and a long log belongs in a file, a folded view or the lab notes.
-- Starts nbval's kernels warm when they compute on one thread (the README's ``-n 2``): forked
+- Starts nbval's kernels warm when they compute on one thread (the README's ``-n 3``): forked
   from a server that imported torch once (``tests/kernel_zygote.py``; ``COURSE_KERNEL_ZYGOTE=0``
   starts each from nothing).
 """
@@ -21,9 +21,9 @@ import pytest
 matplotlib.use("Agg")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ["COURSE_CHECKS_RAISE"] = "1"
-# Under xdist with as many workers as cores (the README's `-n 2` on 2 cores), each process and
-# every notebook kernel it starts computes on one thread: two pools of OpenMP threads on two
-# cores spin against each other (about 10 % of the suite's time, measured). Set by the
+# Under xdist with at least as many workers as cores (the README's `-n 3` on 2 cores), each
+# process and every notebook kernel it starts computes on one thread: pools of OpenMP threads
+# on two cores spin against each other (about 10 % of the suite's time, measured). Set by the
 # environment, OMP_NUM_THREADS wins.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if _WORKERS and _WORKERS >= (os.cpu_count() or 1):

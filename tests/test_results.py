@@ -79,7 +79,7 @@ def test_check_command_exits_1_with_a_diff(recordings, monkeypatch, capsys):
 def test_readme_is_a_front_door():
     text = README.read_text(encoding="utf-8")
     assert len(text.encode("utf-8")) <= 12 * 1024, "README.md over 12 KB: move text to docs/"
-    assert "pytest -n 2 --dist loadfile" in text  # .ci/run runs the README's test command
+    assert "pytest -n 3 --dist loadfile" in text  # .ci/run runs the README's test command
     assert 'pip install -e ".[dev]"' in text and "jupyter lab" in text
     assert "download.pytorch.org/whl/cpu" in text
     assert "docs/instructors.md" in text and "python -m course_utils grade" in text

@@ -179,6 +179,12 @@ def test_a_print_left_in_is_named(build):
                 "fullgraph=True", "print")
 
 
+def test_a_block_that_raises_without_compiling_is_told_so(build):
+    m = build(("    return O.flatten(2) @ W_o", "    return O @ W_o"))  # (B, N, H, d) @ (D, D)
+    _case_fails(ch12.no_graph_break, "two sequence lengths", m.attention_block,
+                "called without torch.compile", "raised RuntimeError")
+
+
 def test_always_capping_is_named(build):
     m = build(("S = torch.where(S.abs().amax() > CAP, CAP * torch.tanh(S / CAP), S)",
                "S = CAP * torch.tanh(S / CAP)"))

@@ -243,7 +243,8 @@ def run_softcap_autograd(pair, x, c, grad_y, compiled_problems, check_op=True):
     ``compiled_problems``, the same through ``torch.compile(fullgraph=True, dynamic=True)`` (the
     backward is traced by AOTAutograd with fake tensors). Returns ``{"eager": (y, dx, dc),
     "compiled": [(y, dx, dc), ...], "graphs": n, "opcheck": {...}}``; a stage that raised gives
-    ``"eager_error"`` or ``"compiled_error"`` instead. A missing gradient comes back as None.
+    ``"eager_error"`` or ``"compiled_error"`` instead (after an eager error, nothing else is
+    run). A missing gradient comes back as None.
     """
     setup_context, backward = _pair(pair, "(setup_context, backward)")
     op = make_softcap_op()
@@ -264,6 +265,7 @@ def run_softcap_autograd(pair, x, c, grad_y, compiled_problems, check_op=True):
         result["eager"] = differentiate(op, x, c, grad_y)
     except Exception as exc:
         result["eager_error"] = _error_line(exc)
+        return result  # nothing past a backward that raises is judged (nor worth its time)
     graphs = [0]
     compiled = torch.compile(lambda x, c: op(x, c) * 1.0, fullgraph=True, dynamic=True,
                              backend=_counting_backend(graphs))
@@ -408,10 +410,16 @@ def run_compiled(fn, problems):
     ``problems``: a list of argument tuples. Returns ``{"outputs": [...], "graphs": n}``, or
     ``{"error": "..."}`` when Dynamo could not capture ``fn`` in one graph (the graph break's
     reason) or the compiled function raised. ``graphs`` counts the graphs compiled: one when
-    ``fn`` is captured once for every shape.
+    ``fn`` is captured once for every shape. ``fn`` is first called once without compiling (on
+    copies of the first problem): when that raises, the error is the function's own, not the
+    compiler's, and comes back as ``{"error": "...", "eager": True}`` without a compile.
     """
     import torch._dynamo
 
+    try:
+        fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in problems[0]))
+    except Exception as exc:
+        return {"error": _error_line(exc, limit=900), "eager": True}
     torch._dynamo.reset()  # a function compiled before (same code object) is traced afresh
     graphs = [0]
     compiled = torch.compile(fn, fullgraph=True, dynamic=True,

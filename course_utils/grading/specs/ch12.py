@@ -545,6 +545,9 @@ def _graph_case(name, problems, hint):
         found = invoke(candidate, H + "run_compiled", inputs)
         if not isinstance(found, dict):
             raise CheckFailure(name, "the harness returned something unexpected", None)
+        if "error" in found and found.get("eager"):
+            raise CheckFailure(name, "called without torch.compile (on the first shape), the "
+                               f"block raised {returned_text(found['error'], 1000)}", hint)
         if "error" in found:
             error = returned_text(found["error"], 1000)
             why = (_HG["print"] if "builtin operator" in error or "print" in error
