@@ -34,7 +34,10 @@ import threading
 
 SOCKET_ENV = "COURSE_KERNEL_ZYGOTE_SOCKET"
 BASE = ["ipykernel.kernelapp", "ipykernel.ipkernel", "IPython", "numpy", "torch"]
-SWITCHED = {"NUMBA_ENABLE_CUDASIM": ["numba", "numba.cuda"], "TRITON_INTERPRET": ["triton"]}
+# torch._dynamo imports triton (so it waits for Triton's switch), and torch imports it on the
+# first call of many functions: about 2 s in each kernel that meets one, until preloaded.
+SWITCHED = {"NUMBA_ENABLE_CUDASIM": ["numba", "numba.cuda"],
+            "TRITON_INTERPRET": ["triton", "torch._dynamo"]}
 # Read once, when numpy's BLAS and torch load: a kernel must ask for what the server has. The
 # server runs only with one thread (OMP_NUM_THREADS=1, as the suite sets under xdist): a BLAS
 # pool's threads would not survive the fork.

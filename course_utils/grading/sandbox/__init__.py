@@ -500,7 +500,9 @@ class Worker:
 
 
 # What a worker would import at every start: its zygote imports them once (a warm start).
-WORKER_PRELOAD = ("torch", "numpy", "IPython.core.interactiveshell", "triton")
+# torch._dynamo too: many torch functions import it on their first call (about 2 s of CPU in
+# every worker of chapters 01 and 12 until it was preloaded; it imports triton itself).
+WORKER_PRELOAD = ("torch", "numpy", "IPython.core.interactiveshell", "triton", "torch._dynamo")
 
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from course_utils.grading.sandbox import worker_main; "
