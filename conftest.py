@@ -14,9 +14,17 @@
 """
 
 import os
+import sys
 
 import matplotlib
 import pytest
+
+# nbval is loaded here, not as an installed plugin (`-p no:nbval` in pyproject.toml), so that
+# this comes first: jsonschema, which nbformat imports, builds a Lark grammar for its optional
+# IRI format checker when rfc3987_syntax is installed (about 3 s of CPU in each of the suite's
+# processes), and no notebook has an IRI to check. Without the module, jsonschema skips it.
+sys.modules.setdefault("rfc3987_syntax", None)
+pytest_plugins = ["nbval.plugin"]
 
 matplotlib.use("Agg")
 os.environ.setdefault("MPLBACKEND", "Agg")

@@ -89,10 +89,13 @@ def _reap(signum, frame):
 
 
 def serve(path: str) -> None:
+    import gc
     import importlib
 
     for name in preload_list(os.environ):
         importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # what was imported stays out of every kernel's collections (and its pages shared)
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         sys.exit("kernel zygote: a preloaded module started a thread; forking is not safe")
     fixed = {var: os.environ.get(var) for var in FIXED_AT_IMPORT}

@@ -16,6 +16,7 @@ lock another held locked forever), and when the grader closes the socket it dele
 folder it was given and ends.
 """
 
+import gc
 import json
 import os
 import signal
@@ -165,6 +166,11 @@ def main(argv) -> None:
         sys.path.insert(0, config["package"])
         base_path.insert(0, config["package"])
     loaded = _preload(config.get("preload", []))
+    # The preloaded modules' objects move to the permanent generation: a child's collections
+    # never walk them (nor write to their pages, which stay shared): about a quarter of a small
+    # worker's CPU (0.7 -> 0.5 s for an exercise-01 notebook, measured)
+    gc.collect()
+    gc.freeze()
     sock.send(json.dumps({"ready": loaded, "threads": _threads()}).encode())
     serve(sock, config, base_path)
 
