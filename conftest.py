@@ -57,7 +57,6 @@ _KERNEL_SERVER: dict = {}
 def _kernel_zygote():
     """tests/kernel_zygote.py (not a package module: loaded by its path)."""
     import importlib.util
-    import sys
     from pathlib import Path
 
     if "kernel_zygote" not in sys.modules:
