@@ -392,3 +392,19 @@ def test_training_after_the_validation_split_keeps_the_profile(recordings):
     assert "final validation loss 0.105-0.125 nats above the data's exact floor" in h.text
     assert "2e-03 against SDPA's 1e-03" in h.text and "GPU busy 50%" in h.text
     assert h.source == "12_training, 12_profile" and "predates" not in h.text
+
+
+def test_ring_summary_is_derived_from_the_rounds():
+    from course_utils.library.ring_benchmark import summarize_row
+
+    row = _ring_row(16384, 32, 8)
+    row["ms"]["ring zigzag"] = [60.0, 50.0, 70.0, 60.0, 62.5]
+    s = summarize_row(row)
+    ideal = s["pct_ideal"]["ring zigzag"]  # cuDNN ms / (R x ring ms), round by round
+    assert (ideal["median"], ideal["lo"], ideal["hi"]) == (100 / 120, 100 / 140, 100 / 100)
+    assert s["pct_ideal_block"]["ring zigzag"]["median"] == 110 / 120
+    assert s["vs_cudnn"]["block kernel 1 GPU"]["median"] == 100 / 110
+    assert s["allgather_over_cp"]["median"] == 64 / 62
+    assert s["link one way GB/s"]["median"] == 300.0 and "link ring hop GB/s" not in s
+    for real in results.Recordings().data("13_ring_benchmark")["rows"]:
+        assert summarize_row(real) == real["summary"]  # the shipped summary, from its rounds

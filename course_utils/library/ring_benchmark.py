@@ -8,6 +8,7 @@ Its own room: the recorded GPU numbers' code, which only a machine with GPUs run
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from functools import partial
 
@@ -285,7 +286,43 @@ def _benchmark_row(rank, R, shape, B, d, rounds, reps, mesh, device):
         for name, fn in fns.items():
             ms[name].append(_ms_per_call(fn, device, reps))
     row["ms"] = ms
+    row["summary"] = summarize_row(row)
     return row
+
+
+def _spread(values):
+    return {"median": statistics.median(values), "lo": min(values), "hi": max(values)}
+
+
+def summarize_row(row):
+    """What a row's per-round milliseconds say, each as ``{"median", "lo", "hi"}`` over rounds:
+    ``ms`` per variant; ``pct_ideal`` (one GPU with cuDNN / (R x variant), round by round) and
+    ``pct_ideal_block`` (the same against the block kernel on one GPU); ``vs_cudnn`` (the block
+    kernel's speed against cuDNN); ``allgather_over_cp`` (the all-gather's time over
+    ``context_parallel``'s); the link in GB/s one way and as the ring's hop. A pure function of
+    ``row["ms"]`` (R from the row's N / n), so any recording can be summarised again."""
+    from course_utils.toolbox.bench import ratio_summary
+
+    ms, R = row["ms"], row["N"] // row["n_per_gpu"]
+    variants = ("ring zigzag", "all-gather zigzag", "torch context_parallel")
+
+    def ideal(bar):
+        return {k: {key: (v / R if key != "rounds" else v)
+                    for key, v in ratio_summary(ms, k, bar).items()}
+                for k in variants if k in ms and bar in ms}
+
+    out = {"ms": {k: _spread(v) for k, v in ms.items() if v},
+           "pct_ideal": ideal("cudnn 1 GPU"), "pct_ideal_block": ideal("block kernel 1 GPU")}
+    if "block kernel 1 GPU" in ms and "cudnn 1 GPU" in ms:
+        out["vs_cudnn"] = {"block kernel 1 GPU": ratio_summary(ms, "block kernel 1 GPU",
+                                                               "cudnn 1 GPU")}
+    if "all-gather zigzag" in ms and "torch context_parallel" in ms:
+        out["allgather_over_cp"] = ratio_summary(ms, "torch context_parallel",
+                                                 "all-gather zigzag")
+    for key in ("link one way", "link ring hop"):
+        if key in ms and row.get("kv_block_bytes"):
+            out[key + " GB/s"] = _spread([row["kv_block_bytes"] / t / 1e6 for t in ms[key]])
+    return out
 
 
 def _add_context_parallel(add, row, mesh, Q, K, V, dO, local, R, rank, device):
