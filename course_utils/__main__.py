@@ -19,16 +19,23 @@ def _doctor(args) -> int:
 
 
 def _grade(args) -> int:
-    from .grading import grader
+    from .grading import batch
     from .grading.sandbox import Limits
 
     limits = Limits(cell_seconds=args.timeout, exercise_seconds=args.timeout,
                     notebook_seconds=args.notebook_timeout, memory_mb=args.memory_mb)
-    reports = grader.grade_notebooks(args.notebooks, limits=limits)
-    print(grader.score_table(reports))
-    json_path, csv_path = grader.write_reports(reports, args.out)
-    print(f"\nwrote {json_path} and {csv_path}")
-    return 0
+    try:
+        run = batch.grade_class(args.notebooks, args.out, jobs=args.jobs, engine=args.engine,
+                                address=args.address, limits=limits,
+                                resume=not args.no_resume)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(batch.summary_table(run, args.notebooks))
+    print(f"\n{run.graded} graded, {run.skipped} already graded (skipped), "
+          f"{run.failed_to_run} not graded, by {run.engine} in {run.seconds:.1f} s")
+    print("wrote " + ", ".join(run.files) + f" and {args.out / 'results'}/")
+    return 1 if run.failed_to_run else 0
 
 
 def _record(args) -> int:
@@ -132,7 +139,20 @@ def main(argv=None) -> int:
                    help="seconds per notebook, restarts included (default 3600)")
     g.add_argument("--memory-mb", type=int, default=8192,
                    help="memory of one notebook's processes together (default 8192 MiB)")
-    g.add_argument("--out", type=Path, default=Path("grades"), help="folder for JSON and CSV")
+    g.add_argument("--out", type=Path, default=Path("grades"),
+                   help="folder for the results: results/ (one file per notebook, kept for a "
+                        "rerun), grades.json, grades.csv and grades_chNN.csv")
+    g.add_argument("--jobs", type=int, default=None,
+                   help="notebooks graded at once (default: one per GPU or MIG slice, else one "
+                        "per CPU core)")
+    g.add_argument("--engine", choices=["local", "dask", "ray"], default="local",
+                   help="who runs them: processes of this machine (default), or Dask / Ray")
+    g.add_argument("--address", default=None,
+                   help="a running Dask scheduler (tcp://host:8786) or Ray cluster (auto, "
+                        "ray://host:10001) instead of a local one")
+    g.add_argument("--no-resume", action="store_true",
+                   help="grade every notebook again, even those already graded from the same "
+                        "bytes by the same course version")
     g.set_defaults(func=_grade)
     r = sub.add_parser("record", help="run notebooks on a GPU, saving their recorded results")
     r.add_argument("notebooks", nargs="+", type=Path)

@@ -1,0 +1,215 @@
+"""Who runs the grading tasks: this process, a pool of processes, or a distributed engine.
+
+Every engine has the same two calls: ``submit(*args)`` runs :func:`task.grade_one` on them
+somewhere and returns a handle; ``wait_any(handles)`` blocks until at least one is finished and
+returns ``[(handle, report or None, error or None), ...]`` for those. The class's driver keeps
+only a bounded number of tasks in flight, so its memory does not grow with the class.
+
+- ``InProcess`` (``--jobs 1``): one notebook after another in this process, as the plain grade
+  command always did.
+- ``LocalPool`` (``--jobs N``): N grading processes on this machine (``spawn``), each with its
+  own sandboxed workers; on a machine with GPUs each process is kept on one GPU or MIG slice.
+- ``DaskEngine`` (``--engine dask``): Dask's distributed scheduler, a local cluster of N
+  single-threaded worker processes by default, or an existing cluster (``--address``).
+- ``RayEngine`` (``--engine ray``): Ray, locally with N CPUs by default, or a running cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from .task import grade_one, take_slot
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def gpu_slots() -> list[str]:
+    """The GPUs a class's grading may use, as ``CUDA_VISIBLE_DEVICES`` values: every MIG slice
+    where a GPU is partitioned, else every GPU; ``COURSE_GRADE_GPUS="0,1"`` chooses them by
+    hand, ``COURSE_GRADE_GPUS=""`` uses none. Read from ``nvidia-smi -L`` so that this process
+    never starts CUDA itself (its pool's processes choose their device before they do)."""
+    chosen = os.environ.get("COURSE_GRADE_GPUS")
+    if chosen is not None:
+        return [s.strip() for s in chosen.split(",") if s.strip()]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus, migs = [], []
+    for line in listing.splitlines():
+        line = line.strip()
+        uuid = line.rsplit("UUID: ", 1)[-1].rstrip(")") if "UUID: " in line else ""
+        if line.startswith("GPU ") and uuid:
+            gpus.append(uuid)
+        elif line.startswith("MIG ") and uuid:
+            migs.append(uuid)
+    return migs or gpus
+
+
+class InProcess:
+    """Grade in this process, one notebook after another."""
+
+    name = "in process"
+
+    def __init__(self):
+        self._done = []
+
+    def submit(self, *args):
+        try:
+            outcome = (grade_one(*args), None)
+        except Exception as error:  # noqa: BLE001 - reported for that notebook, the class goes on
+            outcome = (None, f"{type(error).__name__}: {error}")
+        handle = object()
+        self._done.append((handle, *outcome))
+        return handle
+
+    def wait_any(self, handles):
+        done, self._done = [d for d in self._done if d[0] in handles], []
+        return done
+
+    def close(self):
+        pass
+
+
+class LocalPool:
+    """``jobs`` grading processes on this machine, each on its own GPU slot when there are any."""
+
+    def __init__(self, jobs: int, slots: list[str] | None = None):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        context = multiprocessing.get_context("spawn")  # no inherited threads, locks or CUDA
+        kwargs = {}
+        if slots:
+            kwargs = {"initializer": take_slot, "initargs": (context.Value("i", 0), slots)}
+        self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context, **kwargs)
+        self.name = f"{jobs} local processes" + (f" on {len(slots)} GPU(s)" if slots else "")
+
+    def submit(self, *args):
+        return self.pool.submit(grade_one, *args)
+
+    def wait_any(self, handles):
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        done, _ = wait(handles, return_when=FIRST_COMPLETED)
+        return [(f, *_outcome(f.result, f.exception)) for f in done]
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _outcome(result, exception):
+    error = exception()
+    if error is not None:
+        return None, f"{type(error).__name__}: {error}"
+    return result(), None
+
+
+class DaskEngine:
+    """Dask distributed: a ``LocalCluster`` of ``jobs`` single-threaded processes, or the
+    cluster whose scheduler listens at ``address`` (``tcp://host:8786``; start one by hand, or
+    through dask-jobqueue on Slurm or dask-kubernetes)."""
+
+    def __init__(self, jobs: int, address: str | None = None):
+        import dask
+        from dask.distributed import Client, LocalCluster
+
+        # A grading task starts processes of its own (the sandboxed worker): Dask's workers
+        # must not be daemonic processes, which may not have children.
+        dask.config.set({"distributed.worker.daemon": False})
+        self.cluster = None
+        if address:
+            self.client = Client(address)
+            self.name = f"Dask at {address}"
+        else:
+            self.cluster = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True,
+                                        dashboard_address=None)
+            self.client = Client(self.cluster)
+            self.name = f"Dask LocalCluster ({jobs} processes)"
+
+    def submit(self, *args):
+        return self.client.submit(grade_one, *args, pure=False, retries=0)
+
+    def wait_any(self, handles):
+        from dask.distributed import wait
+
+        done = wait(list(handles), return_when="FIRST_COMPLETED").done
+        out = []
+        for f in done:
+            if f.status == "error":
+                error = f.exception()
+                out.append((f, None, f"{type(error).__name__}: {error}"))
+            else:
+                out.append((f, f.result(), None))
+        return out
+
+    def close(self):
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+class RayEngine:
+    """Ray: a local instance with ``jobs`` CPUs, or a running cluster (``address="auto"`` or
+    ``ray://host:10001``; Ray's own launchers start one on Slurm or Kubernetes)."""
+
+    def __init__(self, jobs: int, address: str | None = None, gpus: int = 0):
+        import ray
+
+        self.ray = ray
+        if address:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+            self.name = f"Ray at {address}"
+        else:
+            ray.init(num_cpus=jobs, num_gpus=gpus, include_dashboard=False,
+                     ignore_reinit_error=True, log_to_driver=False)
+            self.name = f"Ray, local ({jobs} CPUs)"
+        self.remote = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0, max_retries=0)(grade_one)
+
+    def submit(self, *args):
+        return self.remote.remote(*args)
+
+    def wait_any(self, handles):
+        ready, _ = self.ray.wait(list(handles), num_returns=1)
+        out = []
+        for ref in ready:
+            try:
+                out.append((ref, self.ray.get(ref), None))
+            except Exception as error:  # noqa: BLE001 - that notebook's failure, reported
+                out.append((ref, None, f"{type(error).__name__}: {error}"))
+        return out
+
+    def close(self):
+        self.ray.shutdown()
+
+
+ENGINES = ("local", "dask", "ray")
+
+
+def make_engine(engine: str, jobs: int, address: str | None, slots: list[str]):
+    """The engine ``engine`` with ``jobs`` workers (see the module's docstring)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if engine == "local":
+        if address:
+            raise ValueError("--address names a cluster: use it with --engine dask or ray")
+        return InProcess() if jobs == 1 and len(slots) <= 1 else LocalPool(jobs, slots)
+    try:
+        if engine == "dask":
+            return DaskEngine(jobs, address)
+        return RayEngine(jobs, address, gpus=len(slots))
+    except ImportError as missing:
+        package = "dask[distributed]" if engine == "dask" else "ray"
+        raise RuntimeError(f"--engine {engine} needs {package}: pip install '{package}' "
+                           f"({missing})") from None
