@@ -38,6 +38,27 @@ def _grade(args) -> int:
     return 1 if run.failed_to_run else 0
 
 
+def _gradescope(args) -> int:
+    from .grading.batch import gradescope
+
+    try:
+        out = args.out or Path(f"autograder_{args.chapter}.zip")
+        path = gradescope.build_bundle(args.chapter, out, gpu=args.gpu)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: upload it as the autograder of chapter {args.chapter}'s assignment")
+    return 0
+
+
+def _gradescope_run(args) -> int:
+    from .grading.batch import gradescope
+
+    data = gradescope.run(args.chapter, args.root)
+    print(f"score {data['score']:g}; wrote {Path(args.root) / 'results' / 'results.json'}")
+    return 0
+
+
 def _record(args) -> int:
     from . import recorded, runtime
     from .grading import grader
@@ -154,6 +175,16 @@ def main(argv=None) -> int:
                    help="grade every notebook again, even those already graded from the same "
                         "bytes by the same course version")
     g.set_defaults(func=_grade)
+    gs = sub.add_parser("gradescope", help="write a chapter's Gradescope autograder (.zip)")
+    gs.add_argument("chapter", help="the chapter's two digits, e.g. 02")
+    gs.add_argument("--out", type=Path, default=None, help="default: autograder_CHAPTER.zip")
+    gs.add_argument("--gpu", action="store_true",
+                    help="torch from PyPI's default (CUDA) wheels, for a GPU autograder image")
+    gs.set_defaults(func=_gradescope)
+    gr = sub.add_parser("gradescope-run", help="(inside the autograder) grade a submission")
+    gr.add_argument("chapter")
+    gr.add_argument("--root", type=Path, default=Path("/autograder"))
+    gr.set_defaults(func=_gradescope_run)
     r = sub.add_parser("record", help="run notebooks on a GPU, saving their recorded results")
     r.add_argument("notebooks", nargs="+", type=Path)
     r.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")

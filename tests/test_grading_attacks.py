@@ -465,7 +465,7 @@ attack("simulator_flood", [
 
 # Attacks that only the kernel's Landlock (of at least this ABI) can stop.
 NEEDS_ABI = {"execute_the_solutions": 1, "read_grader_memory": 1, "rewrite_the_grader_package": 1,
-             "overwrite_other_notebooks": 1, "network": 4, "signal_the_grader": 6,
+             "overwrite_other_notebooks": 1, "forge_other_results": 1, "network": 4, "signal_the_grader": 6,
              "restart_plants_code": 1, "restart_rewrites_pycache": 1, "dev_shm_memory": 1,
              "udp_socket": 1, "unix_socket": 1}
 
@@ -484,6 +484,19 @@ attack("overwrite_other_notebooks", [
     "import glob, os, json\n"
     "for p in glob.glob(os.path.join(OTHERS_DIR, '01_*.ipynb')):\n"
     "    try:\n        open(p, 'w').write('{}')\n    except OSError:\n        pass",
+    MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
+
+# The class's output folder, where every notebook's report is stored as it finishes (read
+# by a rerun and by grades.json): graded beside other notebooks (--jobs 2), a notebook may
+# neither plant a report nor read the others'.
+attack("forge_other_results", [
+    "import os, json\n"
+    "forged = {'notebook': 'x', 'sha256': 'x', 'course_version': 'x', 'report': {'score': 99}}\n"
+    "for name in ('forged.json', 'grades.json'):\n"
+    "    try:\n        open(os.path.join(RESULTS_DIR, name), 'w').write(json.dumps(forged))\n"
+    "    except OSError:\n        pass\n"
+    "try:\n    LEAKED = os.listdir(RESULTS_DIR)\nexcept OSError:\n    LEAKED = None\n"
+    "assert LEAKED is None, f'read the results folder: {LEAKED}'",
     MEMORY, CHECK_MEMORY], {"01.memory_formula": 2})
 
 # --- honest notebooks: full marks, and partial credit for an honest bug -------------------------
@@ -597,7 +610,8 @@ def graded(tmp_path_factory):
     out = tmp_path_factory.mktemp("grades")
     orphan_target = folder.parent / "orphan_wrote_this"
     prelude = (f"ORPHAN_TARGET = {str(orphan_target)!r}\n"
-               f"OTHERS_DIR = {str(folder)!r}\nNET_PORT = {listener.getsockname()[1]}")
+               f"OTHERS_DIR = {str(folder)!r}\nNET_PORT = {listener.getsockname()[1]}\n"
+               f"RESULTS_DIR = {str(out / 'results')!r}")
     quick, slow = [], []  # the two runs' notebooks
     for name, (cells, _) in ATTACKS.items():
         path = folder / file_of(name)
@@ -635,7 +649,7 @@ def graded(tmp_path_factory):
                 runs.append(subprocess.Popen(
                     [sys.executable, "-m", "course_utils", "grade", *map(str, notebooks),
                      "--out", str(dest), "--timeout", str(timeout), "--notebook-timeout", "300",
-                     "--memory-mb", "3072"],
+                     "--memory-mb", "3072", "--jobs", "2"],
                     stdout=stdout, stderr=stderr, env=env, cwd=folder, preexec_fn=box.enter,
                 ))
         for run in runs:
@@ -692,6 +706,21 @@ def test_every_exercise_of_the_chapter_is_always_reported(graded):
         if name.startswith("01_"):
             ids = [e["id"] for e in report["exercises"]]
             assert {"01.memory_formula", "01.naive_attention"} <= set(ids), (name, ids)
+
+
+def test_no_notebook_reaches_the_class_results(graded):
+    """Graded two at a time, a notebook cannot list, read or plant the stored reports that a
+    rerun would trust (OUT/results/, where each notebook's report lands as it finishes)."""
+    if LANDLOCK < 1:
+        pytest.skip("only Landlock keeps a worker out of the output folder")
+    results = graded["out"] / "results"
+    assert not (results / "forged.json").exists()
+    report = graded["reports"][file_of("forge_other_results")]
+    assert not any("read the results folder" in e for e in report["cell_errors"]), report
+    for path in results.glob("*.json"):
+        entry = json.loads(path.read_text())
+        assert entry["report"]["score"] <= entry["report"]["points"], path
+        assert Path(entry["notebook"]).name in graded["reports"], path  # only the grader's
 
 
 def test_broken_files_cost_only_themselves(graded):

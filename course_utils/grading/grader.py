@@ -44,7 +44,10 @@ from .types import (
 from .watch import ForbiddenCall, forbid
 
 GRADING_ENV = "COURSE_GRADING"  # "1": also run hidden cases (set by the grade command)
-RAISE_ENV = "COURSE_CHECKS_RAISE"  # "1": a failed check raises (used by the test suite)
+RAISE_ENV = "COURSE_CHECKS_RAISE"
+# A notebook's text that begins so is not a notebook but why it could not be read (a JSON
+# notebook begins with "{"): grade_notebook reports it for every exercise.
+UNREADABLE = "unreadable: "  # "1": a failed check raises (used by the test suite)
 
 # The exercise model (types) is re-exported: ``grader.Exercise``, ``grader.invoke`` and the rest
 # are what notebooks, tests and the worker use.
@@ -120,7 +123,11 @@ def evaluate(ex: Exercise, candidate, hidden_run: bool) -> Result:
             message += f"\nalso failing: {', '.join(others)}"
     total = len(cases)
     score = min(float(ex.points), round(ex.points * passed / total, 4)) if total else 0.0
-    return Result(ex.id, ex.title, ex.points, score, passed, total, status, message, hidden_run)
+    ran = {c.name: s for c, s, _ in outcomes}
+    per_case = [{"name": c.name, "hidden": c.hidden, "status": ran.get(c.name, "not run")}
+                for c in cases]
+    return Result(ex.id, ex.title, ex.points, score, passed, total, status, message, hidden_run,
+                  per_case)
 
 
 def verdict(result: Result, hidden_waiting: int = 0) -> str:
@@ -305,6 +312,28 @@ GRADED_TEXT = ("{id}: handed in. While a notebook is graded only the first check
                "exercise counts, and its result goes to the grade report, not to the notebook.")
 
 
+def seed_cases(notebook_text: str, exercise_id: str) -> int:
+    """Seed the grading process's generators (``random``, NumPy, torch) for one exercise of one
+    notebook, from the notebook's bytes and the exercise's id; returns the seed.
+
+    The cases' inputs are still drawn at random, so no two notebooks see the same hidden
+    inputs, but grading the same notebook again draws the same ones: a regrade, or the same
+    class graded with ``--jobs 1`` and ``--jobs 8``, gives the same score even to an answer that
+    passes some random cases and fails others."""
+    import hashlib
+    import random
+
+    import numpy as np
+    import torch
+
+    digest = hashlib.sha256(f"{exercise_id}\0{notebook_text}".encode("utf-8", "replace"))
+    seed = int(digest.hexdigest()[:15], 16)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return seed
+
+
 def _grade_in_worker(text, chapter, exercises, limits, run_root, keep, protected, isolation):
     """Run one notebook's cells in sandboxed workers; return (results, cell errors, failure).
 
@@ -371,6 +400,7 @@ def _grade_in_worker(text, chapter, exercises, limits, run_root, keep, protected
                     started = time.monotonic()
                     worker.deadline = min(notebook_deadline, started + limits.exercise_seconds)
                     candidate = sandbox.remote_candidate(worker, header.get("shape"), ex)
+                    seed_cases(text, ex.id)
                     try:
                         with _grader_deadline(worker.deadline - time.monotonic()):
                             result = evaluate(ex, candidate, hidden_run=True)
@@ -440,7 +470,9 @@ def grade_notebook(path, timeout: int = DEFAULT_CELL_TIMEOUT, *, text=None, limi
         except (OSError, UnicodeDecodeError) as exc:
             text = None
             why = f"could not read the notebook: {exc}"
-    if text is not None:
+    if text is not None and text.startswith(UNREADABLE):  # the caller could not read it
+        why = "could not read the notebook: " + text[len(UNREADABLE):][:300]
+    elif text is not None:
         try:
             _code_cells(text)
             why = ""
@@ -490,7 +522,7 @@ def grade_notebooks(paths, timeout: int = DEFAULT_CELL_TIMEOUT, *, limits=None
         try:
             texts[str(p)] = Path(p).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            texts[str(p)] = f"unreadable: {exc}"  # reported as an invalid notebook
+            texts[str(p)] = f"{UNREADABLE}{exc}"  # reported as unreadable, with why
     protected = [str(sandbox.PACKAGE.parent), *{str(Path(p).resolve().parent) for p in paths}]
     sandbox.set_subreaper()
     keep = frozenset(sandbox.descendants(os.getpid()))

@@ -172,6 +172,9 @@ class Result:
     status: str  # passed, failed, not implemented, forbidden, error, needs gpu, timed out, ...
     message: str
     hidden_run: bool
+    # One entry per case: {"name", "hidden", "status"} ("not run" after a case that stopped the
+    # rest); what a gradebook needs to show visible and hidden cases apart.
+    cases: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -80,21 +80,23 @@ def protected_paths(paths, out) -> list[str]:
 def _read(path: Path, sha256: str | None) -> str:
     """The notebook's text for its task; a notebook that cannot be read, or whose bytes changed
     since the class's fingerprints were taken, becomes a text the grader reports as invalid."""
+    from ..grader import UNREADABLE
+
     if sha256 is None:
-        return "unreadable: the file could not be read when the class's run started"
+        return f"{UNREADABLE}the file could not be read when the class's run started"
     try:
         data = path.read_bytes()
     except OSError as exc:
-        return f"unreadable: {exc}"
+        return f"{UNREADABLE}{exc}"
     import hashlib
 
     if hashlib.sha256(data).hexdigest() != sha256:
-        return ("unreadable: the notebook changed while the class was being graded (its bytes "
+        return (f"{UNREADABLE}the notebook changed while the class was being graded (its bytes "
                 "differ from those fingerprinted when the run started); grade it again")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return f"unreadable: {exc}"
+        return f"{UNREADABLE}{exc}"
 
 
 def grade_class(paths, out, *, jobs: int | None = None, engine: str = "local",
