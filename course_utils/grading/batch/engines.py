@@ -20,7 +20,7 @@ import os
 import shutil
 import subprocess
 
-from .task import grade_one, take_slot
+from .task import grade_one, share_cores, take_slot
 
 
 def cores() -> int:
@@ -90,9 +90,11 @@ class LocalPool:
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("spawn")  # no inherited threads, locks or CUDA
-        kwargs = {}
+        threads = max(1, cores() // jobs)
+        kwargs = {"initializer": share_cores, "initargs": (threads,)}
         if slots:
-            kwargs = {"initializer": take_slot, "initargs": (context.Value("i", 0), slots)}
+            kwargs = {"initializer": take_slot,
+                      "initargs": (context.Value("i", 0), slots, threads)}
         self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context, **kwargs)
         self.name = f"{jobs} local processes" + (f" on {len(slots)} GPU(s)" if slots else "")
 

@@ -26,7 +26,18 @@ def grade_one(text: str, path: str, limits: dict, protected: list[str]) -> dict:
     return out
 
 
-def take_slot(counter, slots: list[str]) -> None:
+def share_cores(threads: int) -> None:
+    """A pool process's initializer: compute on ``threads`` CPU threads (the cores divided
+    among the pool), so that N grading processes side by side do not each start a thread per
+    core for their references."""
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[name] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def take_slot(counter, slots: list[str], threads: int) -> None:
     """A pool process's initializer: take the next GPU (or MIG slice) of ``slots`` in turn
     (``counter``, shared by the pool's processes) and keep this process on it
     (``CUDA_VISIBLE_DEVICES``, read when CUDA starts). A process that replaces a dead one takes
@@ -35,3 +46,4 @@ def take_slot(counter, slots: list[str]) -> None:
         index = counter.value
         counter.value += 1
     os.environ["CUDA_VISIBLE_DEVICES"] = slots[index % len(slots)]
+    share_cores(threads)

@@ -61,7 +61,7 @@ LANES = 32
 
 
 def _fresh_rng():
-    return np.random.default_rng(random.SystemRandom().randrange(2**63))
+    return np.random.default_rng(random.getrandbits(63))
 
 
 # ----------------------------------------------------------------------------- fragment map

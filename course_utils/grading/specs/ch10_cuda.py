@@ -189,7 +189,7 @@ def run_case(candidate, Nq, N, q_offset, causal, logits, rng):
 
 
 def _fresh_rng():
-    return np.random.default_rng(random.SystemRandom().randrange(2**63))
+    return np.random.default_rng(random.getrandbits(63))
 
 
 def _case(*problems):

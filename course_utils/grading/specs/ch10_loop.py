@@ -412,7 +412,7 @@ def _case(N, d, causal, q0, logits, Bc):
 
 
 def _fresh_rng():
-    return np.random.default_rng(random.SystemRandom().randrange(2**63))
+    return np.random.default_rng(random.getrandbits(63))
 
 
 def _fresh(candidate):
