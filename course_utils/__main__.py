@@ -59,6 +59,17 @@ def _gradescope_run(args) -> int:
     return 0
 
 
+def _similar(args) -> int:
+    from .grading.batch import similarity
+
+    path, pairs = similarity.write_report(args.notebooks, args.out, args.threshold)
+    for f in pairs[:20]:
+        print(f"{f['similarity']:.2f}  {f['a']}  {f['b']}")
+    more = f" ({len(pairs) - 20} more in the file)" if len(pairs) > 20 else ""
+    print(f"{len(pairs)} pair(s) at or above {args.threshold:g}{more}; wrote {path}")
+    return 0
+
+
 def _record(args) -> int:
     from . import recorded, runtime
     from .grading import grader
@@ -185,6 +196,12 @@ def main(argv=None) -> int:
     gr.add_argument("chapter")
     gr.add_argument("--root", type=Path, default=Path("/autograder"))
     gr.set_defaults(func=_gradescope_run)
+    sim = sub.add_parser("similar", help="flag pairs of near-identical answers (plagiarism aid)")
+    sim.add_argument("notebooks", nargs="+", type=Path)
+    sim.add_argument("--out", type=Path, default=Path("grades"), help="folder for similarity.csv")
+    sim.add_argument("--threshold", type=float, default=0.8,
+                     help="Jaccard similarity of normalised answers to flag (default 0.8)")
+    sim.set_defaults(func=_similar)
     r = sub.add_parser("record", help="run notebooks on a GPU, saving their recorded results")
     r.add_argument("notebooks", nargs="+", type=Path)
     r.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -68,9 +69,10 @@ def _scores(out):
 def test_jobs_two_gives_the_sequential_scores_and_a_rerun_grades_nothing(tmp_path):
     paths = _class(tmp_path, 3)
     one, two = tmp_path / "one", tmp_path / "two"
-    _grade(paths, one, "--jobs", "1")
-    done = _grade(paths, two, "--jobs", "2")
-    assert "by 2 local processes" in done.stdout
+    first = batch.grade_class(paths, one, jobs=1, stream=io.StringIO())
+    assert (first.graded, first.skipped, first.engine) == (3, 0, "in process")
+    done = _grade(paths, two, "--jobs", "2")  # the command, two grading processes
+    assert "3 graded, 0 already graded (skipped), 0 not graded, by 2 local processes" in done.stdout
     scores = _scores(two)
     assert scores == _scores(one)
     assert scores["student0"][0] == 8 and scores["student1"][0] == 0
@@ -79,17 +81,19 @@ def test_jobs_two_gives_the_sequential_scores_and_a_rerun_grades_nothing(tmp_pat
     stored = sorted((two / "results").glob("*.json"))
     assert len(stored) == 3
     before = {p: p.read_bytes() for p in stored}
-    again = _grade(paths, two, "--jobs", "2")
-    assert "0 graded, 3 already graded (skipped)" in again.stdout
+    again = batch.grade_class(paths, two, jobs=2, stream=io.StringIO())
+    assert (again.graded, again.skipped) == (0, 3)
     assert {p: p.read_bytes() for p in stored} == before  # nothing was graded again
     assert _scores(two) == scores
     # An edited notebook is graded again, and only it
     paths[1].write_text((ROOT / "solutions" / CHAPTER).read_text())
-    third = _grade(paths, two, "--jobs", "2")
-    assert "1 graded, 2 already graded (skipped)" in third.stdout
+    third = batch.grade_class(paths, two, jobs=1, stream=io.StringIO())
+    assert (third.graded, third.skipped) == (1, 2)
     assert _scores(two)["student1"][0] == 8
-    fresh = _grade(paths[:1], two, "--jobs", "1", "--no-resume")
-    assert "1 graded, 0 already graded" in fresh.stdout
+    fresh = batch.grade_class(paths[:1], tmp_path / "fresh", jobs=1, stream=io.StringIO())
+    again = batch.grade_class(paths[:1], tmp_path / "fresh", jobs=1, resume=False,
+                              stream=io.StringIO())
+    assert (fresh.graded, again.graded, again.skipped) == (1, 1, 0)
     _check_lms_files(one, paths)
 
 
@@ -123,8 +127,8 @@ def test_an_interrupted_run_keeps_what_it_finished(tmp_path):
     assert 1 <= finished < 4
     for path in results.glob("*.json"):
         json.loads(path.read_text())  # whole files only: written beside the name, then renamed
-    done = _grade(paths, out, "--jobs", "1")
-    assert f"{4 - finished} graded, {finished} already graded (skipped)" in done.stdout
+    resumed = batch.grade_class(paths, out, jobs=1, stream=io.StringIO())
+    assert (resumed.graded, resumed.skipped) == (4 - finished, finished)
     assert len(json.loads((out / "grades.json").read_text())) == 4
 
 
@@ -184,7 +188,7 @@ def test_student_names_from_folders_or_files():
 def _gradescope_run(tmp_path, notebook: Path | None):
     """Lay a folder out as Gradescope's image does and run the bundle's run_autograder."""
     root = tmp_path / "autograder"
-    (root / "submission").mkdir(parents=True)
+    (root / "submission").mkdir(parents=True)  # tmp_path: made here if it is a subfolder
     bundle = gradescope.build_bundle("01", tmp_path / "autograder_01.zip")
     gradescope.unpack(bundle, root / "source")
     if notebook is not None:
@@ -197,23 +201,20 @@ def _gradescope_run(tmp_path, notebook: Path | None):
     return json.loads((root / "results" / "results.json").read_text()), done.stdout
 
 
-def test_gradescope_bundle_gives_a_solution_full_marks(tmp_path):
-    data, stdout = _gradescope_run(tmp_path, ROOT / "solutions" / CHAPTER)
+def test_gradescope_bundle_gives_a_solution_full_marks_and_an_exercise_zero(tmp_path):
+    data, stdout = _gradescope_run(tmp_path / "solution", ROOT / "solutions" / CHAPTER)
     assert data["score"] == 8
     assert sum(t["max_score"] for t in data["tests"]) == pytest.approx(8)
     hidden = [t for t in data["tests"] if t["visibility"] == "after_due_date"]
     assert hidden and all("(hidden cases)" in t["name"] for t in hidden)
     assert all(t["status"] == "passed" for t in data["tests"])
     assert "isolation of the worker: landlock" in stdout or "isolation of the worker" in stdout
-    with __import__("zipfile").ZipFile(tmp_path / "autograder_01.zip") as z:
+    with zipfile.ZipFile(tmp_path / "solution" / "autograder_01.zip") as z:
         names = z.namelist()
     assert {"setup.sh", "run_autograder", "requirements.txt"} <= set(names)
     assert "course/course_utils/grading/specs/ch01.py" in names
     assert not any("__pycache__" in n for n in names)
-
-
-def test_gradescope_bundle_gives_an_exercise_zero(tmp_path):
-    data, _ = _gradescope_run(tmp_path, ROOT / "exercises" / CHAPTER)
+    data, _ = _gradescope_run(tmp_path / "exercise", ROOT / "exercises" / CHAPTER)
     assert data["score"] == 0
     visible = [t for t in data["tests"] if t["visibility"] == "visible"]
     assert any("not implemented" in t["output"] for t in visible)
@@ -222,3 +223,64 @@ def test_gradescope_bundle_gives_an_exercise_zero(tmp_path):
 def test_gradescope_without_a_notebook_says_what_to_hand_in(tmp_path):
     data, _ = _gradescope_run(tmp_path, None)
     assert data["score"] == 0 and "exactly one notebook of chapter 01" in data["output"]
+
+
+# ----------------------------------------------------------------------------- similarity
+
+
+def _renamed_copy(text: str) -> str:
+    """The same answers, retyped: every variable renamed, comments reworded, spacing changed."""
+    nb = json.loads(text)
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] != "code":
+            continue
+        for old, new in (("m_new", "biggest"), ("m_safe", "shifted"), ("acc", "total"),
+                         ("alpha", "a_scale"), ("  #", "    # my note:"), (" = ", "= ")):
+            src = src.replace(old, new)
+        cell["source"] = src.splitlines(True)
+    return json.dumps(nb)
+
+
+def test_similar_flags_a_retyped_copy_and_not_honest_work(tmp_path):
+    from course_utils.grading.batch import similarity
+
+    name = "02_softmax_stable_and_online.ipynb"
+    solution = (ROOT / "solutions" / name).read_text()
+    half = json.loads(solution)  # the first answers copied, the rest left as handed out
+    exercise = json.loads((ROOT / "exercises" / name).read_text())
+    code = [i for i, c in enumerate(half["cells"]) if c["cell_type"] == "code"]
+    for i in code[len(code) // 2:]:
+        half["cells"][i] = exercise["cells"][i]
+    files = {"alice": solution, "bob": _renamed_copy(solution), "carol": json.dumps(half),
+             "dave": (ROOT / "exercises" / name).read_text()}
+    paths = []
+    for who, text in files.items():
+        (tmp_path / who).mkdir()
+        paths.append(tmp_path / who / name)
+        paths[-1].write_text(text)
+    report, pairs = similarity.write_report(paths, tmp_path / "out")
+    flagged = {(Path(p["a"]).parent.name, Path(p["b"]).parent.name): p["similarity"]
+               for p in pairs}
+    assert flagged.get(("alice", "bob"), 0) > 0.95, pairs  # retyped, renamed: still the same
+    assert ("alice", "carol") not in flagged and ("bob", "carol") not in flagged  # half of it
+    assert not any("dave" in pair for pair in flagged)  # the handed-out exercise: nothing own
+    rows = list(csv.DictReader(report.open()))
+    assert rows[0]["a"].endswith(f"alice/{name}") and float(rows[0]["similarity"]) > 0.95
+    tokens = similarity.normalise("total = x + 1  # sum\nprint(total, torch.exp(x))\n")
+    assert tokens == ["v1", "=", "v2", "+", "1", "print", "(", "v1", ",", "v3", ".", "exp",
+                      "(", "v2", ")", ")"]  # names renumbered, builtins and attributes kept
+
+
+def test_dask_local_cluster_grades_like_the_pool(tmp_path):
+    pytest.importorskip("distributed")
+    paths = _class(tmp_path, 2)
+    # The command's output is read to its end: a process it left behind holding the pipes (a
+    # Dask worker's helper) would keep this call waiting until its timeout.
+    done = _grade(paths, tmp_path / "dask", "--jobs", "2", "--engine", "dask")
+    assert "2 graded, 0 already graded (skipped), 0 not graded, by Dask LocalCluster (2 " \
+           "processes)" in done.stdout
+    scores = _scores(tmp_path / "dask")
+    assert scores["student0"][0] == 8 and scores["student1"][0] == 0
+    where = [json.loads(p.read_text())["where"] for p in (tmp_path / "dask" / "results").glob("*")]
+    assert len({w["pid"] for w in where}) >= 1 and all(w["host"] for w in where)

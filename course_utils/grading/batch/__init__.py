@@ -164,8 +164,8 @@ def grade_class(paths, out, *, jobs: int | None = None, engine: str = "local",
                           file=progress.stream)
                     continue
                 seconds = report.pop("seconds", time.monotonic() - submitted)
-                report.pop("host", None)
-                store.save(p, prints[p] or "", version, report, seconds)
+                where = report.pop("where", {})
+                store.save(p, prints[p] or "", version, report, seconds, where)
                 run.graded += 1
                 progress.step()
     finally:

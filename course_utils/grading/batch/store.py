@@ -94,7 +94,7 @@ class ResultStore:
         return entry["report"]
 
     def save(self, notebook: str, sha256: str, version: str, report: dict,
-             seconds: float) -> None:
+             seconds: float, where: dict | None = None) -> None:
         entry = {"notebook": str(notebook), "sha256": sha256, "course_version": version,
-                 "seconds": round(seconds, 3), "report": report}
+                 "seconds": round(seconds, 3), "where": where or {}, "report": report}
         write_atomic(self._file(notebook), json.dumps(entry, ensure_ascii=False))

@@ -10,10 +10,23 @@ from __future__ import annotations
 import os
 import time
 
+_MAIN_THREAD_HELPER = None  # a process of our own, for callers that are not a main thread
+
 
 def grade_one(text: str, path: str, limits: dict, protected: list[str]) -> dict:
     """Grade one submission in a sandboxed worker of this process; its report as a dict, with
-    the seconds it took under ``"seconds"``."""
+    the seconds it took under ``"seconds"`` and where it ran (host, process, GPU) under
+    ``"where"``.
+
+    Grading needs the main thread of a process that runs nothing else: the grader's own time
+    limit is a timer signal, and the cases' random inputs come from the process's generators,
+    seeded per notebook, which no other thread may draw from meanwhile (a Dask worker runs its
+    tasks in a thread beside its event loop, which does). Called from another thread, the
+    notebook is graded in a helper process started once (``spawn``) and kept for the next."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _helper().submit(grade_one, text, path, limits, protected).result()
     from ..grader import grade_notebook
     from ..sandbox import Limits
     from .store import report_dict
@@ -22,8 +35,38 @@ def grade_one(text: str, path: str, limits: dict, protected: list[str]) -> dict:
     report = grade_notebook(path, text=text, limits=Limits(**limits), protected=protected)
     out = report_dict(report)
     out["seconds"] = time.monotonic() - start
-    out["host"] = os.uname().nodename
+    out["where"] = {"host": os.uname().nodename, "pid": os.getpid(),
+                    "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
     return out
+
+
+def _helper():
+    global _MAIN_THREAD_HELPER
+    if _MAIN_THREAD_HELPER is None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        _MAIN_THREAD_HELPER = ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_helper_start, initargs=(os.getpid(),))
+    return _MAIN_THREAD_HELPER
+
+
+def _helper_start(parent: int) -> None:
+    """The helper's initializer: one compute thread, and a watch that ends the helper (and so
+    its sandbox's zygote) as soon as the process that started it is gone: a Dask worker that
+    closes does not wait for its executors' children, which would otherwise live on."""
+    import threading
+    import time
+
+    share_cores(1)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def share_cores(threads: int) -> None:
