@@ -277,9 +277,10 @@ def test_dask_local_cluster_grades_like_the_pool(tmp_path):
     paths = _class(tmp_path, 2)
     # The command's output is read to its end: a process it left behind holding the pipes (a
     # Dask worker's helper) would keep this call waiting until its timeout.
-    done = _grade(paths, tmp_path / "dask", "--jobs", "2", "--engine", "dask")
-    assert "2 graded, 0 already graded (skipped), 0 not graded, by Dask LocalCluster (2 " \
-           "processes)" in done.stdout
+    done = _grade(paths, tmp_path / "dask", "--jobs", "1", "--engine", "dask")  # one worker:
+    # the suite runs beside it on 2 cores; the benchmark measures Dask with several
+    assert "2 graded, 0 already graded (skipped), 0 not graded, by Dask LocalCluster (1 " \
+           "process)" in done.stdout
     scores = _scores(tmp_path / "dask")
     assert scores["student0"][0] == 8 and scores["student1"][0] == 0
     where = [json.loads(p.read_text())["where"] for p in (tmp_path / "dask" / "results").glob("*")]

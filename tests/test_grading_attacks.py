@@ -465,7 +465,8 @@ attack("simulator_flood", [
 
 # Attacks that only the kernel's Landlock (of at least this ABI) can stop.
 NEEDS_ABI = {"execute_the_solutions": 1, "read_grader_memory": 1, "rewrite_the_grader_package": 1,
-             "overwrite_other_notebooks": 1, "forge_other_results": 1, "network": 4, "signal_the_grader": 6,
+             "overwrite_other_notebooks": 1, "forge_other_results": 1, "network": 4,
+             "signal_the_grader": 6,
              "restart_plants_code": 1, "restart_rewrites_pycache": 1, "dev_shm_memory": 1,
              "udp_socket": 1, "unix_socket": 1}
 

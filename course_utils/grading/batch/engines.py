@@ -138,7 +138,7 @@ class DaskEngine:
             self.cluster = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True,
                                         dashboard_address=None)
             self.client = Client(self.cluster)
-            self.name = f"Dask LocalCluster ({jobs} processes)"
+            self.name = f"Dask LocalCluster ({jobs} process{'es' if jobs != 1 else ''})"
 
     def submit(self, *args):
         return self.client.submit(grade_one, *args, pure=False, retries=0)
