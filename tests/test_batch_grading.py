@@ -285,3 +285,37 @@ def test_dask_local_cluster_grades_like_the_pool(tmp_path):
     assert scores["student0"][0] == 8 and scores["student1"][0] == 0
     where = [json.loads(p.read_text())["where"] for p in (tmp_path / "dask" / "results").glob("*")]
     assert len({w["pid"] for w in where}) >= 1 and all(w["host"] for w in where)
+
+
+def test_gpu_slots_from_nvidia_smi_and_by_hand(tmp_path, monkeypatch):
+    from course_utils.grading.batch import engines, task
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\ncat <<'X'\n"
+                   "GPU 0: NVIDIA H200 (UUID: GPU-aaaa)\n"
+                   "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)\n"
+                   "  MIG 3g.40gb     Device  0: (UUID: MIG-cccc)\n"
+                   "  MIG 3g.40gb     Device  1: (UUID: MIG-dddd)\nX\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("COURSE_GRADE_GPUS", raising=False)
+    assert engines.gpu_slots() == ["MIG-cccc", "MIG-dddd"]  # a partitioned GPU: its slices
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-aaaa)'\n"
+                   "echo 'GPU 1: NVIDIA H200 (UUID: GPU-bbbb)'\n")
+    assert engines.gpu_slots() == ["GPU-aaaa", "GPU-bbbb"]  # no slices: the GPUs
+    monkeypatch.setenv("COURSE_GRADE_GPUS", "1, 0")
+    assert engines.gpu_slots() == ["1", "0"]
+    monkeypatch.setenv("COURSE_GRADE_GPUS", "")
+    assert engines.gpu_slots() == []  # none: the CPU, and GPU cases say "needs gpu"
+
+    import multiprocessing
+
+    counter = multiprocessing.get_context("spawn").Value("i", 0)
+    seen = []
+    monkeypatch.setattr(task, "share_cores", lambda threads: None)
+    # restored after the test, whatever take_slot writes into it
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    for _ in range(5):  # processes of a pool, and replacements of dead ones, take turns
+        task.take_slot(counter, ["GPU-aaaa", "GPU-bbbb"], 1)
+        seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
+    assert seen == ["GPU-aaaa", "GPU-bbbb", "GPU-aaaa", "GPU-bbbb", "GPU-aaaa"]
