@@ -27,9 +27,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .engines import ENGINES, cores, gpu_slots, make_engine
+from .engines import ENGINES, cores, gpu_slots, make_engine, memory_bytes
 from .progress import Progress
 from .store import ResultStore, course_version, fingerprint
+
+GRADER_MB = 768  # a grading process and its zygote, about (torch imported in each)
 
 __all__ = ["ENGINES", "ClassRun", "grade_class", "protected_paths", "summary_table"]
 
@@ -125,11 +127,21 @@ def grade_class(paths, out, *, jobs: int | None = None, engine: str = "local",
     store = ResultStore(out)
     version = course_version()
     slots = gpu_slots()
+    limits = limits or Limits()
+    memory = memory_bytes()
+    # what one notebook may take, and its grading process beside it
+    fit = max(1, memory // ((limits.memory_mb + GRADER_MB) << 20)) if memory else None
     if jobs is None:
-        jobs = len(slots) or cores()
+        jobs = min(len(slots) or cores(), fit or cores())
     if jobs < 1:
         raise ValueError(f"--jobs must be at least 1, not {jobs}")
-    limits_dict = asdict(limits or Limits())
+    if fit is not None and jobs > fit:
+        print(f"warning: {jobs} notebooks at once may each take --memory-mb {limits.memory_mb} "
+              f"MiB (and about {GRADER_MB} MiB for its grading process), more than the "
+              f"{memory >> 20} MiB this machine or container has; one that needs its limit may "
+              f"be killed by the system instead of stopped by the grader. Use --jobs {fit} or "
+              f"a lower --memory-mb.", file=stream if stream is not None else sys.stderr)
+    limits_dict = asdict(limits)
     prints: dict[str, str | None] = {}
     for p in ordered:  # every fingerprint before any notebook runs
         try:

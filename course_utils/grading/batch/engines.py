@@ -31,6 +31,38 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def memory_bytes() -> int | None:
+    """The memory this process's notebooks may take together: the smaller of the machine's
+    available memory and its cgroup's limit (a container's); None where neither is known."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            groups = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        groups = []
+    for _, controllers, path in groups:
+        candidates = []
+        if controllers == "":  # cgroup v2
+            candidates.append(f"/sys/fs/cgroup{path}/memory.max")
+        elif "memory" in controllers.split(","):
+            candidates.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+        for c in candidates:
+            try:
+                text = open(c).read().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < 1 << 60:
+                found.append(int(text))
+    return min(found) if found else None
+
+
 def gpu_slots() -> list[str]:
     """The GPUs a class's grading may use, as ``CUDA_VISIBLE_DEVICES`` values: every MIG slice
     where a GPU is partitioned, else every GPU; ``COURSE_GRADE_GPUS="0,1"`` chooses them by
