@@ -44,10 +44,10 @@ from .types import (
 from .watch import ForbiddenCall, forbid
 
 GRADING_ENV = "COURSE_GRADING"  # "1": also run hidden cases (set by the grade command)
-RAISE_ENV = "COURSE_CHECKS_RAISE"
+RAISE_ENV = "COURSE_CHECKS_RAISE"  # "1": a failed check raises (used by the test suite)
 # A notebook's text that begins so is not a notebook but why it could not be read (a JSON
 # notebook begins with "{"): grade_notebook reports it for every exercise.
-UNREADABLE = "unreadable: "  # "1": a failed check raises (used by the test suite)
+UNREADABLE = "unreadable: "
 
 # The exercise model (types) is re-exported: ``grader.Exercise``, ``grader.invoke`` and the rest
 # are what notebooks, tests and the worker use.
@@ -552,6 +552,43 @@ def score_table(reports: list[NotebookReport]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def report_dict(report: NotebookReport) -> dict:
+    """One notebook's entry of ``grades.json``."""
+    return {"notebook": report.path, "chapter": report.chapter, "score": report.score,
+            "points": report.points, "failure": report.failure, "isolation": report.isolation,
+            "cell_errors": report.cell_errors,
+            "exercises": [asdict(r) for r in report.results]}
+
+
+CSV_HEADER = ["notebook", "exercise", "title", "score", "points", "status", "message"]
+
+
+def csv_rows(entry: dict) -> list[list]:
+    """The rows of ``grades.csv`` (:data:`CSV_HEADER`) for one entry of :func:`report_dict`."""
+    return [[entry["notebook"], e["id"], e["title"], e["score"], e["points"], e["status"],
+             e["message"]] for e in entry["exercises"]]
+
+
+@contextlib.contextmanager
+def atomic_text(path):
+    """A text file opened beside ``path`` and renamed over it when the block ends without an
+    error: a reader sees the old file or the new one, never half of one, and a FIFO or link
+    planted at the name is replaced. On an error the new file is removed."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def write_reports(reports: list[NotebookReport], out_dir) -> tuple[str, str]:
     """Write ``grades.json`` and ``grades.csv`` into ``out_dir``; return their paths."""
     import csv
@@ -560,34 +597,12 @@ def write_reports(reports: list[NotebookReport], out_dir) -> tuple[str, str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = out / "grades.json", out / "grades.csv"
-    data = [
-        {
-            "notebook": rep.path,
-            "chapter": rep.chapter,
-            "score": rep.score,
-            "points": rep.points,
-            "failure": rep.failure,
-            "isolation": rep.isolation,
-            "cell_errors": rep.cell_errors,
-            "exercises": [asdict(r) for r in rep.results],
-        }
-        for rep in reports
-    ]
-    import io
-    import tempfile
-
-    rows = io.StringIO()
-    w = csv.writer(rows)
-    w.writerow(["notebook", "exercise", "title", "score", "points", "status", "message"])
-    for rep in reports:
-        for r in rep.results:
-            w.writerow([rep.path, r.id, r.title, r.score, r.points, r.status, r.message])
-    for path, content in ((json_path, json.dumps(data, indent=2, ensure_ascii=False)),
-                          (csv_path, rows.getvalue())):
-        # Written beside the target and renamed over it: a reader sees the old file or the
-        # new one, never half of one, and a FIFO or link planted at the name is replaced.
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(content)
-        os.replace(tmp, path)
+    data = [report_dict(rep) for rep in reports]
+    with atomic_text(json_path) as f:
+        f.write(json.dumps(data, indent=2, ensure_ascii=False))
+    with atomic_text(csv_path) as f:
+        w = csv.writer(f)
+        w.writerow(CSV_HEADER)
+        for entry in data:
+            w.writerows(csv_rows(entry))
     return str(json_path), str(csv_path)

@@ -8,35 +8,15 @@ and renamed over it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
-import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 NOT_GRADED = ("not graded: its grading task failed in this run (see the progress log); run the "
               "command again to grade it")
-
-
-class _AtomicText:
-    """A text file written beside ``path`` and renamed over it when closed without an error."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        self.f = os.fdopen(fd, "w", encoding="utf-8", newline="")
-        return self.f
-
-    def __exit__(self, kind, *_):
-        self.f.close()
-        if kind is None:
-            os.replace(self.tmp, self.path)
-        else:
-            os.unlink(self.tmp)
 
 
 def _chapter(notebook: str) -> str:
@@ -65,40 +45,43 @@ def _reports(ordered, store, prints, version):
         yield p, report
 
 
+def _exercise_ids(chapter: str) -> list[str]:
+    from ..specs import for_chapter
+
+    return [ex.id for ex in for_chapter(chapter)] if chapter else []
+
+
 def write_outputs(ordered, store, prints, version, out: Path) -> list[str]:
-    """``grades.json``, ``grades.csv`` and ``grades_chNN.csv`` for the notebooks ``ordered``;
-    returns their paths."""
+    """``grades.json``, ``grades.csv`` and ``grades_chNN.csv`` for the notebooks ``ordered``,
+    in one pass over the stored reports; returns their paths."""
+    from ..grader import CSV_HEADER, atomic_text, csv_rows
+
     out = Path(out)
     names = student_names(ordered)
     json_path, csv_path = out / "grades.json", out / "grades.csv"
-    chapters: dict[str, list[str]] = {}  # chapter -> exercise ids, in order of appearance
-    with _AtomicText(json_path) as fj, _AtomicText(csv_path) as fc:
+    chapters: dict[str, tuple] = {}  # chapter -> (its CSV's path, writer, exercise ids)
+    with contextlib.ExitStack() as files:
+        fj, fc = files.enter_context(atomic_text(json_path)), files.enter_context(
+            atomic_text(csv_path))
         rows = csv.writer(fc)
-        rows.writerow(["notebook", "exercise", "title", "score", "points", "status", "message"])
+        rows.writerow(CSV_HEADER)
         fj.write("[")
         for i, (p, rep) in enumerate(_reports(ordered, store, prints, version)):
             fj.write(("," if i else "") + "\n" + json.dumps(rep, ensure_ascii=False, indent=2))
-            ids = chapters.setdefault(rep.get("chapter") or _chapter(p), [])
-            for e in rep["exercises"]:
-                rows.writerow([p, e["id"], e["title"], e["score"], e["points"], e["status"],
-                               e["message"]])
-                if e["id"] not in ids:
-                    ids.append(e["id"])
+            rows.writerows(csv_rows(rep))
+            chapter = rep.get("chapter") or _chapter(p)
+            if chapter not in chapters:
+                path = out / f"grades_ch{chapter or 'unknown'}.csv"
+                writer = csv.writer(files.enter_context(atomic_text(path)))
+                ids = _exercise_ids(chapter)
+                writer.writerow(["student", "notebook", "total", "points", *ids, "failure"])
+                chapters[chapter] = (path, writer, ids)
+            _, writer, ids = chapters[chapter]
+            scores = {e["id"]: e["score"] for e in rep["exercises"]}
+            writer.writerow([names[p], p, rep["score"], rep["points"],
+                             *[scores.get(x, "") for x in ids], rep["failure"][:200]])
         fj.write("\n]\n")
-    written = [str(json_path), str(csv_path)]
-    for chapter, ids in sorted(chapters.items()):
-        path = out / f"grades_ch{chapter or 'unknown'}.csv"
-        with _AtomicText(path) as f:
-            rows = csv.writer(f)
-            rows.writerow(["student", "notebook", "total", "points", *ids, "failure"])
-            for p, rep in _reports(ordered, store, prints, version):
-                if (rep.get("chapter") or _chapter(p)) != chapter:
-                    continue
-                scores = {e["id"]: e["score"] for e in rep["exercises"]}
-                rows.writerow([names[p], p, rep["score"], rep["points"],
-                               *[scores.get(x, "") for x in ids], rep["failure"][:200]])
-        written.append(str(path))
-    return written
+    return [str(json_path), str(csv_path), *(str(chapters[c][0]) for c in sorted(chapters))]
 
 
 def table(ordered, store, prints, version, limit: int = 40) -> str:

@@ -153,9 +153,8 @@ def results_json(report: dict, seconds: float) -> dict:
 
 def run(chapter: str, root) -> dict:
     """Grade the notebook in ``root/submission`` and write ``root/results/results.json``."""
-    from ..grader import grade_notebook
+    from ..grader import grade_notebook, report_dict
     from ..sandbox import Limits
-    from .store import report_dict
 
     root = Path(root)
     results = root / "results"

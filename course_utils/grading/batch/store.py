@@ -10,12 +10,8 @@ sees the old file or the new one, never half of one.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import tempfile
-from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
@@ -48,26 +44,12 @@ def fingerprint(path) -> str:
     return h.hexdigest()
 
 
-def report_dict(report) -> dict:
-    """A :class:`~course_utils.grading.grader.NotebookReport` as the JSON entry of one notebook
-    (the same keys as ``grades.json`` of the single-run grader)."""
-    return {"notebook": report.path, "chapter": report.chapter, "score": report.score,
-            "points": report.points, "failure": report.failure, "isolation": report.isolation,
-            "cell_errors": report.cell_errors,
-            "exercises": [asdict(r) for r in report.results]}
-
-
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` beside ``path`` and rename it over: readers see old or new, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    from ..grader import atomic_text
+
+    with atomic_text(path) as f:
+        f.write(text)
 
 
 class ResultStore:

@@ -27,9 +27,8 @@ def grade_one(text: str, path: str, limits: dict, protected: list[str]) -> dict:
 
     if threading.current_thread() is not threading.main_thread():
         return _helper().submit(grade_one, text, path, limits, protected).result()
-    from ..grader import grade_notebook
+    from ..grader import grade_notebook, report_dict
     from ..sandbox import Limits
-    from .store import report_dict
 
     start = time.monotonic()
     report = grade_notebook(path, text=text, limits=Limits(**limits), protected=protected)
