@@ -31,7 +31,7 @@ def _grade(args) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(batch.summary_table(run, args.notebooks))
+    print(batch.summary_table(run))
     print(f"\n{run.graded} graded, {run.skipped} already graded (skipped), "
           f"{run.failed_to_run} not graded, by {run.engine} in {run.seconds:.1f} s")
     print("wrote " + ", ".join(run.files) + f" and {args.out / 'results'}/")

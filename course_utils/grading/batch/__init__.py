@@ -49,6 +49,8 @@ class ClassRun:
     failed_to_run: int = 0  # a task that raised (not a notebook that failed its checks)
     seconds: float = 0.0
     files: list[str] = field(default_factory=list)  # what was written, besides results/
+    # each notebook's SHA-256 when the run started (None: unreadable), in the class's order
+    fingerprints: dict[str, str | None] = field(default_factory=dict, repr=False)
 
 
 def _minimal(dirs: list[str]) -> list[str]:
@@ -184,20 +186,15 @@ def grade_class(paths, out, *, jobs: int | None = None, engine: str = "local",
         if runner is not None:
             runner.close()
     run.files = write_outputs(ordered, store, prints, version, out)
+    run.fingerprints = prints
     run.seconds = time.monotonic() - started
     return run
 
 
-def summary_table(run: ClassRun, paths) -> str:
-    """The table the grade command prints after a run (see :func:`.exports.table`)."""
+def summary_table(run: ClassRun) -> str:
+    """The table the grade command prints after a run (see :func:`.exports.table`), from the
+    reports the run stored for the fingerprints it took."""
     from .exports import table
 
-    ordered = list(dict.fromkeys(str(p) for p in paths))
-    store = ResultStore(run.out)
-    prints = {}
-    for p in ordered:
-        try:
-            prints[p] = fingerprint(p)
-        except OSError:
-            prints[p] = None
-    return table(ordered, store, prints, course_version())
+    return table(list(run.fingerprints), ResultStore(run.out), run.fingerprints,
+                 course_version())

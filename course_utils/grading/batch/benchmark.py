@@ -20,6 +20,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from ... import paths
@@ -51,13 +52,14 @@ def _cell(source: str) -> dict:
             "metadata": {}, "outputs": [], "source": source.splitlines(keepends=True)}
 
 
-def make_class(folder: Path, n: int, seed: int = 0) -> list[Path]:
-    """``n`` submissions (see the module's docstring) in ``folder/studentNNN/``."""
+def make_class(folder: Path, n: int, seed: int = 0) -> dict[Path, str]:
+    """``n`` submissions (see the module's docstring) in ``folder/studentNNN/``: each path
+    with its kind (honest, exercise, bug, hostile)."""
     rng = random.Random(seed)
     texts = {ch: {"solution": (paths.REPO / "solutions" / name).read_text(),
                   "exercise": (paths.REPO / "exercises" / name).read_text()}
              for ch, name in CHAPTERS.items()}
-    out = []
+    out = {}
     for i in range(n):
         ch = "02" if i % 2 == 0 else "05"
         kind = rng.choices(["honest", "exercise", "bug", "hostile"], [5, 2, 2, 1])[0]
@@ -72,7 +74,7 @@ def make_class(folder: Path, n: int, seed: int = 0) -> list[Path]:
         path = folder / f"student{i:03d}" / CHAPTERS[ch]
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(nb, indent=1))
-        out.append(path)
+        out[path] = kind
     return out
 
 
@@ -95,7 +97,8 @@ def run(n: int = 200, jobs: int = 2, engines=("dask", "ray"), seed: int = 0) -> 
 
     with tempfile.TemporaryDirectory(prefix="course-class-") as tmp:
         tmp = Path(tmp)
-        submissions = make_class(tmp / "class", n, seed)
+        made = make_class(tmp / "class", n, seed)
+        submissions = list(made)
         runs = {}
         seq_s, seq = _grade(submissions, tmp / "seq", jobs=1)
         runs["sequential (--jobs 1)"] = seq_s
@@ -115,10 +118,7 @@ def run(n: int = 200, jobs: int = 2, engines=("dask", "ray"), seed: int = 0) -> 
             s, scores = _grade(submissions, tmp / engine, jobs=jobs, engine=engine)
             runs[f"{engine} local ({jobs} workers)"] = s
             compare(f"{engine} local ({jobs} workers)", scores)
-        kinds = {}
-        for p in submissions:
-            kind = json.loads(p.read_text())["cells"][1]["source"][0].split("(")[1].rstrip(")")
-            kinds[kind] = kinds.get(kind, 0) + 1
+        kinds = dict(Counter(made.values()))
     return {"n": n, "jobs": jobs, "cores": cores(), "kinds": kinds, "seconds": runs,
             "vs_sequential": {k: v / seq_s for k, v in runs.items()},
             "vs_jobs": {k: v / runs[f"--jobs {jobs}"] for k, v in runs.items()},

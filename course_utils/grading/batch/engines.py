@@ -55,7 +55,8 @@ def memory_bytes() -> int | None:
             candidates.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
         for c in candidates:
             try:
-                text = open(c).read().strip()
+                with open(c) as f:
+                    text = f.read().strip()
             except OSError:
                 continue
             if text.isdigit() and int(text) < 1 << 60:
