@@ -49,9 +49,11 @@ runs on the grid ``(work items, Hkv)``, a sequence with one item writes O and LS
 the merge reads each sequence's split count and workspace offset. The plan is checked against
 the call (shapes; with ``check_values`` the lengths). ``merge="fused"`` drops the merge kernel:
 the last split of each (sequence, K/V head) to finish merges, after one atomic per program.
-On Hopper the merge kernel is launched with programmatic dependent launch (:func:`decode_pdl`):
-it is scheduled while the split kernel still runs and waits on ``griddepcontrol.wait`` before
-its first load, which takes its launch off the critical path (about half a microsecond a step).
+On Hopper both kernels are launched with programmatic dependent launch (:func:`decode_pdl`):
+each is scheduled while the kernel before it still runs and waits on ``griddepcontrol.wait``
+before its first load, which takes its launch off the critical path: the merge's behind the
+split kernel, and the split kernel's behind the previous step's merge (about half a microsecond
+each).
 
 **The paged cache.** ``k_cache, v_cache (num_pages, page_size, Hkv, d)`` and ``block_table
 (B, max_pages)`` int32: key j of sequence b is row ``j % page_size`` of physical page
@@ -230,8 +232,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
             (sequence, K/V head) to finish merges them, counted by an atomic per pair in a
             buffer kept per device: one fused call at a time per device, never two at once on
             two streams); default ``COURSE_DECODE_MERGE`` or ``"kernel"``.
-        pdl: launch the merge kernel with programmatic dependent launch (Hopper and later;
-            ignored elsewhere and without a merge kernel); default :func:`decode_pdl`.
+        pdl: launch the split kernel and the merge kernel with programmatic dependent launch
+            (Hopper and later; ignored elsewhere); default :func:`decode_pdl`.
 
     Returns:
         O like q (``(B, Hq, d)`` or ``(B, Lq, Hq, d)``) in q's dtype; LSE float32, natural log,
@@ -350,8 +352,10 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
         work = splits = offsets = cache_seqlens  # never read without a plan
         grid = (num_splits, Hkv, B)
     fused = not direct and merge == "fused"
-    pdl = (not direct and not fused and (decode_pdl(q.device) if pdl is None else
-                                         bool(pdl) and _pdl_possible(q.device)))
+    # PDL: both kernels launched early, each waiting (griddepcontrol.wait) for the grid before
+    # it; the split kernel waits for the last kernel of the stream (the previous step's merge
+    # in a decoding loop), the merge for the split kernel.
+    pdl = decode_pdl(q.device) if pdl is None else bool(pdl) and _pdl_possible(q.device)
     locks = _locks(q.device, B * Hkv) if fused else cache_seqlens  # never read unless fused
     _decode_split_kernel[grid](
         q4, k_cache, v_cache, cache_seqlens, table, work, splits, offsets, locks, O_part,
@@ -362,7 +366,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
         LSE3.stride(0), LSE3.stride(1), LSE3.stride(2),
         G=G, LQ=Lq, BLOCK_M=max(MIN_DOT_M, triton.next_power_of_2(G * Lq)), HEAD_DIM=d,
         BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged, SOFTCAP=softcap > 0, DIRECT=direct,
-        PLAN=plan is not None, FUSED=fused, PDL=pdl, num_warps=warps, num_stages=stages)
+        PLAN=plan is not None, FUSED=fused, PDL=pdl, WAIT=pdl, num_warps=warps,
+        num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     if not direct and not fused:
         most = plan.max_splits if plan is not None else num_splits
         _decode_merge_kernel[(Hq, Lq, B)](

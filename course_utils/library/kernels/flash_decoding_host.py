@@ -55,15 +55,21 @@ def decode_config(dtype, programs=1):
 
 
 def decode_pdl(device):
-    """Whether the merge kernel is launched with programmatic dependent launch (PDL): it may
-    start while the split kernel runs (the split kernel signals at once, the merge waits for
-    the whole grid with ``griddepcontrol.wait`` before its first load), so its launch hides
-    behind the split kernel's tail. On wherever it exists (compute capability 9.0 or later,
-    a Triton with grid dependency control); ``COURSE_DECODE_PDL=0`` turns it off.
+    """Whether the decode kernels are launched with programmatic dependent launch (PDL): a
+    kernel may start while the one before it in the stream runs, and waits for that whole grid
+    with ``griddepcontrol.wait`` before its first load, so its launch hides behind the other's
+    tail. The merge kernel hides behind the split kernel (which signals at once), and the split
+    kernel behind the kernel before it (the merge of the previous step, which signals once its
+    own wait is over; any other kernel releases it when it ends, as without PDL). On wherever it
+    exists (compute capability 9.0 or later, a Triton with grid dependency control);
+    ``COURSE_DECODE_PDL=0`` turns it off.
 
-    It won at every swept shape with a merge on an H200 (bf16, Hq = 32, d = 128, B = 1,
-    CUDA graphs), by 0.4 to 0.7 us a step: Hkv = 8, 128k keys 127.3 -> 126.3 us, 32k
-    40.3 -> 39.7 us; Hkv = 4, 128k 70.8 -> 70.4 us, 32k 26.0 -> 25.3 us.
+    The merge's PDL won at every swept shape with a merge on an H200 (bf16, Hq = 32, d = 128,
+    B = 1, CUDA graphs), by 0.4 to 0.7 us a step: Hkv = 8, 128k keys 127.3 -> 126.3 us, 32k
+    40.3 -> 39.7 us; Hkv = 4, 128k 70.8 -> 70.4 us, 32k 26.0 -> 25.3 us. The split kernel's
+    (2026-11-29, H200, 5 interleaved rounds, a CUDA graph of 20 steps) took 0.2-0.7 us more
+    off: Hkv = 8, 128k 126.8 -> 126.1 us, 32k 39.1 -> 38.4 us; Hkv = 4, 32k 25.4 -> 24.7 us;
+    B = 16 (no merge) unchanged.
     """
     if os.environ.get("COURSE_DECODE_PDL", "1").strip().lower() in ("0", "off", "false"):
         return False

@@ -90,8 +90,13 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, WORK, SPLITS, OFFSETS, L
                          G: tl.constexpr, LQ: tl.constexpr, BLOCK_M: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
-                         PLAN: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr):
-    # PDL: the merge kernel may be launched now (it waits for this grid before reading).
+                         PLAN: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+                         WAIT: tl.constexpr):
+    # WAIT (launched early by programmatic dependent launch): nothing is read before the grid
+    # this one depends on (the previous step's merge) has finished and its writes are visible.
+    if WAIT:
+        gdc_wait()
+    # PDL: the next kernel may be launched now (it waits for this grid before reading).
     if PDL:
         gdc_launch_dependents()
     # Fixed split count (grid (num_splits, Hkv, B)): program (s, h, b) takes split s of sequence
@@ -248,6 +253,7 @@ def _decode_merge_kernel(O_PART, LSE_PART, O, LSE, SPLITS, OFFSETS, num_splits,
     # (the online softmax again, over splits instead of keys), and the lanes merge at the end.
     if PDL:  # launched early (programmatic dependent launch): wait for the split kernel
         gdc_wait()
+        gdc_launch_dependents()  # and the next step's split kernel may launch early in turn
     hq = tl.program_id(0)
     t = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
