@@ -74,6 +74,11 @@ def test_jobs_two_gives_the_sequential_scores_and_a_rerun_grades_nothing(tmp_pat
     done = _grade(paths, two, "--jobs", "2")  # the command, two grading processes
     assert "3 graded, 0 already graded (skipped), 0 not graded, by 2 local processes" in done.stdout
     scores = _scores(two)
+    cores = os.sched_getaffinity(0)
+    if len(cores) >= 2:  # each grading process (and its workers) on its own half of the cores
+        for p in (two / "results").glob("*.json"):
+            cpus = _cpu_set(json.loads(p.read_text())["where"]["cpus"])
+            assert cpus < cores and len(cpus) in (len(cores) // 2, (len(cores) + 1) // 2)
     assert scores == _scores(one)
     assert scores["student0"][0] == 8 and scores["student1"][0] == 0
     assert 0 < scores["student2"][0] < 8  # the causal bug costs part of 01.naive_attention
@@ -95,6 +100,14 @@ def test_jobs_two_gives_the_sequential_scores_and_a_rerun_grades_nothing(tmp_pat
                               stream=io.StringIO())
     assert (fresh.graded, again.graded, again.skipped) == (1, 1, 0)
     _check_lms_files(one, paths)
+
+
+def _cpu_set(text: str) -> set[int]:
+    out = set()
+    for run in text.split(","):
+        first, _, last = run.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
 
 
 def _check_lms_files(out, paths):
@@ -288,7 +301,7 @@ def test_dask_local_cluster_grades_like_the_pool(tmp_path):
 
 
 def test_gpu_slots_from_nvidia_smi_and_by_hand(tmp_path, monkeypatch):
-    from course_utils.grading.batch import engines, task
+    from course_utils.grading.batch import machine, task
 
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\ncat <<'X'\n"
@@ -299,14 +312,14 @@ def test_gpu_slots_from_nvidia_smi_and_by_hand(tmp_path, monkeypatch):
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.delenv("COURSE_GRADE_GPUS", raising=False)
-    assert engines.gpu_slots() == ["MIG-cccc", "MIG-dddd"]  # a partitioned GPU: its slices
+    assert machine.gpu_slots() == ["MIG-cccc", "MIG-dddd"]  # a partitioned GPU: its slices
     smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-aaaa)'\n"
                    "echo 'GPU 1: NVIDIA H200 (UUID: GPU-bbbb)'\n")
-    assert engines.gpu_slots() == ["GPU-aaaa", "GPU-bbbb"]  # no slices: the GPUs
+    assert machine.gpu_slots() == ["GPU-aaaa", "GPU-bbbb"]  # no slices: the GPUs
     monkeypatch.setenv("COURSE_GRADE_GPUS", "1, 0")
-    assert engines.gpu_slots() == ["1", "0"]
+    assert machine.gpu_slots() == ["1", "0"]
     monkeypatch.setenv("COURSE_GRADE_GPUS", "")
-    assert engines.gpu_slots() == []  # none: the CPU, and GPU cases say "needs gpu"
+    assert machine.gpu_slots() == []  # none: the CPU, and GPU cases say "needs gpu"
 
     import multiprocessing
 
@@ -319,3 +332,28 @@ def test_gpu_slots_from_nvidia_smi_and_by_hand(tmp_path, monkeypatch):
         task.take_slot(counter, ["GPU-aaaa", "GPU-bbbb"], 1)
         seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
     assert seen == ["GPU-aaaa", "GPU-bbbb", "GPU-aaaa", "GPU-bbbb", "GPU-aaaa"]
+
+
+def test_a_pool_gives_each_process_its_own_cores(monkeypatch):
+    from course_utils.grading.batch import machine, task
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    monkeypatch.delenv("COURSE_GRADE_PIN", raising=False)
+    assert machine.core_sets(2) == [[0, 1, 2], [3, 4]]  # runs of neighbours, as even as can be
+    assert machine.core_sets(5) == [[0], [1], [2], [3], [4]]
+    assert machine.core_sets(6) == [] and machine.core_sets(1) == []  # more jobs than cores
+    monkeypatch.setenv("COURSE_GRADE_PIN", "0")
+    assert machine.core_sets(2) == []
+
+    import multiprocessing
+
+    counter = multiprocessing.get_context("spawn").Value("i", 0)
+    pinned, threads = [], []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(list(cores)))
+    monkeypatch.setattr(task, "share_cores", threads.append)
+    for _ in range(3):  # a replacement of a dead process takes the next cores in turn
+        task.take_slot(counter, [], 9, [[0, 1, 2], [3, 4]])
+    assert pinned == [[0, 1, 2], [3, 4], [0, 1, 2]] and threads == [3, 2, 3]
+    task.take_slot(counter, [], 9)  # no cores of its own: every core, the threads it was given
+    assert len(pinned) == 3 and threads[-1] == 9
+    assert task.cpu_list() == "0-4"

@@ -12,7 +12,8 @@ with ``--jobs`` of them at a time. What this package adds around it:
   finished, atomically; a rerun skips every notebook whose bytes and course version were
   already graded. Killing the grader loses only the notebooks in flight.
 - **Engines** (:mod:`.engines`): this process (``--jobs 1``), a local pool of processes, one per
-  GPU or MIG slice where there are GPUs, or Dask / Ray, locally or on a cluster.
+  GPU or MIG slice where there are GPUs, each on its own CPU cores (:mod:`.machine`: what the
+  machine lends), or Dask / Ray, locally or on a cluster.
 - **Outputs** (:mod:`.exports`): ``grades.json`` and ``grades.csv`` as the single-run grader
   writes them, one CSV per chapter for an LMS, and Otter-Grader's ``final_grades.csv``.
 - **Gradescope** (:mod:`.gradescope`) and a **similarity report** (:mod:`.similarity`).
@@ -27,7 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .engines import ENGINES, cores, gpu_slots, make_engine, memory_bytes
+from .engines import ENGINES, make_engine
+from .machine import cores, gpu_slots, memory_bytes
 from .progress import Progress
 from .store import ResultStore, course_version, fingerprint
 

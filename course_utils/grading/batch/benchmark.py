@@ -93,7 +93,7 @@ def _grade(paths_, out: Path, **kwargs) -> tuple[float, dict]:
 
 def run(n: int = 200, jobs: int = 2, engines=("dask", "ray"), seed: int = 0) -> dict:
     """Grade one generated class in each way; seconds, ratios and score agreement."""
-    from .engines import cores
+    from .machine import cores
 
     with tempfile.TemporaryDirectory(prefix="course-class-") as tmp:
         tmp = Path(tmp)

@@ -8,7 +8,9 @@ only a bounded number of tasks in flight, so its memory does not grow with the c
 - ``InProcess`` (``--jobs 1``): one notebook after another in this process, as the plain grade
   command always did.
 - ``LocalPool`` (``--jobs N``): N grading processes on this machine (``spawn``), each with its
-  own sandboxed workers; on a machine with GPUs each process is kept on one GPU or MIG slice.
+  own sandboxed workers, each on its own CPU cores where there are enough
+  (:func:`.machine.core_sets`); on a machine with GPUs each process is kept on one GPU or MIG
+  slice.
 - ``DaskEngine`` (``--engine dask``): Dask's distributed scheduler, a local cluster of N
   single-threaded worker processes by default, or an existing cluster (``--address``).
 - ``RayEngine`` (``--engine ray``): Ray, locally with N CPUs by default, or a running cluster.
@@ -16,78 +18,8 @@ only a bounded number of tasks in flight, so its memory does not grow with the c
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
-from .task import grade_one, share_cores, take_slot
-
-
-def cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def memory_bytes() -> int | None:
-    """The memory this process's notebooks may take together: the smaller of the machine's
-    available memory and its cgroup's limit (a container's); None where neither is known."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    try:
-        with open("/proc/self/cgroup") as f:
-            groups = [line.strip().split(":", 2) for line in f]
-    except OSError:
-        groups = []
-    for _, controllers, path in groups:
-        candidates = []
-        if controllers == "":  # cgroup v2
-            candidates.append(f"/sys/fs/cgroup{path}/memory.max")
-        elif "memory" in controllers.split(","):
-            candidates.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
-        for c in candidates:
-            try:
-                with open(c) as f:
-                    text = f.read().strip()
-            except OSError:
-                continue
-            if text.isdigit() and int(text) < 1 << 60:
-                found.append(int(text))
-    return min(found) if found else None
-
-
-def gpu_slots() -> list[str]:
-    """The GPUs a class's grading may use, as ``CUDA_VISIBLE_DEVICES`` values: every MIG slice
-    where a GPU is partitioned, else every GPU; ``COURSE_GRADE_GPUS="0,1"`` chooses them by
-    hand, ``COURSE_GRADE_GPUS=""`` uses none. Read from ``nvidia-smi -L`` so that this process
-    never starts CUDA itself (its pool's processes choose their device before they do)."""
-    chosen = os.environ.get("COURSE_GRADE_GPUS")
-    if chosen is not None:
-        return [s.strip() for s in chosen.split(",") if s.strip()]
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    try:
-        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    gpus, migs = [], []
-    for line in listing.splitlines():
-        line = line.strip()
-        uuid = line.rsplit("UUID: ", 1)[-1].rstrip(")") if "UUID: " in line else ""
-        if line.startswith("GPU ") and uuid:
-            gpus.append(uuid)
-        elif line.startswith("MIG ") and uuid:
-            migs.append(uuid)
-    return migs or gpus
+from .machine import core_sets, cores
+from .task import grade_one, take_slot
 
 
 class InProcess:
@@ -116,20 +48,20 @@ class InProcess:
 
 
 class LocalPool:
-    """``jobs`` grading processes on this machine, each on its own GPU slot when there are any."""
+    """``jobs`` grading processes on this machine, each on its own GPU slot when there are any,
+    and on its own CPU cores (:func:`core_sets`)."""
 
     def __init__(self, jobs: int, slots: list[str] | None = None):
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("spawn")  # no inherited threads, locks or CUDA
-        threads = max(1, cores() // jobs)
-        kwargs = {"initializer": share_cores, "initargs": (threads,)}
-        if slots:
-            kwargs = {"initializer": take_slot,
-                      "initargs": (context.Value("i", 0), slots, threads)}
-        self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context, **kwargs)
-        self.name = f"{jobs} local processes" + (f" on {len(slots)} GPU(s)" if slots else "")
+        pins = core_sets(jobs)
+        self.pool = ProcessPoolExecutor(
+            max_workers=jobs, mp_context=context, initializer=take_slot,
+            initargs=(context.Value("i", 0), slots or [], max(1, cores() // jobs), pins))
+        self.name = (f"{jobs} local processes" + (f" on {len(slots)} GPU(s)" if slots else "")
+                     + (", each on its own CPU cores" if pins else ""))
 
     def submit(self, *args):
         return self.pool.submit(grade_one, *args)

@@ -15,8 +15,8 @@ _MAIN_THREAD_HELPER = None  # a process of our own, for callers that are not a m
 
 def grade_one(text: str, path: str, limits: dict, protected: list[str]) -> dict:
     """Grade one submission in a sandboxed worker of this process; its report as a dict, with
-    the seconds it took under ``"seconds"`` and where it ran (host, process, GPU) under
-    ``"where"``.
+    the seconds it took under ``"seconds"`` and where it ran (host, process, GPU, CPU cores)
+    under ``"where"``.
 
     Grading needs the main thread of a process that runs nothing else: the grader's own time
     limit is a timer signal, and the cases' random inputs come from the process's generators,
@@ -35,8 +35,22 @@ def grade_one(text: str, path: str, limits: dict, protected: list[str]) -> dict:
     out = report_dict(report)
     out["seconds"] = time.monotonic() - start
     out["where"] = {"host": os.uname().nodename, "pid": os.getpid(),
-                    "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                    "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": cpu_list()}
     return out
+
+
+def cpu_list() -> str:
+    """The CPU cores this process may run on, as Linux writes such lists (``"0-3,8"``)."""
+    try:
+        runs: list[list[int]] = []
+        for c in sorted(os.sched_getaffinity(0)):
+            if runs and c == runs[-1][1] + 1:
+                runs[-1][1] = c
+            else:
+                runs.append([c, c])
+    except AttributeError:  # not Linux
+        return ""
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _helper():
@@ -79,13 +93,23 @@ def share_cores(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def take_slot(counter, slots: list[str], threads: int) -> None:
-    """A pool process's initializer: take the next GPU (or MIG slice) of ``slots`` in turn
-    (``counter``, shared by the pool's processes) and keep this process on it
-    (``CUDA_VISIBLE_DEVICES``, read when CUDA starts). A process that replaces a dead one takes
-    the next in turn."""
+def take_slot(counter, slots: list[str], threads: int,
+              core_sets: list[list[int]] | None = None) -> None:
+    """A pool process's initializer: take the next slot in turn (``counter``, shared by the
+    pool's processes; a process that replaces a dead one takes the next): its GPU or MIG slice
+    of ``slots`` where there are any (``CUDA_VISIBLE_DEVICES``, read when CUDA starts), and its
+    own CPU cores of ``core_sets`` where the pool has them (``sched_setaffinity``: this process,
+    its zygote and every worker they start run there, and compute on that many threads)."""
     with counter.get_lock():
         index = counter.value
         counter.value += 1
-    os.environ["CUDA_VISIBLE_DEVICES"] = slots[index % len(slots)]
+    if slots:
+        os.environ["CUDA_VISIBLE_DEVICES"] = slots[index % len(slots)]
+    if core_sets:
+        mine = core_sets[index % len(core_sets)]
+        try:
+            os.sched_setaffinity(0, mine)
+            threads = len(mine)
+        except OSError:  # the cores were taken away meanwhile (a cpuset): run where it may
+            pass
     share_cores(threads)
