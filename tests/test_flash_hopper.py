@@ -115,10 +115,14 @@ def test_descriptor_plus_is_the_descriptor_of_the_moved_start():
 
 
 @pytest.mark.parametrize("D, BN, BM", [(64, 128, 128), (128, 128, 128),
-                                       (128, 176, 128), (64, 128, 192)])  # variants 4 and 5
+                                       (128, 176, 128), (64, 128, 192),  # variants 4 and 5
+                                       (192, 112, 128), (192, 96, 128),  # the wide heads
+                                       (256, 80, 128)])
 def test_wgmma_reads_the_elements_each_product_needs(D, BN, BM):
     """S = Q K^T and O += P V step by step: each descriptor's 16 columns are the right ones."""
-    q_base, k_base, v_base = 0, 1024 * 32, 1024 * 80  # Q, K, V of up to 32, 44 and 44 KiB
+    kib = -(-BN * D * 2 // 1024)  # a K or V tile, in KiB (each starts on a 1024-byte boundary)
+    q_base, k_base = 0, 1024 * (BM * D * 2 // 1024)  # Q, then K, then V
+    v_base = k_base + 1024 * kib
     Q = hopper.tile_addresses(BM, D, q_base)
     K = hopper.tile_addresses(BN, D, k_base)
     V = hopper.tile_addresses(BN, D, v_base)
@@ -148,8 +152,8 @@ def test_compiles_for_sm90a_without_spills():
     # for both; the host side adds no kernel and changes no register count)
     report = C.resource_usage(SOURCE, arch="sm_90a")
     # D x PINGPONG x OVERLAP, variant 4 (d = 128, 176-key tiles), 5 (d = 64, three consumers),
-    # 6 (persistent, both D)
-    assert len([r for r in report if "probe" not in r.name]) == 12
+    # 6 (persistent, both D); the wide heads (d = 192, 256): variants 3 and 6
+    assert len([r for r in report if "probe" not in r.name]) == 16
     assert len([r for r in report if "probe" in r.name]) == 6  # 3 probes x D
     for r in report:
         # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
@@ -182,7 +186,8 @@ def test_the_timeline_build_compiles_and_the_timed_build_reads_no_clock(tmp_path
     # variants 0-5 each read the clock (persistent 6 is not instrumented)
     kernels = [k for k in ptx["timeline"].split(".entry")[1:] if "probe" not in k.split("(")[0]]
     with_clock = [k.split("(")[0] for k in kernels if "%clock64" in k]
-    assert len(with_clock) == 10, with_clock  # 4 + 4 (D x PINGPONG x OVERLAP), variants 4 and 5
+    # 4 + 4 (D x PINGPONG x OVERLAP), variants 4 and 5, variant 3 at d = 192 and 256
+    assert len(with_clock) == 12, with_clock
 
 
 # ------------------------------------------------------------------ on an H100
@@ -227,7 +232,56 @@ def test_matches_float64(variant, B, H, Nq, Nk, D, causal, big):
 
 
 @needs_sm90
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("variant", [3, 6])
+@pytest.mark.parametrize("D", [192, 256])
+@pytest.mark.parametrize("B, H, Nq, Nk, causal, big", [
+    (1, 1, 1, 1, False, 1.0), (2, 3, 100, 77, False, 1.0), (1, 2, 130, 130, True, 1.0),
+    (1, 1, 64, 300, False, 1.0), (1, 1, 300, 64, True, 1.0), (1, 2, 129, 65, False, 20.0),
+    (2, 1, 513, 513, True, 1.0), (1, 2, 1000, 1000, False, 1.0), (1, 2, 200, 450, True, 1.0)])
+def test_wide_heads_match_float64(variant, D, B, H, Nq, Nk, causal, big):
+    """d = 192 and 256 (variants 3 and 6, key tiles of 112 and 80): ragged lengths (not a
+    multiple of the 128 query rows nor of the key tile), length 1, Nq != Nk both ways, causal,
+    large logits, against float64 with the allocator's memory poisoned."""
+    Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
+    K = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
+    V = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
+    poison_free_cuda_memory()
+    O, lse = _load().flash_attention_hopper(Q, K, V, causal, variant)
+    O_ref, lse_ref = reference.attention(Q, K, V, causal=causal)
+    seen = torch.isfinite(lse_ref)
+    assert torch.isfinite(O).all(), "an element of O was never written (NaN from the poison)"
+    torch.testing.assert_close(O.double(), O_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double()[seen], lse_ref[seen], atol=1e-2 * big, rtol=1e-3)
+    assert torch.isneginf(lse[~seen]).all()
+
+
+def test_the_backward_refuses_the_wide_heads_before_building_anything():
+    """d = 192 and 256 run forward only: a gradient through impl="hopper" says so at once
+    (before any build or launch), with what to use instead; d = 128 goes on to the kernel."""
+    from course_utils.library import attention as A
+
+    bwd = A._cuda_backward("hopper")
+    x = torch.zeros(1, 1, 4, 256)
+    with pytest.raises(NotImplementedError, match="impl='triton'"):
+        bwd(x, x, x, x, x, x[..., 0], False)
+    assert A.why_not("hopper", torch.zeros(1, 1, 4, 96)) is not None
+
+
+@needs_sm90
+def test_wide_heads_refuse_the_other_variants_and_the_backward():
+    Q = torch.randn(1, 1, 64, 256, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="only variants 3"):
+        _load().flash_attention_hopper(Q, Q, Q, False, 4)
+    from course_utils.library import attention as A
+    q = Q.clone().requires_grad_()
+    O = A.attention(q, q, q, impl="hopper")
+    torch.testing.assert_close(O.double(), reference.attention(Q, Q, Q)[0], atol=2e-2, rtol=2e-2)
+    with pytest.raises(NotImplementedError, match="backward is built for d in"):
+        O.sum().backward()
+
+
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_blocks_take_many_tiles(D, causal):
     """Variant 6 with more query tiles (3 x 50 heads x 3) than SMs: every block takes several,

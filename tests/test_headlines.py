@@ -26,6 +26,8 @@ def test_the_default_variant_is_a_rule_of_the_shape():
     assert headlines.default_variant(64, True, 4096) == 3
     assert headlines.default_variant(128, True, 8192) == 4
     assert headlines.default_variant(64, True, 8192) == 5
+    assert headlines.default_variant(256, False, 8192) == 6  # the wide heads: 3 and 6 only
+    assert headlines.default_variant(192, True, 8192) == 3
     with pytest.raises(ValueError, match="d in"):
         headlines.default_variant(96, True, 8192)
 

@@ -15,6 +15,7 @@
                mode): fp16/bf16/fp32 on a GPU, fp32/fp16 on the CPU, d in 16, 32, 64, 128
 "mma"          chapter 10's ``mma.sync`` kernel (CUDA, sm_80+): bf16, d = 64 or 128
 "hopper"       chapter 14's TMA + ``wgmma`` kernel (sm_90a: H100/H200): bf16, d = 64 or 128
+               (forward and backward), 192 or 256 (forward only)
 "cuda"         chapters 07/08's CUDA C++ kernels (any CUDA GPU): fp32, d in 16, 32, 64, 128
 "numba"        not shipped: the course's Numba kernels are the ones written in the notebooks
 "torch"        chapter 12's FlashAttention-2 in PyTorch (``ops.attention_forward_torch``: key
@@ -58,6 +59,8 @@ from .. import paths
 from ..contract import BOTTOM_RIGHT, TOP_LEFT, causal_alignment
 
 IMPLS = ("triton", "mma", "hopper", "cuda", "numba", "torch", "reference")
+HOPPER_BACKWARD_HEAD_DIMS = (64, 128)  # the head dims chapter 14's backward is built for
+HOPPER_HEAD_DIMS = (64, 128, 192, 256)  # ... and its forward (192, 256: variants 3 and 6)
 LAYOUTS = ("bhnd", "bnhd", "bnd")
 
 __all__ = ["IMPLS", "LAYOUTS", "ImplUnavailable", "attention", "available",
@@ -192,15 +195,16 @@ def _why_triton(q, k, v, scale):
     return None
 
 
-def _why_cuda_bf16(what, need):
+def _why_cuda_bf16(what, need, dims=(64, 128)):
     def why(q, k, v, scale):
         reason = _gpu_reason(q, need, what)
         if reason:
             return reason
         if q.dtype != torch.bfloat16:
             return f"{what} takes bfloat16 only, not {q.dtype} (convert with .bfloat16())"
-        if q.shape[3] not in (64, 128) or v.shape[3] != q.shape[3]:
-            return f"{what} is built for d = 64 or 128 (q, k and v alike), not d = {q.shape[3]}"
+        if q.shape[3] not in dims or v.shape[3] != q.shape[3]:
+            return (f"{what} is built for d in {dims} (q, k and v alike), not d = "
+                    f"{q.shape[3]}")
         if abs(scale * math.sqrt(q.shape[3]) - 1) > 1e-12:
             return f"{what} uses scale = 1/sqrt(d) only; scale={scale} needs another impl"
         return None
@@ -242,7 +246,8 @@ def _why_reference(q, k, v, scale):
 
 
 _WHY = {"triton": _why_triton, "mma": _why_cuda_bf16("chapter 10's mma.sync kernel", (8, 0)),
-        "hopper": _why_cuda_bf16("chapter 14's Hopper kernel", (9, 0)), "cuda": _why_cuda,
+        "hopper": _why_cuda_bf16("chapter 14's Hopper kernel", (9, 0), HOPPER_HEAD_DIMS),
+        "cuda": _why_cuda,
         "numba": _why_numba, "torch": _why_torch, "reference": _why_reference}  # fmt: skip
 
 
@@ -290,21 +295,22 @@ def _kernels(impl):
     raise ValueError(impl)
 
 
-HOPPER_HEAD_DIMS = (64, 128)  # the head dims chapter 14's kernels are built for
-
-
 def default_variant(D: int, causal: bool, Nk: int) -> int:
     """Chapter 14's forward variant for a shape, fixed before any headline is timed.
 
     Without the mask: 6, the persistent kernel. With it: 3 (128-key tiles) up to 4096 keys, where
     a causal tile wastes less of a 128-key block than of a 176-key one; beyond, FlashAttention-3's
     tiles: 4 (176 keys) at d = 128, 5 (three consumers) at d = 64. Chosen from the H100 ladder
-    of lecture 14, not per measurement.
+    of lecture 14, not per measurement. The wide heads (d = 192, 256) are built as variants 3
+    and 6 only, with their own key tiles: 6 without the mask, 3 with it (one tile a block, a
+    head's longest rows first).
     """
     if D not in HOPPER_HEAD_DIMS:
         raise ValueError(f"chapter 14's kernel is built for d in {HOPPER_HEAD_DIMS}, got d = {D}")
     if not causal:
         return 6
+    if D > 128:
+        return 3
     return 3 if Nk <= 4096 else {64: 5, 128: 4}[D]
 
 
@@ -344,6 +350,11 @@ def _pair(q, k, v, causal, impl):
 
 def _cuda_backward(impl):
     def bwd(q, k, v, O, dO, LSE, causal):
+        if impl == "hopper" and q.shape[-1] not in HOPPER_BACKWARD_HEAD_DIMS:
+            raise NotImplementedError(
+                f"chapter 14's backward is built for d in {HOPPER_BACKWARD_HEAD_DIMS}, not d = "
+                f"{q.shape[-1]} (its forward runs d = 192 and 256): train with impl='triton', or "
+                "run this head dim forward only (no gradient through impl='hopper')")
         _, bwd_mod = _cuda_module(impl)
         if impl == "mma":
             return tuple(bwd_mod.flash_attention_mma_backward(q, k, v, O, dO, LSE, causal))

@@ -35,7 +35,10 @@ BF16_PEAK_TFLOPS = 989  # H100 SXM and H200 datasheets: dense bf16 on the tensor
 CHAPTERS = {10: "FlashAttention-2 on tensor cores (mma.sync), chapter 10",
             14: "the Hopper kernel (TMA, wgmma, default variant), chapter 14"}
 
-__all__ = ["CHAPTERS", "ROUNDS", "default_variant", "measure", "show", "summary"]
+WIDE_DS, WIDE_HEADS = (192, 256), 16  # chapter 14's wide heads: forward only, 16 heads each
+
+__all__ = ["CHAPTERS", "ROUNDS", "default_variant", "measure", "measure_wide", "show",
+           "summary"]
 
 
 def _course_kernels(chapter: int):
@@ -69,13 +72,13 @@ def _sdpa(backend):
     return run
 
 
-def _shape_row(chapter, fwd, train, D, causal, N, rounds):
+def _shape_row(chapter, fwd, train, D, causal, N, rounds, modes=("fwd", "fwd+bwd"), H=None):
     import torch
     from torch.nn.attention import SDPBackend
 
     from ..toolbox import bench
 
-    B, H = TOKENS // N, HIDDEN // D
+    B, H = TOKENS // N, H or HIDDEN // D
     q, k, v, dO = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     impls = {COURSE: fwd, "sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION),
              "sdpa cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION)}
@@ -90,7 +93,7 @@ def _shape_row(chapter, fwd, train, D, causal, N, rounds):
         raise AssertionError(f"chapter {chapter}, d={D}, causal={causal}, N={N}: the course's O "
                              f"is {err64:.1e} from float64: not timing a wrong kernel")
     rows = []
-    for mode in ("fwd", "fwd+bwd"):
+    for mode in modes:
         def run(impl, mode=mode):
             if mode == "fwd":
                 return lambda: impl(q, k, v, causal)
@@ -151,6 +154,35 @@ def measure(chapter: int, *, rounds: int = ROUNDS, Ns=NS, save: bool = True,
             "peak_tflops": BF16_PEAK_TFLOPS, "rows": rows}  # fmt: skip
     if save:
         recorded.save(f"{chapter}_headline", data)
+    return data
+
+
+def measure_wide(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
+                 progress: bool = False) -> dict:
+    """Chapter 14's forward at the wide heads (d in ``WIDE_DS``: 192, 256; its backward is built
+    for 64 and 128 only) against SDPA flash and cuDNN, as :func:`measure` times the others:
+    causal and not, N in ``Ns``, B x N = ``TOKENS``, ``WIDE_HEADS`` heads; saved as
+    ``14_wide_heads`` while recording."""
+    import torch
+
+    from .. import recorded
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise RuntimeError("chapter 14's kernel runs on sm_90 (H100/H200) only")
+    fwd, train = _course_kernels(14)
+    rows = []
+    for D in WIDE_DS:
+        for causal in (False, True):
+            for N in Ns:
+                rows += _shape_row(14, fwd, train, D, causal, N, rounds, modes=("fwd",),
+                                   H=WIDE_HEADS)
+                if progress:
+                    print(f"  measured d={D}, causal={causal}, N={N}", file=sys.stderr, flush=True)
+    data = {"chapter": 14, "kernel": CHAPTERS[14] + ", wide heads", "rounds": rounds,
+            "device": torch.cuda.get_device_name(), "dtype": "bfloat16", "tokens": TOKENS,
+            "heads": WIDE_HEADS, "peak_tflops": BF16_PEAK_TFLOPS, "rows": rows}
+    if save:
+        recorded.save("14_wide_heads", data)
     return data
 
 
