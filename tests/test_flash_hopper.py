@@ -372,7 +372,7 @@ def test_bad_input_says_what_is_wrong():
     Q = torch.randn(1, 1, 8, 64, device="cuda").bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
         f(Q.half(), Q.half(), Q.half(), False, 3)
-    with pytest.raises(RuntimeError, match="head dim D must be 64 or 128, got 32"):
+    with pytest.raises(RuntimeError, match="head dim D must be 64, 128, 192 or 256, got 32"):
         q = Q[..., :32].contiguous()
         f(q, q, q, False, 3)
     with pytest.raises(RuntimeError, match="contiguous"):
