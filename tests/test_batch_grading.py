@@ -290,14 +290,34 @@ def test_dask_local_cluster_grades_like_the_pool(tmp_path):
     paths = _class(tmp_path, 2)
     # The command's output is read to its end: a process it left behind holding the pipes (a
     # Dask worker's helper) would keep this call waiting until its timeout.
-    done = _grade(paths, tmp_path / "dask", "--jobs", "1", "--engine", "dask")  # one worker:
-    # the suite runs beside it on 2 cores; the benchmark measures Dask with several
-    assert "2 graded, 0 already graded (skipped), 0 not graded, by Dask LocalCluster (1 " \
-           "process)" in done.stdout
+    done = _grade(paths, tmp_path / "dask", "--jobs", "2", "--engine", "dask")
+    cores = os.sched_getaffinity(0)
+    assert "2 graded, 0 already graded (skipped), 0 not graded, by Dask LocalCluster (2 " \
+           "processes" + (", each on its own CPU cores)" if len(cores) >= 2 else ")") in done.stdout
     scores = _scores(tmp_path / "dask")
     assert scores["student0"][0] == 8 and scores["student1"][0] == 0
     where = [json.loads(p.read_text())["where"] for p in (tmp_path / "dask" / "results").glob("*")]
-    assert len({w["pid"] for w in where}) >= 1 and all(w["host"] for w in where)
+    assert len(where) == 2 and all(w["host"] for w in where)
+    if len(cores) >= 2:  # each worker's helper (and its notebook's worker) on its half, as --jobs
+        for w in where:
+            cpus = _cpu_set(w["cpus"])
+            assert cpus < cores and len(cpus) in (len(cores) // 2, (len(cores) + 1) // 2)
+    # The workers are pinned, and not the process that started the cluster (its nannies run
+    # in it: pinning them pinned it, to the last worker's cores)
+    probe = ("import json, os\n"
+             "from course_utils.grading.batch import engines, task\n"
+             "before = os.sched_getaffinity(0)\n"
+             "engine = engines.DaskEngine(2)\n"
+             "workers = sorted(engine.client.run(task.cpu_list).values())\n"
+             "print(json.dumps([workers, os.sched_getaffinity(0) == before]))\n"
+             "engine.close()\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    workers, unchanged = json.loads(done.stdout.splitlines()[-1])
+    assert unchanged and len(workers) == 2
+    if len(cores) >= 2:
+        assert _cpu_set(workers[0]).isdisjoint(_cpu_set(workers[1]))
+        assert _cpu_set(workers[0]) | _cpu_set(workers[1]) == cores
 
 
 def test_gpu_slots_from_nvidia_smi_and_by_hand(tmp_path, monkeypatch):
@@ -357,3 +377,14 @@ def test_a_pool_gives_each_process_its_own_cores(monkeypatch):
     task.take_slot(counter, [], 9)  # no cores of its own: every core, the threads it was given
     assert len(pinned) == 3 and threads[-1] == 9
     assert task.cpu_list() == "0-4"
+    pinned.clear()  # a local Dask worker (or nanny) by its name: every thread of its process
+
+    class Worker:
+        name = 1
+
+    tids = os.listdir("/proc/self/task")
+    task.pin_server([[0, 1, 2], [3, 4]], dask_worker=Worker())
+    assert pinned == [[3, 4]] * len(tids)
+    Worker.name = "tcp://elsewhere:1234"  # not a LocalCluster's numbered worker: left alone
+    assert task.pin_server([[0, 1, 2], [3, 4]], dask_worker=Worker()) == ""
+    assert len(pinned) == len(tids)

@@ -12,14 +12,15 @@ only a bounded number of tasks in flight, so its memory does not grow with the c
   (:func:`.machine.core_sets`); on a machine with GPUs each process is kept on one GPU or MIG
   slice.
 - ``DaskEngine`` (``--engine dask``): Dask's distributed scheduler, a local cluster of N
-  single-threaded worker processes by default, or an existing cluster (``--address``).
+  single-threaded worker processes by default, each on its own CPU cores as the pool's, or an
+  existing cluster (``--address``; its machines are not ours to pin).
 - ``RayEngine`` (``--engine ray``): Ray, locally with N CPUs by default, or a running cluster.
 """
 
 from __future__ import annotations
 
 from .machine import core_sets, cores
-from .task import grade_one, take_slot
+from .task import close_helper, grade_one, pin_server, take_slot
 
 
 class InProcess:
@@ -84,7 +85,8 @@ def _outcome(result, exception):
 
 
 class DaskEngine:
-    """Dask distributed: a ``LocalCluster`` of ``jobs`` single-threaded processes, or the
+    """Dask distributed: a ``LocalCluster`` of ``jobs`` single-threaded processes (each on its
+    own CPU cores, as the pool's, where :func:`core_sets` gives them), or the
     cluster whose scheduler listens at ``address`` (``tcp://host:8786``; start one by hand, or
     through dask-jobqueue on Slurm or dask-kubernetes)."""
 
@@ -103,7 +105,15 @@ class DaskEngine:
             self.cluster = LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True,
                                         dashboard_address=None)
             self.client = Client(self.cluster)
-            self.name = f"Dask LocalCluster ({jobs} process{'es' if jobs != 1 else ''})"
+            # Each worker process on its own cores, as the pool's (a remote cluster's machines
+            # are not ours to pin). Not the nannies: a LocalCluster's run in this process,
+            # whose threads would all be pinned; a worker a nanny restarts runs on every core.
+            pins = core_sets(jobs)
+            if pins:
+                self.client.wait_for_workers(jobs)
+                self.client.run(pin_server, pins)
+            self.name = (f"Dask LocalCluster ({jobs} process{'es' if jobs != 1 else ''}"
+                         + (", each on its own CPU cores)" if pins else ")"))
 
     def submit(self, *args):
         return self.client.submit(grade_one, *args, pure=False, retries=0)
@@ -122,6 +132,8 @@ class DaskEngine:
         return out
 
     def close(self):
+        if self.cluster is not None:  # the workers' helpers first: 4 s less to close
+            self.client.run(close_helper, on_error="ignore")
         self.client.close()
         if self.cluster is not None:
             self.cluster.close()

@@ -65,6 +65,15 @@ def _helper():
     return _MAIN_THREAD_HELPER
 
 
+def close_helper() -> None:
+    """End this process's helper, if it has one: run on a local Dask worker before its
+    cluster closes (a closing worker waits on it, until its nanny kills the worker 4 s later)."""
+    global _MAIN_THREAD_HELPER
+    if _MAIN_THREAD_HELPER is not None:
+        _MAIN_THREAD_HELPER.shutdown(wait=True, cancel_futures=True)
+        _MAIN_THREAD_HELPER = None
+
+
 def _helper_start(parent: int) -> None:
     """The helper's initializer: one compute thread, and a watch that ends the helper (and so
     its sandbox's zygote) as soon as the process that started it is gone: a Dask worker that
@@ -91,6 +100,25 @@ def share_cores(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+def pin_server(core_sets: list[list[int]], dask_worker=None) -> str:
+    """A local Dask worker's pinning, run on it by ``Client.run``: worker ``i`` (LocalCluster
+    names them 0, 1, ...) takes ``core_sets[i]``, as a pool's process takes its slot. Every
+    thread of the process is pinned (``sched_setaffinity`` of pid 0 pins only the calling
+    thread, and a task's helper is started from the task's thread), so the helper and the
+    notebook workers it starts run there. The cores it runs on afterwards (``""`` for a worker
+    whose name is no number: not pinned)."""
+    try:
+        mine = core_sets[int(dask_worker.name) % len(core_sets)]
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return ""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except OSError:  # a thread that ended meanwhile, or cores taken away (a cpuset)
+            pass
+    return cpu_list()
 
 
 def take_slot(counter, slots: list[str], threads: int,
