@@ -97,6 +97,11 @@ class DaskEngine:
         # A grading task starts processes of its own (the sandboxed worker): Dask's workers
         # must not be daemonic processes, which may not have children.
         dask.config.set({"distributed.worker.daemon": False})
+        # A local worker shares its cores with the notebooks it grades: no sampling profiler
+        # (every 10 ms), GIL monitor (every 1 ms) or memory check every 100 ms beside them.
+        dask.config.set({"distributed.worker.profile.enabled": False,
+                         "distributed.admin.system-monitor.gil.enabled": False,
+                         "distributed.worker.memory.monitor-interval": "1s"})
         self.cluster = None
         if address:
             self.client = Client(address)
