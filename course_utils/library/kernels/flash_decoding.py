@@ -366,7 +366,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, nu
         LSE3.stride(0), LSE3.stride(1), LSE3.stride(2),
         G=G, LQ=Lq, BLOCK_M=max(MIN_DOT_M, triton.next_power_of_2(G * Lq)), HEAD_DIM=d,
         BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged, SOFTCAP=softcap > 0, DIRECT=direct,
-        PLAN=plan is not None, FUSED=fused, PDL=pdl, WAIT=pdl, num_warps=warps,
+        PLAN=plan is not None, FUSED=fused, PDL=pdl, num_warps=warps,
         num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     if not direct and not fused:
         most = plan.max_splits if plan is not None else num_splits

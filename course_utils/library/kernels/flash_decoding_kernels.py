@@ -90,14 +90,10 @@ def _decode_split_kernel(Q, K, V, SEQLENS, BLOCK_TABLE, WORK, SPLITS, OFFSETS, L
                          G: tl.constexpr, LQ: tl.constexpr, BLOCK_M: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
-                         PLAN: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
-                         WAIT: tl.constexpr):
-    # WAIT (launched early by programmatic dependent launch): nothing is read before the grid
-    # this one depends on (the previous step's merge) has finished and its writes are visible.
-    if WAIT:
-        gdc_wait()
-    # PDL: the next kernel may be launched now (it waits for this grid before reading).
+                         PLAN: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr):
+    # PDL: wait for the kernel before (the last step's merge), then let the next one launch.
     if PDL:
+        gdc_wait()
         gdc_launch_dependents()
     # Fixed split count (grid (num_splits, Hkv, B)): program (s, h, b) takes split s of sequence
     # b's keys, K/V head h. DIRECT (one split): the result is final, written to O and LSE.
