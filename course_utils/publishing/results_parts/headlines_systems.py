@@ -9,6 +9,7 @@ until the new one exists.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from .common import (
@@ -284,8 +285,9 @@ def _h13(rec: Recordings) -> Headline:
 def _h14(rec: Recordings) -> Headline:
     cudnn = "cuDNN (SDPA's Hopper `wgmma` backend)"
     if rec.has("14_headline"):
-        return _from_headline_file(rec, "14_headline", "TMA + `wgmma` forward (the default "
-                                   "variant)", "sdpa cudnn", cudnn)
+        h = _from_headline_file(rec, "14_headline", "TMA + `wgmma` forward (the default "
+                                "variant)", "sdpa cudnn", cudnn)
+        return _with_wide_heads(rec, h) if rec.has("14_wide_heads") else h
     name = "14_ladder"
     d = rec.data(name)
     rung = "cuda + ping-pong + overlap"
@@ -299,3 +301,19 @@ def _h14(rec: Recordings) -> Headline:
         f"the lecture's ladder until `14_headline` is recorded",
         cudnn, rec.device(name), f"medians of {d['rounds']} rounds per shape", rec.date(name),
         name)
+
+
+def _with_wide_heads(rec: Recordings, h: Headline) -> Headline:
+    """Chapter 14's row with the forward at d = 192 and 256 (``14_wide_heads``) added."""
+    name = "14_wide_heads"
+    w = rec.data(name)
+    parts = []
+    for D in sorted({r["D"] for r in w["rows"]}):
+        meds = [r["ratio"]["sdpa cudnn"]["median"] for r in w["rows"]
+                if r["D"] == D and r["ratio"]["sdpa cudnn"]]
+        parts.append(f"d = {D} {span(meds)}")
+    best = max(r["tflops"]["course"] for r in w["rows"])
+    return dataclasses.replace(
+        h, text=f"{h.text}; the wide heads, forward only: {', '.join(parts)} cuDNN, up to "
+                f"{best:.0f} TFLOP/s ({short_device(w['device'])}, {rec.date(name)})",
+        source=f"{h.source}`, `{name}")
