@@ -34,11 +34,11 @@ import triton
 import triton.language as tl
 
 from .. import recorded, runtime
+from ..toolbox.hardware import nominal_hbm_tbps
 from . import serving
 
 NAME = "11_decode_headline"
 STEPS, REPLAYS, L2_MISS_BYTES = 20, 3, 200_000_000
-NOMINAL_TBPS = (("H200", 4.8), ("H100", 3.35), ("A100", 2.0))  # datasheets
 SDPA = ("sdpa flash", "sdpa efficient", "sdpa cudnn")
 MERGES = ("kernel", "pdl", "fused")
 SDPA_NOTE = "SDPA timed with enable_gqa and no mask among the Lq new tokens"
@@ -317,7 +317,7 @@ def measure(*, rounds=7, sweep=True, save=True, small=False, progress=False) -> 
                        f"calls miss L2); median of {REPLAYS} replays per round" if gpu else
                        "one call per round, time.perf_counter (Triton's interpreter)"),
             "copy_tbps": copy, "read_tbps": read,
-            "nominal_tbps": next((t for key, t in NOMINAL_TBPS if key in device), None),
+            "nominal_tbps": nominal_hbm_tbps(device),
             "sdpa_note": SDPA_NOTE, "rule": RULE if sweep else "config: decode_config's default",
             "chosen": chosen, "correctness_failures": failures, "sweep": entries, "rows": rows,
             "seconds": time.perf_counter() - t0}

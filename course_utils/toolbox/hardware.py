@@ -30,6 +30,17 @@ FP32_LANES_PER_SM = {
     (9, 0): 128, (10, 0): 128, (10, 3): 128, (12, 0): 128, (12, 1): 128,
 }
 
+# The datasheet's HBM bandwidth (TB/s) by a device's name. Decode only reads K and V, so this is
+# its ceiling; a copy's "bandwidth" counts read + write traffic and is no ceiling for a read-only
+# kernel.
+NOMINAL_HBM_TBPS = (("H200", 4.8), ("H100", 3.35), ("A100", 2.0))
+
+
+def nominal_hbm_tbps(device: str) -> float | None:
+    """The datasheet HBM bandwidth of the GPU named ``device`` (TB/s), None when unknown."""
+    return next((v for k, v in NOMINAL_HBM_TBPS if k in device), None)
+
+
 # Nsight Compute metrics: warp-level tensor-core instructions and thread-level FFMAs.
 TENSOR_METRICS = {
     "hmma": "sm__inst_executed_pipe_tensor_op_hmma.sum",  # every tensor-core instruction

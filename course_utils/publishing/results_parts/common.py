@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ... import paths
 from ...recorded import FOLDER
+from ...toolbox.hardware import NOMINAL_HBM_TBPS, nominal_hbm_tbps  # noqa: F401 (re-exported)
 
 ROOT = paths.REPO
 
@@ -124,17 +125,9 @@ def ks(values) -> str:
     return f"{word(out[0])}-{word(out[-1])}" if len(out) > 1 else word(out[0])
 
 
-# The datasheet's HBM bandwidth (TB/s) by the device's name, as scratch_gpu/issue43_ch11.py
-# takes it. Decode only reads K and V, so this is its ceiling; a copy's "bandwidth" counts
-# read + write traffic and is no ceiling for a read-only kernel.
-NOMINAL_HBM_TBPS = (("H200", 4.8), ("H100", 3.35), ("A100", 2.0))
-
 SDPA_NAMES = {"sdpa cudnn": "cuDNN", "sdpa flash": "SDPA flash",
               "sdpa efficient": "SDPA efficient"}
 
-
-def nominal_hbm_tbps(device: str) -> float | None:
-    return next((v for k, v in NOMINAL_HBM_TBPS if k in device), None)
 
 def _rounds_text(s: dict, fmt: Callable[[float], str] = x) -> str:
     """``0.96x (0.95-0.97)``: a ``ratio_summary``'s median and its lowest and highest round."""
