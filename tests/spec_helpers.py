@@ -112,6 +112,28 @@ def poison_free_cuda_memory(nbytes=1 << 26):
     del junk
 
 
+def forward_matches_float64(forward, B, H, Nq, Nk, D, causal, big):
+    """A bf16 forward ``forward(Q, K, V) -> (O, LSE)`` (top-left causal as given) on fresh random
+    inputs, Q scaled by ``big`` (large logits), against the float64 reference, with the
+    allocator's free memory poisoned first: O every element written and close, LSE close where a
+    row sees a key and -inf where it sees none."""
+    import torch
+
+    from course_utils import reference
+
+    Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
+    K = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
+    V = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
+    poison_free_cuda_memory()
+    O, lse = forward(Q, K, V)
+    O_ref, lse_ref = reference.attention(Q, K, V, causal=causal)
+    seen = torch.isfinite(lse_ref)
+    assert torch.isfinite(O).all(), "an element of O was never written (NaN from the poison)"
+    torch.testing.assert_close(O.double(), O_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double()[seen], lse_ref[seen], atol=1e-2 * big, rtol=1e-3)
+    assert torch.isneginf(lse[~seen]).all()
+
+
 # ----------------------------------------------------------------------------- named mistakes
 # Chapters 00-09 list the slips students make as ``NAMED_MISTAKES`` in their spec tests; each
 # one must fail a *visible* case with a hint that names it (tests/test_named_mistakes.py counts
