@@ -32,7 +32,8 @@ def test_compiles_within_the_register_file(arch):
     flags = () if arch == "sm_90" else portability.KERNEL_ONLY_FLAGS
     report = C.resource_usage(SOURCE, arch=arch, extra_flags=flags)
     assert sorted(r.name for r in report) == [
-        "fa_mma::delta_kernel", "fa_mma::dkdv_kernel<128>", "fa_mma::dkdv_kernel<64>",
+        "fa_mma::convert_dq", "fa_mma::delta_kernel", "fa_mma::dkdv_kernel<128>",
+        "fa_mma::dkdv_kernel<64>", "fa_mma::dkdvdq_kernel<128>", "fa_mma::dkdvdq_kernel<64>",
         "fa_mma::dq_kernel<128>", "fa_mma::dq_kernel<64>",
         "fa_mma::flash_attention_mma_kernel<128>", "fa_mma::flash_attention_mma_kernel<64>"]
     # every kernel fits the register file: a spill is a regression (the backward keeps P^T in
@@ -48,7 +49,8 @@ _module = None
 def _load():
     global _module
     if _module is None:
-        _module = C.load_cuda(SOURCE, ["flash_attention_mma", "flash_attention_mma_backward"],
+        _module = C.load_cuda(SOURCE, ["flash_attention_mma", "flash_attention_mma_backward",
+                                       "flash_attention_mma_backward_atomic"],
                               name="flash_attention_mma")
     return _module
 
@@ -91,13 +93,20 @@ def _grads64(Q, K, V, dO, causal):
     return q.grad, k.grad, v.grad
 
 
+BACKWARDS = ("flash_attention_mma_backward", "flash_attention_mma_backward_atomic")
+
+
 @needs_gpu
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
     (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0), (1, 2, 130, 130, 128, True, 1.0),
     (1, 1, 64, 200, 128, False, 1.0), (1, 1, 300, 300, 64, True, 1.0),
     (1, 2, 129, 65, 128, False, 8.0), (1, 1, 65, 129, 64, True, 1.0),
-    (2, 1, 257, 257, 128, True, 1.0)])
-def test_backward_matches_float64(B, H, Nq, Nk, D, causal, big):
+    (2, 1, 257, 257, 128, True, 1.0), (1, 1, 333, 129, 128, False, 20.0),
+    (1, 2, 1000, 1000, 128, True, 1.0)])
+def test_backward_matches_float64(B, H, Nq, Nk, D, causal, big, backward):
+    # the atomic kernel's blocks own 128 keys: 200, 257 and 1000 keys cross several blocks, 129
+    # and 333 end inside one; 1000 queries add into each dQ row from 8 blocks
     f = _load()
     Q = (torch.randn(B, H, Nq, D, device="cuda") * big).bfloat16()
     K = torch.randn(B, H, Nk, D, device="cuda").bfloat16()
@@ -105,7 +114,7 @@ def test_backward_matches_float64(B, H, Nq, Nk, D, causal, big):
     dO = torch.randn(B, H, Nq, D, device="cuda").bfloat16()
     O, lse = f.flash_attention_mma(Q, K, V, causal)
     poison_free_cuda_memory()
-    dQ, dK, dV = f.flash_attention_mma_backward(Q, K, V, O, dO, lse, causal)
+    dQ, dK, dV = getattr(f, backward)(Q, K, V, O, dO, lse, causal)
     dQ_ref, dK_ref, dV_ref = _grads64(Q, K, V, dO, causal)
     for name, got, want in (("dQ", dQ, dQ_ref), ("dK", dK, dK_ref), ("dV", dV, dV_ref)):
         assert torch.isfinite(got).all(), f"{name}: an element was never written (NaN poison)"
@@ -126,13 +135,31 @@ def test_backward_is_deterministic():
 
 
 @needs_gpu
-def test_backward_bad_input_says_what_is_wrong():
+def test_atomic_backward_changes_only_the_last_bits_of_dq():
+    # dK and dV are written by one thread each, as in the deterministic kernel; dQ is a sum of
+    # atomic adds in no fixed order: two runs agree to float32 rounding, not bit for bit
     f = _load()
+    Q, K, V, dO = (torch.randn(2, 4, 333, 128, device="cuda").bfloat16() for _ in range(4))
+    O, lse = f.flash_attention_mma(Q, K, V, True)
+    first = f.flash_attention_mma_backward_atomic(Q, K, V, O, dO, lse, True)
+    again = f.flash_attention_mma_backward_atomic(Q, K, V, O, dO, lse, True)
+    assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+    torch.testing.assert_close(first[0].float(), again[0].float(), atol=2e-2, rtol=1e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_backward_bad_input_says_what_is_wrong(backward):
+    f = _load()
+    bwd = getattr(f, backward)
     Q = torch.randn(1, 1, 8, 64, device="cuda").bfloat16()
     O, lse = f.flash_attention_mma(Q, Q, Q, False)
     with pytest.raises(RuntimeError, match="LSE must have shape"):
-        f.flash_attention_mma_backward(Q, Q, Q, O, O, lse[..., :4].contiguous(), False)
+        bwd(Q, Q, Q, O, O, lse[..., :4].contiguous(), False)
     with pytest.raises(RuntimeError, match="O and dO must have Q's shape"):
-        f.flash_attention_mma_backward(Q, Q, Q, O, O[:, :, :4].contiguous(), lse, False)
+        bwd(Q, Q, Q, O, O[:, :, :4].contiguous(), lse, False)
     with pytest.raises(RuntimeError, match="float32 LSE"):
-        f.flash_attention_mma_backward(Q, Q, Q, O, O, lse.double(), False)
+        bwd(Q, Q, Q, O, O, lse.double(), False)
+    with pytest.raises(RuntimeError, match=f"{backward}: head dim D must be 64 or 128"):
+        q = Q[..., :32].contiguous()
+        bwd(q, q, q, q, q, lse, False)

@@ -325,7 +325,8 @@ def _cuda_module(impl):
         if impl == "mma":
             _CUDA_MODULES[impl] = (load_cuda(
                 paths.KERNELS / "flash_attention_mma.cu",
-                ["flash_attention_mma", "flash_attention_mma_backward"],
+                ["flash_attention_mma", "flash_attention_mma_backward",
+                 "flash_attention_mma_backward_atomic"],
                 name="flash_attention_mma"),) * 2
         else:
             _CUDA_MODULES[impl] = (

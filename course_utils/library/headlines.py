@@ -10,6 +10,7 @@ the best of many kernels per shape.
 
     python -m course_utils.library.headlines 10 14      # on a GPU: measure, print; COURSE_RECORD=1
     saves
+    python -m course_utils.library.headlines 10-backward  # chapter 10's two backward kernels
 
 ``show(chapter)`` measures on a GPU that can run the chapter's kernel and prints the recording
 (``course_utils/recorded/NN_headline.json``) elsewhere.
@@ -37,8 +38,10 @@ CHAPTERS = {10: "FlashAttention-2 on tensor cores (mma.sync), chapter 10",
 
 WIDE_DS, WIDE_HEADS = (192, 256), 16  # chapter 14's wide heads: forward only, 16 heads each
 
-__all__ = ["CHAPTERS", "ROUNDS", "default_variant", "measure", "measure_wide", "show",
-           "summary"]
+BACKWARDS = ("deterministic", "atomic")  # chapter 10's two backward kernels
+
+__all__ = ["BACKWARDS", "CHAPTERS", "ROUNDS", "default_variant", "measure",
+           "measure_backward_variants", "measure_wide", "show", "summary"]
 
 
 def _course_kernels(chapter: int):
@@ -186,6 +189,93 @@ def measure_wide(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
     return data
 
 
+def _mma_train(backward: str):
+    """f(q, k, v, causal) -> O: chapter 10's forward, and through autograd the backward
+    ``backward`` (``"deterministic"``: dK/dV and dQ in two kernels, 7 products; ``"atomic"``: one
+    pass, 5 products, dQ added with atomics)."""
+    import torch
+
+    from .attention import _cuda_module
+
+    module, _ = _cuda_module("mma")
+    grads = {"deterministic": module.flash_attention_mma_backward,
+             "atomic": module.flash_attention_mma_backward_atomic}[backward]
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, causal):
+            O, LSE = module.flash_attention_mma(q, k, v, causal)
+            ctx.save_for_backward(q, k, v, O, LSE)
+            ctx.causal = causal
+            return O
+
+        @staticmethod
+        def backward(ctx, dO):
+            q, k, v, O, LSE = ctx.saved_tensors
+            return (*grads(q, k, v, O, dO.contiguous(), LSE, ctx.causal), None)
+
+    return Attention.apply
+
+
+def measure_backward_variants(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
+                              progress: bool = False) -> dict:
+    """Chapter 10's forward + backward with each of its backward kernels (:data:`BACKWARDS`),
+    timed in the same interleaved rounds as SDPA flash and cuDNN on :func:`measure`'s shapes;
+    each shape's gradients of the two compared first. Saved as ``10_backward_variants``."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from .. import recorded
+    from ..toolbox import bench
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        raise RuntimeError("chapter 10's kernels need a CUDA GPU of sm_80 or newer")
+    trains = {f"course {b}": _mma_train(b) for b in BACKWARDS}
+    trains.update({"sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+                   "sdpa cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION)})
+    rows = []
+    for D in DS:
+        for causal in (False, True):
+            for N in Ns:
+                B, H = TOKENS // N, HIDDEN // D
+                q, k, v, dO = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+                               for _ in range(4))
+
+                def step(f):
+                    def run():
+                        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                        f(*leaves, causal).backward(dO)
+                        return [t.grad for t in leaves]
+                    return run
+
+                runs = {name: step(f) for name, f in trains.items()}
+                det, atom = (runs[f"course {b}"]() for b in BACKWARDS)
+                gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(det, atom))
+                scale = max(float(g.float().abs().max()) for g in det)
+                if not math.isfinite(gap) or gap > 2e-2 * max(1.0, scale):
+                    raise AssertionError(f"d={D}, causal={causal}, N={N}: the two backward "
+                                         f"kernels disagree by {gap:.1e}: not timing them")
+                ms = bench.interleaved(runs, rounds=rounds)
+                flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd+bwd")
+                rows.append({
+                    "D": D, "causal": causal, "N": N, "B": B, "H": H, "mode": "fwd+bwd",
+                    "tflops": {n: bench.tflops(flops, statistics.median(t)) for n, t in ms.items()},
+                    "ratio": {f"{b} vs {base}": bench.ratio_summary(ms, f"course {b}", base)
+                              for b in BACKWARDS for base in BASELINES},
+                    "atomic vs deterministic": bench.ratio_summary(ms, "course atomic",
+                                                                   "course deterministic"),
+                    "max_abs_atomic_vs_deterministic": gap, "max_abs_grad": scale,
+                })
+                if progress:
+                    print(f"  measured d={D}, causal={causal}, N={N}", file=sys.stderr, flush=True)
+    data = {"chapter": 10, "kernel": CHAPTERS[10] + ", both backward kernels",
+            "device": torch.cuda.get_device_name(), "rounds": rounds, "dtype": "bfloat16",
+            "tokens": TOKENS, "hidden": HIDDEN, "backwards": list(BACKWARDS), "rows": rows}
+    if save:
+        recorded.save("10_backward_variants", data)
+    return data
+
+
 def summary(data: dict, baseline: str, *, mode: str = "fwd", D=None, causal=None,
             min_N: int = 0) -> dict:
     """The spread of the per-shape median ratios against ``baseline`` over the selected shapes:
@@ -267,4 +357,7 @@ def show(chapter: int, *, rounds: int = ROUNDS, progress: bool = False) -> None:
 
 if __name__ == "__main__":
     for arg in sys.argv[1:] or ["10", "14"]:
-        show(int(arg), progress=True)
+        if arg == "10-backward":
+            measure_backward_variants(progress=True)
+        else:
+            show(int(arg), progress=True)

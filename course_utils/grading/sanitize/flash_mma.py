@@ -27,8 +27,8 @@ BC = {64: 128, 128: 64}  # keys per tile, by head dim
 
 
 def main():
-    module = load_cuda(KERNEL, ["flash_attention_mma", "flash_attention_mma_backward"],
-                       name="flash_attention_mma")
+    module = load_cuda(KERNEL, ["flash_attention_mma", "flash_attention_mma_backward",
+                                "flash_attention_mma_backward_atomic"], name="flash_attention_mma")
     for B, H, Nq, Nk, D in ((1, 2, 128, 128, 64), (1, 1, 100, 77, 128), (1, 1, 17, 200, 64)):
         kernel = compile_kernel(KERNEL, f"fa_mma::flash_attention_mma_kernel<{D}>")
         smem = 2 * (BR * D + 2 * BC[D] * D)  # Q, K and V tiles, bf16
@@ -46,16 +46,19 @@ def main():
                 checks.compare("O", O, O_ref, case=case, atol=2e-2, rtol=2e-2)
                 checks.compare("LSE", LSE, LSE_ref, case=case, atol=1e-2, rtol=1e-3)
             dO = torch.randn_like(Q)
-            dQ, dK, dV = module.flash_attention_mma_backward(Q, K, V, O1, dO, LSE1, causal)
             q, k, v = (x.double().requires_grad_() for x in (Q, K, V))
             S = q @ k.transpose(-2, -1) / math.sqrt(D)
             if causal:
                 keep = torch.ones(Nq, Nk, dtype=torch.bool, device="cuda").tril()
                 S = S.masked_fill(~keep, -math.inf)
             (torch.softmax(S, dim=-1) @ v).backward(dO.double())
-            for name, got, want in (("dQ", dQ, q.grad), ("dK", dK, k.grad), ("dV", dV, v.grad)):
-                tol = 3e-2 * max(1.0, want.abs().max().item())
-                checks.compare(name, got, want, case=case, atol=tol, rtol=5e-2)
+            for backward in (module.flash_attention_mma_backward,
+                             module.flash_attention_mma_backward_atomic):
+                dQ, dK, dV = backward(Q, K, V, O1, dO, LSE1, causal)
+                for name, got, want in (("dQ", dQ, q.grad), ("dK", dK, k.grad),
+                                        ("dV", dV, v.grad)):
+                    tol = 3e-2 * max(1.0, want.abs().max().item())
+                    checks.compare(name, got, want, case=case, atol=tol, rtol=5e-2)
             print(f"ok: {case}")
     print("all ok")
 

@@ -30,8 +30,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 namespace torch { using namespace at; }  // torch::Tensor, torch::empty, torch::kFloat, ...
 #include <c10/cuda/CUDAStream.h>
+#include <algorithm>
 #include <string>
 #include <vector>
 #endif
@@ -94,13 +96,13 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 }
 
 // Copy rows [row0, row0 + ROWS) of a (rows x D) bf16 matrix into a swizzled shared tile with
-// cp.async, zeros past the last row. Every thread of the block takes part.
-template <int D, int ROWS>
+// cp.async, zeros past the last row. Every thread of the block (NT of them) takes part.
+template <int D, int ROWS, int NT = THREADS>
 __device__ __forceinline__ void copy_tile(__nv_bfloat16* tile, const __nv_bfloat16* X, int row0,
                                           int rows) {
     constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
     #pragma unroll
-    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += THREADS) {
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NT) {
         const int r = e / CHUNKS, c = e % CHUNKS;
         const bool in = row0 + r < rows;
         const __nv_bfloat16* src = X + (size_t)(in ? row0 + r : 0) * D + c * 8;
@@ -435,10 +437,11 @@ __device__ __forceinline__ void c_times_tile(float (&out)[D / 8][4], const float
 }
 
 // Copy n floats (LSE * log2(e), or Delta) of rows [row0, row0 + n) into shared memory; rows past
-// `rows` get `fill`. An LSE of -inf becomes +inf (its P must be 0).
+// `rows` get `fill`. An LSE of -inf becomes +inf (its P must be 0). NT threads take part.
+template <int NT = THREADS>
 __device__ __forceinline__ void copy_row_stats(float* dst, const float* src, int row0, int rows,
                                                float mul, float fill) {
-    for (int i = threadIdx.x; i < B_TILE; i += THREADS) {
+    for (int i = threadIdx.x; i < B_TILE; i += NT) {
         float v = fill;
         if (row0 + i < rows) {
             v = src[row0 + i];
@@ -640,6 +643,210 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Backward with atomic dQ, in one pass (FlashAttention-2's way: 5 products per pair of tiles, not
+// 7). A block owns A_ROWS = 128 keys, 16 per warp of A_WARPS = 8, and walks the query tiles as
+// dkdv_kernel does, computing S^T, P^T, dV, dP^T, dS^T and dK. Then, instead of leaving dQ to a
+// second kernel that recomputes S and dP:
+//   * every warp stores its dS^T (16 keys x 64 queries, bf16) into one shared tile, 128 keys x 64
+//     queries (swizzled as the others), and the block waits for the whole tile;
+//   * warp w computes its part of dQ_i += dS K_j over the block's 128 keys: the 16 queries
+//     16 (w % 4) .. and half of D, (D / 2)(w / 4) .. . Its A fragments are dS, read from the
+//     dS^T tile with ldmatrix.trans (queries are the tile's columns); its B fragments are K_j's
+//     rows, read as V's rows are in O = P V;
+//   * the warp adds its 16 x D / 2 floats into a float32 accumulator in global memory, two at a
+//     time (float2 atomicAdd, compiled to a RED instruction that does not wait for an answer).
+//     The Nk / 128 key blocks of a head add into the same rows in no fixed order: float addition
+//     is not associative, so the last bits of dQ may change from run to run.
+// A last kernel, convert_dq, writes dQ = scale * accumulator in bf16.
+// The accumulator traffic: Nq x D x 4 bytes per key block of 128, about a gigabyte per head at
+// N = 16k, d = 128, in the L2 (which performs the adds): 128 keys per block (not 64) halves it.
+// ---------------------------------------------------------------------------------------------
+constexpr int A_WARPS = 8, A_THREADS = 32 * A_WARPS;
+constexpr int A_ROWS = 16 * A_WARPS;  // keys per block
+constexpr int A_BUFS = 2;             // Q_i, dO_i, LSE and Delta buffers
+
+// A fragments (16 queries x 16 keys) of dS, from the dS^T tile [keys][B_TILE queries]:
+// ldmatrix.trans of 8 x 8 blocks whose stored rows are keys; matrix i holds keys
+// k0 + (i / 2) * 8 .., queries q0 + (i % 2) * 8 .. (a0: queries 0-7 x keys 0-7, a1: queries
+// 8-15, a2: keys 8-15, a3: both)
+__device__ __forceinline__ void load_a_transposed(unsigned (&a)[4], const __nv_bfloat16* dsT, int q0,
+                                                  int k0) {
+    const int lane = threadIdx.x % 32, j8 = lane / 8, r8 = lane % 8;
+    ldmatrix_x4_trans(a, dsT + swizzle<B_TILE>(k0 + (j8 / 2) * 8 + r8, q0 + (j8 % 2) * 8));
+}
+
+// acc[r][c] += x, y at columns c, c + 1 (c even): one 8-byte reduction on sm_90, two before
+__device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
+template <int D>
+__global__ void __launch_bounds__(A_THREADS, 1)
+dkdvdq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K,
+              const __nv_bfloat16* __restrict__ V, const __nv_bfloat16* __restrict__ dO,
+              const float* __restrict__ LSE, const float* __restrict__ Delta,
+              __nv_bfloat16* __restrict__ dK, __nv_bfloat16* __restrict__ dV,
+              float* __restrict__ dQacc, int Nq, int Nk, float scale, int causal) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // A_ROWS x D
+    __nv_bfloat16* Vs = Ks + A_ROWS * D;                               // A_ROWS x D
+    __nv_bfloat16* Qs = Vs + A_ROWS * D;                               // A_BUFS x B_TILE x D
+    __nv_bfloat16* dOs = Qs + A_BUFS * B_TILE * D;                     // A_BUFS x B_TILE x D
+    __nv_bfloat16* dsT = dOs + A_BUFS * B_TILE * D;                    // A_ROWS x B_TILE
+    float* lse_s = reinterpret_cast<float*>(dsT + A_ROWS * B_TILE);   // A_BUFS x B_TILE
+    float* delta_s = lse_s + A_BUFS * B_TILE;                          // A_BUFS x B_TILE
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const size_t bh = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
+    const int key0 = blockIdx.x * A_ROWS, wkey0 = key0 + warp * 16;
+    const __nv_bfloat16 *Qb = Q + bh * Nq * D, *dOb = dO + bh * Nq * D;
+    const float *lse_b = LSE + bh * Nq, *delta_b = Delta + bh * Nq;
+    float* acc_b = dQacc + bh * Nq * D;
+    const float scale_log2 = scale * LOG2E;
+    // this warp's share of dQ_i = dS K_j: queries qw .. qw + 15 of the tile, columns cw .. + D / 2
+    const int qw = 16 * (warp % 4), cw = (D / 2) * (warp / 4);
+
+    const int first = causal ? key0 / B_TILE : 0, n_tiles = (Nq + B_TILE - 1) / B_TILE;
+
+    copy_tile<D, A_ROWS, A_THREADS>(Ks, K + bh * Nk * D, key0, Nk);
+    copy_tile<D, A_ROWS, A_THREADS>(Vs, V + bh * Nk * D, key0, Nk);
+    auto stream_in = [&](int i, int buf) {
+        copy_tile<D, B_TILE, A_THREADS>(Qs + buf * B_TILE * D, Qb, i * B_TILE, Nq);
+        copy_tile<D, B_TILE, A_THREADS>(dOs + buf * B_TILE * D, dOb, i * B_TILE, Nq);
+        copy_row_stats<A_THREADS>(lse_s + buf * B_TILE, lse_b, i * B_TILE, Nq, LOG2E, -neg_inf());
+        copy_row_stats<A_THREADS>(delta_s + buf * B_TILE, delta_b, i * B_TILE, Nq, 1.0f, 0.0f);
+    };
+    if (first < n_tiles) stream_in(first, 0);
+    cp_async_commit();
+
+    float dk[D / 8][4], dv[D / 8][4];
+    #pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) dk[nd][i] = dv[nd][i] = 0.0f;
+
+    for (int it = first; it < n_tiles; ++it) {
+        const int buf = (it - first) % A_BUFS;
+        if (it + 1 < n_tiles) stream_in(it + 1, (it + 1 - first) % A_BUFS);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();  // tile i landed for all
+        const __nv_bfloat16 *Qt = Qs + buf * B_TILE * D, *dOt = dOs + buf * B_TILE * D;
+        const float *lse_t = lse_s + buf * B_TILE, *delta_t = delta_s + buf * B_TILE;
+        const int q0 = it * B_TILE;
+
+        float p[B_TILE / 8][4];  // S^T, then P^T
+        rows_times_rows<D>(p, Ks, warp * 16, Qt);
+        #pragma unroll
+        for (int nt = 0; nt < B_TILE / 8; ++nt)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                p[nt][i] = fast_exp2(fmaf(p[nt][i], scale_log2, -lse_t[nt * 8 + 2 * t + (i & 1)]));
+        if (causal && q0 < wkey0 + 15) {  // P = 0 where key > query
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int first_q = wkey0 + g + 8 * h - q0 - 2 * t;
+                #pragma unroll
+                for (int nt = 0; nt < B_TILE / 8; ++nt)
+                    #pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        if (nt * 8 + c < first_q) p[nt][2 * h + c] = 0.0f;
+            }
+        }
+        if (wkey0 + 16 > Nk) {  // keys past Nk (zero rows of K) must add nothing to dQ
+            #pragma unroll
+            for (int h = 0; h < 2; ++h)
+                if (wkey0 + g + 8 * h >= Nk)
+                    #pragma unroll
+                    for (int nt = 0; nt < B_TILE / 8; ++nt) p[nt][2 * h] = p[nt][2 * h + 1] = 0.0f;
+        }
+        unsigned pa[B_TILE / 16][4];
+        c_to_a(pa, p);
+        a_times_tile<D>(dv, pa, dOt);  // dV += P^T dO
+
+        float ds[B_TILE / 8][4];  // dP^T, then dS^T
+        rows_times_rows<D>(ds, Vs, warp * 16, dOt);
+        #pragma unroll
+        for (int nt = 0; nt < B_TILE / 8; ++nt)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                ds[nt][i] = a_value(pa, nt, i) * (ds[nt][i] - delta_t[nt * 8 + 2 * t + (i & 1)]);
+        unsigned dsa[B_TILE / 16][4];  // dS^T in bf16: the A operand of dK, and the shared tile
+        c_to_a(dsa, ds);
+        #pragma unroll
+        for (int kc = 0; kc < B_TILE / 16; ++kc)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r)  // register r: n-tile 2 kc + r / 2, row g + 8 (r % 2)
+                *reinterpret_cast<unsigned*>(dsT + swizzle<B_TILE>(warp * 16 + g + 8 * (r % 2),
+                                                                   (2 * kc + r / 2) * 8 + 2 * t)) = dsa[kc][r];
+        a_times_tile<D>(dk, dsa, Qt);  // dK += dS^T Q (scaled at the end)
+        __syncthreads();  // the whole dS^T tile is written
+
+        // this warp's 16 queries x D / 2 columns of dS K_j (the key loop unrolled by 2, not 8:
+        // fully unrolled, ptxas spilled 36-72 bytes at D = 128, on sm_90 and on sm_80)
+        float dq[D / 16][4];
+        #pragma unroll
+        for (int j = 0; j < D / 16; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
+        #pragma unroll 2
+        for (int kc = 0; kc < A_ROWS / 16; ++kc) {
+            unsigned a[4];
+            load_a_transposed(a, dsT, qw, kc * 16);
+            #pragma unroll
+            for (int nd = 0; nd < D / 32; ++nd) {
+                unsigned b[4];
+                load_b_cols<D>(b, Ks, kc * 16, cw / 16 + nd);
+                mma_bf16(dq[2 * nd], a, b[0], b[1]);
+                mma_bf16(dq[2 * nd + 1], a, b[2], b[3]);
+            }
+        }
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = q0 + qw + g + 8 * h;
+            if (row < Nq) {
+                float* out = acc_b + (size_t)row * D + cw + 2 * t;
+                #pragma unroll
+                for (int j = 0; j < D / 16; ++j) atomic_add2(out + j * 8, dq[j][2 * h], dq[j][2 * h + 1]);
+            }
+        }
+        __syncthreads();  // WAR: the next tile's copies and dS^T overwrite what was read here
+    }
+    cp_async_wait<0>();
+
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = wkey0 + g + 8 * h;
+        if (key >= Nk) continue;
+        __nv_bfloat16* dk_row = dK + (bh * Nk + key) * D;
+        __nv_bfloat16* dv_row = dV + (bh * Nk + key) * D;
+        #pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+            *reinterpret_cast<unsigned*>(dk_row + nd * 8 + 2 * t) =
+                pack_bf16(dk[nd][2 * h] * scale, dk[nd][2 * h + 1] * scale);
+            *reinterpret_cast<unsigned*>(dv_row + nd * 8 + 2 * t) = pack_bf16(dv[nd][2 * h], dv[nd][2 * h + 1]);
+        }
+    }
+}
+
+// dQ = scale * accumulator, in bf16: four elements a thread (n is a multiple of 4: D is)
+__global__ void convert_dq(const float4* __restrict__ acc, __nv_bfloat16* __restrict__ dQ,
+                           size_t n4, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n4;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float4 a = acc[i];
+        uint2 out;
+        out.x = pack_bf16(a.x * scale, a.y * scale);
+        out.y = pack_bf16(a.z * scale, a.w * scale);
+        reinterpret_cast<uint2*>(dQ)[i] = out;
+    }
+}
+
 }  // namespace fa_mma
 
 #ifdef FA_KERNEL_ONLY
@@ -659,7 +866,12 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
         const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
         const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
         const float* __restrict__, const float* __restrict__, __nv_bfloat16* __restrict__, int,    \
-        int, float, int);
+        int, float, int);                                                                          \
+    template __global__ void fa_mma::dkdvdq_kernel<D>(                                              \
+        const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
+        const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
+        const float* __restrict__, const float* __restrict__, __nv_bfloat16* __restrict__,         \
+        __nv_bfloat16* __restrict__, float* __restrict__, int, int, float, int);
 FA_MMA_INSTANTIATE(64)
 FA_MMA_INSTANTIATE(128)
 #endif
@@ -762,13 +974,10 @@ static void launch_backward(const torch::Tensor& Q, const torch::Tensor& K, cons
     }
 }
 
-// dQ, dK, dV of attention on tensor cores, from the forward's O and LSE and the gradient dO of
-// O. Deterministic: no atomics, the same bits every run.
-std::vector<torch::Tensor> flash_attention_mma_backward(torch::Tensor Q, torch::Tensor K,
-                                                        torch::Tensor V, torch::Tensor O,
-                                                        torch::Tensor dO, torch::Tensor LSE,
-                                                        bool causal) {
-    const char* fn = "flash_attention_mma_backward";
+// What both backward entry points check, past check_qkv: O and dO like Q, LSE the forward's.
+static void check_backward(const char* fn, const torch::Tensor& Q, const torch::Tensor& K,
+                           const torch::Tensor& V, const torch::Tensor& O, const torch::Tensor& dO,
+                           const torch::Tensor& LSE) {
     check_qkv(fn, Q, K, V);
     for (const auto* X : {&O, &dO}) {
         TORCH_CHECK(X->sizes() == Q.sizes(), fn, ": O and dO must have Q's shape (B, H, Nq, D)");
@@ -781,19 +990,89 @@ std::vector<torch::Tensor> flash_attention_mma_backward(torch::Tensor Q, torch::
                 LSE.is_contiguous(), fn, ": LSE must be the forward's contiguous float32 LSE");
     TORCH_CHECK(LSE.dim() == 3 && LSE.size(0) == Q.size(0) && LSE.size(1) == Q.size(1) &&
                 LSE.size(2) == Q.size(2), fn, ": LSE must have shape (B, H, Nq)");
+}
+
+// Delta = rowsum(dO * O), float32 (B, H, Nq)
+static torch::Tensor backward_delta(const torch::Tensor& O, const torch::Tensor& dO) {
+    auto Delta = torch::empty({O.size(0), O.size(1), O.size(2)}, O.options().dtype(torch::kFloat));
+    const int rows = O.size(0) * O.size(1) * O.size(2);
+    fa_mma::delta_kernel<<<(rows + 7) / 8, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), Delta.data_ptr<float>(), rows,
+        O.size(3));
+    check_launch("flash_attention_mma_backward (Delta)");
+    return Delta;
+}
+
+// dQ, dK, dV of attention on tensor cores, from the forward's O and LSE and the gradient dO of
+// O. Deterministic: no atomics, the same bits every run.
+std::vector<torch::Tensor> flash_attention_mma_backward(torch::Tensor Q, torch::Tensor K,
+                                                        torch::Tensor V, torch::Tensor O,
+                                                        torch::Tensor dO, torch::Tensor LSE,
+                                                        bool causal) {
+    check_backward("flash_attention_mma_backward", Q, K, V, O, dO, LSE);
     const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2), D = Q.size(3);
     auto dQ = torch::empty_like(Q), dK = torch::empty_like(K), dV = torch::empty_like(V);
     if (B == 0 || H == 0) return {dQ, dK, dV};
     if (Nq == 0 || Nk == 0) return {dQ.zero_(), dK.zero_(), dV.zero_()};
-    auto Delta = torch::empty({B, H, Nq}, Q.options().dtype(torch::kFloat));
-    const int rows = B * H * Nq;
-    fa_mma::delta_kernel<<<(rows + 7) / 8, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        reinterpret_cast<const __nv_bfloat16*>(O.data_ptr()),
-        reinterpret_cast<const __nv_bfloat16*>(dO.data_ptr()), Delta.data_ptr<float>(), rows, D);
-    check_launch("flash_attention_mma_backward (Delta)");
+    auto Delta = backward_delta(O, dO);
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     if (D == 64) launch_backward<64>(Q, K, V, dO, LSE, Delta, dQ, dK, dV, scale, causal);
     else launch_backward<128>(Q, K, V, dO, LSE, Delta, dQ, dK, dV, scale, causal);
+    return {dQ, dK, dV};
+}
+
+template <int D>
+static void launch_backward_atomic(const torch::Tensor& Q, const torch::Tensor& K,
+                                   const torch::Tensor& V, const torch::Tensor& dO,
+                                   const torch::Tensor& LSE, const torch::Tensor& Delta,
+                                   torch::Tensor& dQacc, torch::Tensor& dK, torch::Tensor& dV,
+                                   float scale, bool causal) {
+    using namespace fa_mma;
+    const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
+    auto bf = [](const torch::Tensor& X) { return reinterpret_cast<const __nv_bfloat16*>(X.data_ptr()); };
+    auto bf_out = [](torch::Tensor& X) { return reinterpret_cast<__nv_bfloat16*>(X.data_ptr()); };
+    // K, V; A_BUFS buffers of Q and dO; the dS^T tile; A_BUFS of LSE and Delta
+    constexpr int SMEM = (2 * A_ROWS * D + 2 * A_BUFS * B_TILE * D + A_ROWS * B_TILE) * 2 +
+                         2 * A_BUFS * B_TILE * 4;
+    int device = 0, optin = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    TORCH_CHECK(optin >= SMEM, "flash_attention_mma_backward_atomic: at D = ", D, " a block needs ",
+                SMEM / 1024, " KiB of shared memory and this GPU gives ", optin / 1024,
+                " KiB (an A100 or H100 has enough): use flash_attention_mma_backward");
+    auto kernel = dkdvdq_kernel<D>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    dim3 grid((Nk + A_ROWS - 1) / A_ROWS, H, B);
+    kernel<<<grid, A_THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>(
+        bf(Q), bf(K), bf(V), bf(dO), LSE.data_ptr<float>(), Delta.data_ptr<float>(), bf_out(dK),
+        bf_out(dV), dQacc.data_ptr<float>(), Nq, Nk, scale, causal ? 1 : 0);
+    check_launch("flash_attention_mma_backward_atomic (dK, dV, dQ)");
+}
+
+// The same gradients in one pass over the key blocks, FlashAttention-2's way: 5 products per
+// pair of tiles instead of 7, dQ added into a float32 accumulator with atomics. The last bits of
+// dQ may differ between two runs (the adds come in no fixed order); dK and dV do not.
+std::vector<torch::Tensor> flash_attention_mma_backward_atomic(torch::Tensor Q, torch::Tensor K,
+                                                               torch::Tensor V, torch::Tensor O,
+                                                               torch::Tensor dO, torch::Tensor LSE,
+                                                               bool causal) {
+    check_backward("flash_attention_mma_backward_atomic", Q, K, V, O, dO, LSE);
+    const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2), D = Q.size(3);
+    auto dQ = torch::empty_like(Q), dK = torch::empty_like(K), dV = torch::empty_like(V);
+    if (B == 0 || H == 0) return {dQ, dK, dV};
+    if (Nq == 0 || Nk == 0) return {dQ.zero_(), dK.zero_(), dV.zero_()};
+    auto Delta = backward_delta(O, dO);
+    auto dQacc = torch::zeros(Q.sizes(), Q.options().dtype(torch::kFloat));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    if (D == 64) launch_backward_atomic<64>(Q, K, V, dO, LSE, Delta, dQacc, dK, dV, scale, causal);
+    else launch_backward_atomic<128>(Q, K, V, dO, LSE, Delta, dQacc, dK, dV, scale, causal);
+    const size_t n4 = static_cast<size_t>(dQ.numel()) / 4;
+    const int blocks = static_cast<int>(std::min<size_t>((n4 + 255) / 256, 4096));
+    fa_mma::convert_dq<<<blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const float4*>(dQacc.data_ptr<float>()),
+        reinterpret_cast<__nv_bfloat16*>(dQ.data_ptr()), n4, scale);
+    check_launch("flash_attention_mma_backward_atomic (dQ)");
     return {dQ, dK, dV};
 }
 #endif
