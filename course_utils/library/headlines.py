@@ -217,6 +217,42 @@ def _mma_train(backward: str):
     return Attention.apply
 
 
+def _backward_row(trains: dict, D: int, causal: bool, N: int, rounds: int) -> dict:
+    """One shape of :func:`measure_backward_variants`: the two backward kernels' gradients
+    compared, then every training step of ``trains`` timed in interleaved rounds."""
+    import torch
+
+    from ..toolbox import bench
+
+    B, H = TOKENS // N, HIDDEN // D
+    q, k, v, dO = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+
+    def step(f):
+        def run():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            f(*leaves, causal).backward(dO)
+            return [t.grad for t in leaves]
+        return run
+
+    runs = {name: step(f) for name, f in trains.items()}
+    det, atom = (runs[f"course {b}"]() for b in BACKWARDS)
+    gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(det, atom, strict=True))
+    scale = max(float(g.float().abs().max()) for g in det)
+    if not math.isfinite(gap) or gap > 2e-2 * max(1.0, scale):
+        raise AssertionError(f"d={D}, causal={causal}, N={N}: the two backward kernels disagree "
+                             f"by {gap:.1e}: not timing them")
+    ms = bench.interleaved(runs, rounds=rounds)
+    flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd+bwd")
+    return {
+        "D": D, "causal": causal, "N": N, "B": B, "H": H, "mode": "fwd+bwd",
+        "tflops": {n: bench.tflops(flops, statistics.median(t)) for n, t in ms.items()},
+        "ratio": {f"{b} vs {base}": bench.ratio_summary(ms, f"course {b}", base)
+                  for b in BACKWARDS for base in BASELINES},
+        "atomic vs deterministic": bench.ratio_summary(ms, "course atomic", "course deterministic"),
+        "max_abs_atomic_vs_deterministic": gap, "max_abs_grad": scale,
+    }
+
+
 def measure_backward_variants(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
                               progress: bool = False) -> dict:
     """Chapter 10's forward + backward with each of its backward kernels (:data:`BACKWARDS`),
@@ -226,7 +262,6 @@ def measure_backward_variants(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
     from torch.nn.attention import SDPBackend
 
     from .. import recorded
-    from ..toolbox import bench
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
         raise RuntimeError("chapter 10's kernels need a CUDA GPU of sm_80 or newer")
@@ -237,35 +272,7 @@ def measure_backward_variants(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
     for D in DS:
         for causal in (False, True):
             for N in Ns:
-                B, H = TOKENS // N, HIDDEN // D
-                q, k, v, dO = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
-                               for _ in range(4))
-
-                def step(f):
-                    def run():
-                        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                        f(*leaves, causal).backward(dO)
-                        return [t.grad for t in leaves]
-                    return run
-
-                runs = {name: step(f) for name, f in trains.items()}
-                det, atom = (runs[f"course {b}"]() for b in BACKWARDS)
-                gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(det, atom))
-                scale = max(float(g.float().abs().max()) for g in det)
-                if not math.isfinite(gap) or gap > 2e-2 * max(1.0, scale):
-                    raise AssertionError(f"d={D}, causal={causal}, N={N}: the two backward "
-                                         f"kernels disagree by {gap:.1e}: not timing them")
-                ms = bench.interleaved(runs, rounds=rounds)
-                flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd+bwd")
-                rows.append({
-                    "D": D, "causal": causal, "N": N, "B": B, "H": H, "mode": "fwd+bwd",
-                    "tflops": {n: bench.tflops(flops, statistics.median(t)) for n, t in ms.items()},
-                    "ratio": {f"{b} vs {base}": bench.ratio_summary(ms, f"course {b}", base)
-                              for b in BACKWARDS for base in BASELINES},
-                    "atomic vs deterministic": bench.ratio_summary(ms, "course atomic",
-                                                                   "course deterministic"),
-                    "max_abs_atomic_vs_deterministic": gap, "max_abs_grad": scale,
-                })
+                rows.append(_backward_row(trains, D, causal, N, rounds))
                 if progress:
                     print(f"  measured d={D}, causal={causal}, N={N}", file=sys.stderr, flush=True)
     data = {"chapter": 10, "kernel": CHAPTERS[10] + ", both backward kernels",

@@ -469,8 +469,8 @@ COURSE_KERNELS = (
     CourseKernel(_MMA, "fa_mma::dkdvdq_kernel<{D}>",
                  "kernel<<<grid, A_THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>",
                  "A_THREADS", "SMEM",
-                 ("constexpr int SMEM = (2 * A_ROWS * D + 2 * A_BUFS * B_TILE * D + A_ROWS * B_TILE)"
-                  " * 2 + 2 * A_BUFS * B_TILE * 4;",),
+                 ("constexpr int SMEM = (2 * A_ROWS * D + 2 * A_BUFS * B_TILE * D + "
+                  "A_ROWS * B_TILE) * 2 + 2 * A_BUFS * B_TILE * 4;",),
                  _MMA_DIMS, "fa_mma"),
     CourseKernel(_MMA, "fa_mma::convert_dq",
                  "fa_mma::convert_dq<<<blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>",

@@ -35,7 +35,8 @@ CHAPTERS: list[tuple[str, str, Callable[[Recordings], Headline] | None]] = [
            "Numba, CUDA C++", _h08),
     ("09", "FlashAttention-2 forward and backward in Triton (bf16/fp16, autotuned, any N)", _h09),
     ("10", "FlashAttention-2 on tensor cores in CUDA C++: `mma.sync` fragments (modelled on "
-           "the CPU), `ldmatrix`, swizzles, `cp.async`, a deterministic backward", _h10),
+           "the CPU), `ldmatrix`, swizzles, `cp.async`, a deterministic and an atomic-dQ backward",
+           _h10),
     ("11", "serving: split-KV decoding of 1-8 new tokens per sequence, per-sequence split "
            "plans, GQA, a paged KV cache, varlen with `cu_seqlens`, windows, softcap", _h11),
     ("12", "the kernel as a `torch.library` custom op under `torch.compile(fullgraph=True)` "

@@ -9,6 +9,7 @@ hold one timing per shape (chapter 10: interleaved rounds once ``10_headline`` e
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from .common import Headline, Recordings, _from_headline_file, ks, pct, sizes, span, x
@@ -131,7 +132,8 @@ def _h09(rec: Recordings) -> Headline:
 def _h10(rec: Recordings) -> Headline:
     flash = "SDPA flash (FlashAttention-2's own `mma.sync` kernel)"
     if rec.has("10_headline"):
-        return _from_headline_file(rec, "10_headline", "`mma.sync` forward", "sdpa flash", flash)
+        h = _from_headline_file(rec, "10_headline", "`mma.sync` forward", "sdpa flash", flash)
+        return _with_atomic_backward(rec, h) if rec.has("10_backward_variants") else h
     name = "10_benchmark"
     rows = rec.data(name)["rows"]
     fwd = [r["fwd"]["course mma"] / r["fwd"]["sdpa flash"] for r in rows]
@@ -140,3 +142,15 @@ def _h10(rec: Recordings) -> Headline:
         f"{len(rows)} shapes, {span(fwd)} (bf16, d = 64/128, N {ks(r['N'] for r in rows)}); "
         f"from the lecture's recording until `10_headline` is recorded",
         flash, rec.device(name), "one run per shape", rec.date(name), name)
+
+
+def _with_atomic_backward(rec: Recordings, h: Headline) -> Headline:
+    """Chapter 10's row with the atomic-dQ backward (``10_backward_variants``) added."""
+    name = "10_backward_variants"
+    rows = rec.data(name)["rows"]
+    flash = [r["ratio"]["atomic vs sdpa flash"]["median"] for r in rows]
+    det = [r["atomic vs deterministic"]["median"] for r in rows]
+    return dataclasses.replace(
+        h, text=f"{h.text}; with the atomic-dQ backward (one pass, 5 products) {span(flash)}, "
+                f"{span(det)} the deterministic one ({rec.date(name)})",
+        source=f"{h.source}`, `{name}")
