@@ -88,10 +88,10 @@ def test_launch_numbers_match_the_cu_constants():
     assert launches["fa_mma::delta_kernel"] == P.Launch(256, 0)
     assert launches["fa_mma::dkdv_kernel<128>"] == P.Launch(128, 97 * KIB)
     assert launches["fa_mma::dq_kernel<128>"] == P.Launch(128, 96 * KIB)
-    # the atomic backward: 8 warps; K, V (128 keys), 2 buffers of Q and dO (64 rows), the dS^T
-    # tile, 2 buffers of LSE and Delta
+    # the atomic backward: 8 warps; K, V (128 keys), 2 buffers of Q and dO (64 rows), the P^T
+    # and dS^T tiles, 2 buffers of LSE and Delta
     assert launches["fa_mma::dkdvdq_kernel<128>"] == P.Launch(
-        256, (2 * 128 * 128 + 2 * 2 * 64 * 128 + 128 * 64) * 2 + 2 * 2 * 64 * 4)
+        256, (2 * 128 * 128 + 2 * 2 * 64 * 128 + 2 * 128 * 64) * 2 + 2 * 2 * 64 * 4)
     # chapter 04: threads as sgemm.py's table says; the pipeline's 3 stages of A and B tiles
     launches = P.course_launches(SGEMM)
     for name, (_, kernel, _, threads) in sgemm.STEPS.items():

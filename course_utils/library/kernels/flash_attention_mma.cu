@@ -646,19 +646,22 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
 
 // ---------------------------------------------------------------------------------------------
 // Backward with atomic dQ, in one pass (FlashAttention-2's way: 5 products per pair of tiles, not
-// 7). A block owns A_ROWS = 128 keys, 16 per warp of A_WARPS = 8, and walks the query tiles as
-// dkdv_kernel does, computing S^T, P^T, dV, dP^T, dS^T and dK. Then, instead of leaving dQ to a
-// second kernel that recomputes S and dP:
-//   * every warp stores its dS^T (16 keys x 64 queries, bf16) into one shared tile, 128 keys x 64
-//     queries (swizzled as the others), and the block waits for the whole tile;
-//   * warp w computes its part of dQ_i += dS K_j over the block's 128 keys: the 16 queries
-//     16 (w % 4) .. and half of D, (D / 2)(w / 4) .. . Its A fragments are dS, read from the
-//     dS^T tile with ldmatrix.trans (queries are the tile's columns); its B fragments are K_j's
-//     rows, read as V's rows are in O = P V;
-//   * the warp adds its 16 x D / 2 floats into a float32 accumulator in global memory, two at a
-//     time (float2 atomicAdd, compiled to a RED instruction that does not wait for an answer).
-//     The Nk / 128 key blocks of a head add into the same rows in no fixed order: float addition
-//     is not associative, so the last bits of dQ may change from run to run.
+// 7). A block owns A_ROWS = 128 keys and walks the query tiles i (64 queries) as dkdv_kernel
+// does, but its 8 warps split each product of a tile differently, so that every fragment loaded
+// from shared memory feeds two mma (one m-tile of 16 keys per warp fed one: the Nsight Compute
+// profile in lecture 10's lab notes):
+//   * S^T = K Q^T and dP^T = V dO^T (128 keys x 64 queries): warp w computes keys 32 (w % 4) ..
+//     x queries 32 (w / 4) .., two m-tiles by four n-tiles; then P^T and dS^T on them;
+//   * both go into shared tiles (bf16, 128 keys x 64 queries, swizzled as the others); barrier;
+//   * dV += P^T dO and dK += dS^T Q: warp w owns keys 32 (w % 4) .. x columns (D / 2)(w / 4) ..
+//     of dV and dK, its A fragments read from the P^T and dS^T tiles;
+//   * dQ_i += dS K over the block's 128 keys: warp w computes queries 32 (w / 4) .. x columns
+//     (D / 4)(w % 4) .., its A fragments (dS) read from the dS^T tile with ldmatrix.trans
+//     (queries are the tile's columns), its B fragments K's rows, as V's rows in O = P V;
+//   * and adds them into a float32 accumulator in global memory, two at a time (float2
+//     atomicAdd, compiled to a RED instruction that does not wait for an answer). The Nk / 128
+//     key blocks of a head add into the same rows in no fixed order: float addition is not
+//     associative, so the last bits of dQ may change from run to run.
 // A last kernel, convert_dq, writes dQ = scale * accumulator in bf16.
 // The accumulator traffic: Nq x D x 4 bytes per key block of 128, about a gigabyte per head at
 // N = 16k, d = 128, in the L2 (which performs the adds): 128 keys per block (not 64) halves it.
@@ -666,6 +669,13 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
 constexpr int A_WARPS = 8, A_THREADS = 32 * A_WARPS;
 constexpr int A_ROWS = 16 * A_WARPS;  // keys per block
 constexpr int A_BUFS = 2;             // Q_i, dO_i, LSE and Delta buffers
+// the dV, dK loop over a tile's 4 query chunks: unrolled on sm_90; not elsewhere, where ptxas
+// (CUDA 13, sm_80) spilled 72 bytes at D = 128 with it unrolled
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr int DKDV_UNROLL = 4;
+#else
+constexpr int DKDV_UNROLL = 1;
+#endif
 
 // A fragments (16 queries x 16 keys) of dS, from the dS^T tile [keys][B_TILE queries]:
 // ldmatrix.trans of 8 x 8 blocks whose stored rows are keys; matrix i holds keys
@@ -699,19 +709,23 @@ dkdvdq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restri
     __nv_bfloat16* Vs = Ks + A_ROWS * D;                               // A_ROWS x D
     __nv_bfloat16* Qs = Vs + A_ROWS * D;                               // A_BUFS x B_TILE x D
     __nv_bfloat16* dOs = Qs + A_BUFS * B_TILE * D;                     // A_BUFS x B_TILE x D
-    __nv_bfloat16* dsT = dOs + A_BUFS * B_TILE * D;                    // A_ROWS x B_TILE
+    __nv_bfloat16* pT = dOs + A_BUFS * B_TILE * D;                     // A_ROWS x B_TILE
+    __nv_bfloat16* dsT = pT + A_ROWS * B_TILE;                         // A_ROWS x B_TILE
     float* lse_s = reinterpret_cast<float*>(dsT + A_ROWS * B_TILE);   // A_BUFS x B_TILE
     float* delta_s = lse_s + A_BUFS * B_TILE;                          // A_BUFS x B_TILE
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const size_t bh = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
-    const int key0 = blockIdx.x * A_ROWS, wkey0 = key0 + warp * 16;
+    const int key0 = blockIdx.x * A_ROWS;
     const __nv_bfloat16 *Qb = Q + bh * Nq * D, *dOb = dO + bh * Nq * D;
     const float *lse_b = LSE + bh * Nq, *delta_b = Delta + bh * Nq;
     float* acc_b = dQacc + bh * Nq * D;
     const float scale_log2 = scale * LOG2E;
-    // this warp's share of dQ_i = dS K_j: queries qw .. qw + 15 of the tile, columns cw .. + D / 2
-    const int qw = 16 * (warp % 4), cw = (D / 2) * (warp / 4);
+    // S^T, dP^T: warp w owns keys ks .. ks + 31 x queries qs .. qs + 31 of the tile
+    const int ks = 32 * (warp % 4), qs = 32 * (warp / 4);
+    // dV, dK: keys ks .. ks + 31 x columns dc .. dc + D / 2 - 1;  dQ: queries qq .. qq + 31 x
+    // columns qc .. qc + D / 4 - 1
+    const int dc = (D / 2) * (warp / 4), qq = 32 * (warp / 4), qc = (D / 4) * (warp % 4);
 
     const int first = causal ? key0 / B_TILE : 0, n_tiles = (Nq + B_TILE - 1) / B_TILE;
 
@@ -726,11 +740,13 @@ dkdvdq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restri
     if (first < n_tiles) stream_in(first, 0);
     cp_async_commit();
 
-    float dk[D / 8][4], dv[D / 8][4];
+    float dk[2][D / 16][4], dv[2][D / 16][4];  // 32 keys x D / 2 columns each
     #pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd)
+    for (int m = 0; m < 2; ++m)
         #pragma unroll
-        for (int i = 0; i < 4; ++i) dk[nd][i] = dv[nd][i] = 0.0f;
+        for (int j = 0; j < D / 16; ++j)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) dk[m][j][i] = dv[m][j][i] = 0.0f;
 
     for (int it = first; it < n_tiles; ++it) {
         const int buf = (it - first) % A_BUFS;
@@ -742,96 +758,151 @@ dkdvdq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restri
         const float *lse_t = lse_s + buf * B_TILE, *delta_t = delta_s + buf * B_TILE;
         const int q0 = it * B_TILE;
 
-        float p[B_TILE / 8][4];  // S^T, then P^T
-        rows_times_rows<D>(p, Ks, warp * 16, Qt);
+        // S^T = K Q^T and dP^T = V dO^T on this warp's 32 x 32: each fragment feeds 2 mma
+        float p[2][4][4], dp[2][4][4];
         #pragma unroll
-        for (int nt = 0; nt < B_TILE / 8; ++nt)
+        for (int m = 0; m < 2; ++m)
             #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                p[nt][i] = fast_exp2(fmaf(p[nt][i], scale_log2, -lse_t[nt * 8 + 2 * t + (i & 1)]));
-        if (causal && q0 < wkey0 + 15) {  // P = 0 where key > query
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int first_q = wkey0 + g + 8 * h - q0 - 2 * t;
+            for (int n = 0; n < 4; ++n)
                 #pragma unroll
-                for (int nt = 0; nt < B_TILE / 8; ++nt)
-                    #pragma unroll
-                    for (int c = 0; c < 2; ++c)
-                        if (nt * 8 + c < first_q) p[nt][2 * h + c] = 0.0f;
+                for (int i = 0; i < 4; ++i) p[m][n][i] = dp[m][n][i] = 0.0f;
+        #pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            unsigned a[2][4], b[2][4];
+            #pragma unroll
+            for (int m = 0; m < 2; ++m) load_a<D>(a[m], Ks, ks + 16 * m, kc);
+            #pragma unroll
+            for (int np = 0; np < 2; ++np) load_b_rows<D>(b[np], Qt, qs + 16 * np, kc);
+            #pragma unroll
+            for (int m = 0; m < 2; ++m)
+                #pragma unroll
+                for (int np = 0; np < 2; ++np) {
+                    mma_bf16(p[m][2 * np], a[m], b[np][0], b[np][1]);
+                    mma_bf16(p[m][2 * np + 1], a[m], b[np][2], b[np][3]);
+                }
+            #pragma unroll
+            for (int m = 0; m < 2; ++m) load_a<D>(a[m], Vs, ks + 16 * m, kc);
+            #pragma unroll
+            for (int np = 0; np < 2; ++np) load_b_rows<D>(b[np], dOt, qs + 16 * np, kc);
+            #pragma unroll
+            for (int m = 0; m < 2; ++m)
+                #pragma unroll
+                for (int np = 0; np < 2; ++np) {
+                    mma_bf16(dp[m][2 * np], a[m], b[np][0], b[np][1]);
+                    mma_bf16(dp[m][2 * np + 1], a[m], b[np][2], b[np][3]);
+                }
+        }
+        // P^T, dS^T: value i of n-tile n of m-tile m is key ks + 16 m + g + 8 (i / 2), query
+        // qs + 8 n + 2 t + i % 2 of the tile
+        const bool edge = (causal && q0 + qs < key0 + ks + 31) || key0 + ks + 32 > Nk;
+        #pragma unroll
+        for (int m = 0; m < 2; ++m)
+            #pragma unroll
+            for (int n = 0; n < 4; ++n)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int qi = qs + 8 * n + 2 * t + (i & 1);
+                    float pv = fast_exp2(fmaf(p[m][n][i], scale_log2, -lse_t[qi]));
+                    if (edge) {
+                        const int key = key0 + ks + 16 * m + g + 8 * (i / 2);
+                        if (key >= Nk || (causal && key > q0 + qi)) pv = 0.0f;
+                    }
+                    p[m][n][i] = pv;
+                    dp[m][n][i] = pv * (dp[m][n][i] - delta_t[qi]);
+                }
+        // both into their shared tiles (bf16), rows = keys, as A operands of dV and dK
+        #pragma unroll
+        for (int m = 0; m < 2; ++m)
+            #pragma unroll
+            for (int n = 0; n < 4; ++n)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int at = swizzle<B_TILE>(ks + 16 * m + g + 8 * h, qs + 8 * n + 2 * t);
+                    *reinterpret_cast<unsigned*>(pT + at) = pack_bf16(p[m][n][2 * h], p[m][n][2 * h + 1]);
+                    *reinterpret_cast<unsigned*>(dsT + at) = pack_bf16(dp[m][n][2 * h], dp[m][n][2 * h + 1]);
+                }
+        __syncthreads();  // P^T and dS^T of the whole block are in shared memory
+
+        // dV += P^T dO and dK += dS^T Q: keys ks .. + 31, columns dc .. + D / 2 - 1, over the
+        // tile's 64 queries
+        #pragma unroll (DKDV_UNROLL)
+        for (int kc = 0; kc < B_TILE / 16; ++kc) {
+            unsigned ap[2][4], as[2][4];
+            #pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                load_a<B_TILE>(ap[m], pT, ks + 16 * m, kc);
+                load_a<B_TILE>(as[m], dsT, ks + 16 * m, kc);
             }
-        }
-        if (wkey0 + 16 > Nk) {  // keys past Nk (zero rows of K) must add nothing to dQ
-            #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                if (wkey0 + g + 8 * h >= Nk)
-                    #pragma unroll
-                    for (int nt = 0; nt < B_TILE / 8; ++nt) p[nt][2 * h] = p[nt][2 * h + 1] = 0.0f;
-        }
-        unsigned pa[B_TILE / 16][4];
-        c_to_a(pa, p);
-        a_times_tile<D>(dv, pa, dOt);  // dV += P^T dO
-
-        float ds[B_TILE / 8][4];  // dP^T, then dS^T
-        rows_times_rows<D>(ds, Vs, warp * 16, dOt);
-        #pragma unroll
-        for (int nt = 0; nt < B_TILE / 8; ++nt)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                ds[nt][i] = a_value(pa, nt, i) * (ds[nt][i] - delta_t[nt * 8 + 2 * t + (i & 1)]);
-        unsigned dsa[B_TILE / 16][4];  // dS^T in bf16: the A operand of dK, and the shared tile
-        c_to_a(dsa, ds);
-        #pragma unroll
-        for (int kc = 0; kc < B_TILE / 16; ++kc)
-            #pragma unroll
-            for (int r = 0; r < 4; ++r)  // register r: n-tile 2 kc + r / 2, row g + 8 (r % 2)
-                *reinterpret_cast<unsigned*>(dsT + swizzle<B_TILE>(warp * 16 + g + 8 * (r % 2),
-                                                                   (2 * kc + r / 2) * 8 + 2 * t)) = dsa[kc][r];
-        a_times_tile<D>(dk, dsa, Qt);  // dK += dS^T Q (scaled at the end)
-        __syncthreads();  // the whole dS^T tile is written
-
-        // this warp's 16 queries x D / 2 columns of dS K_j (the key loop unrolled by 2, not 8:
-        // fully unrolled, ptxas spilled 36-72 bytes at D = 128, on sm_90 and on sm_80)
-        float dq[D / 16][4];
-        #pragma unroll
-        for (int j = 0; j < D / 16; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
-        #pragma unroll 2
-        for (int kc = 0; kc < A_ROWS / 16; ++kc) {
-            unsigned a[4];
-            load_a_transposed(a, dsT, qw, kc * 16);
             #pragma unroll
             for (int nd = 0; nd < D / 32; ++nd) {
                 unsigned b[4];
-                load_b_cols<D>(b, Ks, kc * 16, cw / 16 + nd);
-                mma_bf16(dq[2 * nd], a, b[0], b[1]);
-                mma_bf16(dq[2 * nd + 1], a, b[2], b[3]);
+                load_b_cols<D>(b, dOt, kc * 16, dc / 16 + nd);
+                #pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_bf16(dv[m][2 * nd], ap[m], b[0], b[1]);
+                    mma_bf16(dv[m][2 * nd + 1], ap[m], b[2], b[3]);
+                }
+                load_b_cols<D>(b, Qt, kc * 16, dc / 16 + nd);
+                #pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_bf16(dk[m][2 * nd], as[m], b[0], b[1]);
+                    mma_bf16(dk[m][2 * nd + 1], as[m], b[2], b[3]);
+                }
+            }
+        }
+
+        // dQ_i += dS K: queries qq .. + 31, columns qc .. + D / 4 - 1, over the block's 128 keys
+        float dq[2][D / 32][4];
+        #pragma unroll
+        for (int m = 0; m < 2; ++m)
+            #pragma unroll
+            for (int j = 0; j < D / 32; ++j) dq[m][j][0] = dq[m][j][1] = dq[m][j][2] = dq[m][j][3] = 0.0f;
+        #pragma unroll 2
+        for (int kc = 0; kc < A_ROWS / 16; ++kc) {
+            unsigned a[2][4];
+            #pragma unroll
+            for (int m = 0; m < 2; ++m) load_a_transposed(a[m], dsT, qq + 16 * m, kc * 16);
+            #pragma unroll
+            for (int nd = 0; nd < D / 64; ++nd) {
+                unsigned b[4];
+                load_b_cols<D>(b, Ks, kc * 16, qc / 16 + nd);
+                #pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_bf16(dq[m][2 * nd], a[m], b[0], b[1]);
+                    mma_bf16(dq[m][2 * nd + 1], a[m], b[2], b[3]);
+                }
             }
         }
         #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = q0 + qw + g + 8 * h;
-            if (row < Nq) {
-                float* out = acc_b + (size_t)row * D + cw + 2 * t;
-                #pragma unroll
-                for (int j = 0; j < D / 16; ++j) atomic_add2(out + j * 8, dq[j][2 * h], dq[j][2 * h + 1]);
+        for (int m = 0; m < 2; ++m)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = q0 + qq + 16 * m + g + 8 * h;
+                if (row < Nq) {
+                    float* out = acc_b + (size_t)row * D + qc + 2 * t;
+                    #pragma unroll
+                    for (int j = 0; j < D / 32; ++j) atomic_add2(out + j * 8, dq[m][j][2 * h], dq[m][j][2 * h + 1]);
+                }
             }
-        }
-        __syncthreads();  // WAR: the next tile's copies and dS^T overwrite what was read here
+        __syncthreads();  // WAR: the next tile's copies, P^T and dS^T overwrite what was read here
     }
     cp_async_wait<0>();
 
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int key = wkey0 + g + 8 * h;
-        if (key >= Nk) continue;
-        __nv_bfloat16* dk_row = dK + (bh * Nk + key) * D;
-        __nv_bfloat16* dv_row = dV + (bh * Nk + key) * D;
+    for (int m = 0; m < 2; ++m)
         #pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-            *reinterpret_cast<unsigned*>(dk_row + nd * 8 + 2 * t) =
-                pack_bf16(dk[nd][2 * h] * scale, dk[nd][2 * h + 1] * scale);
-            *reinterpret_cast<unsigned*>(dv_row + nd * 8 + 2 * t) = pack_bf16(dv[nd][2 * h], dv[nd][2 * h + 1]);
+        for (int h = 0; h < 2; ++h) {
+            const int key = key0 + ks + 16 * m + g + 8 * h;
+            if (key >= Nk) continue;
+            __nv_bfloat16* dk_row = dK + (bh * Nk + key) * D + dc;
+            __nv_bfloat16* dv_row = dV + (bh * Nk + key) * D + dc;
+            #pragma unroll
+            for (int j = 0; j < D / 16; ++j) {
+                *reinterpret_cast<unsigned*>(dk_row + j * 8 + 2 * t) =
+                    pack_bf16(dk[m][j][2 * h] * scale, dk[m][j][2 * h + 1] * scale);
+                *reinterpret_cast<unsigned*>(dv_row + j * 8 + 2 * t) = pack_bf16(dv[m][j][2 * h], dv[m][j][2 * h + 1]);
+            }
         }
-    }
 }
 
 // dQ = scale * accumulator, in bf16: four elements a thread (n is a multiple of 4: D is)
@@ -1032,8 +1103,8 @@ static void launch_backward_atomic(const torch::Tensor& Q, const torch::Tensor& 
     const int B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2);
     auto bf = [](const torch::Tensor& X) { return reinterpret_cast<const __nv_bfloat16*>(X.data_ptr()); };
     auto bf_out = [](torch::Tensor& X) { return reinterpret_cast<__nv_bfloat16*>(X.data_ptr()); };
-    // K, V; A_BUFS buffers of Q and dO; the dS^T tile; A_BUFS of LSE and Delta
-    constexpr int SMEM = (2 * A_ROWS * D + 2 * A_BUFS * B_TILE * D + A_ROWS * B_TILE) * 2 +
+    // K, V; A_BUFS buffers of Q and dO; the P^T and dS^T tiles; A_BUFS of LSE and Delta
+    constexpr int SMEM = (2 * A_ROWS * D + 2 * A_BUFS * B_TILE * D + 2 * A_ROWS * B_TILE) * 2 +
                          2 * A_BUFS * B_TILE * 4;
     int device = 0, optin = 0;
     cudaGetDevice(&device);
