@@ -1,5 +1,6 @@
 // FlashAttention-2 on tensor cores (mma.sync.m16n8k16, bf16 in, fp32 accumulate): chapter 10.
-// The forward and a deterministic backward; the CPU blueprint of both is course_utils.library.mma
+// The forward, a deterministic backward and one with atomic dQ (FlashAttention-2's); the CPU
+// blueprint of the forward and of the deterministic dK, dV is course_utils.library.mma
 // (warp_attention_forward, warp_attention_backward_kv), checked against float64 on a model of the
 // same instructions. tests/test_flash_mma.py checks these kernels on a GPU.
 //
@@ -667,7 +668,7 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
 // N = 16k, d = 128, in the L2 (which performs the adds): 128 keys per block (not 64) halves it.
 // ---------------------------------------------------------------------------------------------
 constexpr int A_WARPS = 8, A_THREADS = 32 * A_WARPS;
-constexpr int A_ROWS = 16 * A_WARPS;  // keys per block
+constexpr int A_ROWS = 128;           // keys per block: 4 groups of 32, two warps each
 constexpr int A_BUFS = 2;             // Q_i, dO_i, LSE and Delta buffers
 // the dV, dK loop over a tile's 4 query chunks: unrolled on sm_90; not elsewhere, where ptxas
 // (CUDA 13, sm_80) spilled 72 bytes at D = 128 with it unrolled
