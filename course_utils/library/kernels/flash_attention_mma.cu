@@ -688,6 +688,38 @@ __device__ __forceinline__ void load_a_transposed(unsigned (&a)[4], const __nv_b
     ldmatrix_x4_trans(a, dsT + swizzle<B_TILE>(k0 + (j8 / 2) * 8 + r8, q0 + (j8 % 2) * 8));
 }
 
+// c[m][j] and c[m][j + 1] += A fragment a[m] times the B fragments b of two 8-column n-tiles
+// (one ldmatrix.x4), for both m-tiles m: each B fragment feeds two mma
+template <int N>
+__device__ __forceinline__ void mma_two_mtiles(float (&c)[2][N][4], int j, const unsigned (&a)[2][4],
+                                               const unsigned (&b)[4]) {
+    #pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        mma_bf16(c[m][j], a[m], b[0], b[1]);
+        mma_bf16(c[m][j + 1], a[m], b[2], b[3]);
+    }
+}
+
+// acc (32 x 32: two m-tiles by four n-tiles) += rows r0 .. r0 + 31 of A times rows c0 .. c0 + 31
+// of B, transposed, over columns 16 kc .. 16 kc + 15 of both (swizzled [rows][D] tiles): one
+// k-step of S^T = K Q^T or dP^T = V dO^T; each fragment feeds two mma
+template <int D>
+__device__ __forceinline__ void rows_times_rows_32(float (&acc)[2][4][4], const __nv_bfloat16* A,
+                                                   int r0, const __nv_bfloat16* B, int c0, int kc) {
+    unsigned a[2][4], b[2][4];
+    #pragma unroll
+    for (int m = 0; m < 2; ++m) load_a<D>(a[m], A, r0 + 16 * m, kc);
+    #pragma unroll
+    for (int np = 0; np < 2; ++np) load_b_rows<D>(b[np], B, c0 + 16 * np, kc);
+    #pragma unroll
+    for (int m = 0; m < 2; ++m)
+        #pragma unroll
+        for (int np = 0; np < 2; ++np) {
+            mma_bf16(acc[m][2 * np], a[m], b[np][0], b[np][1]);
+            mma_bf16(acc[m][2 * np + 1], a[m], b[np][2], b[np][3]);
+        }
+}
+
 // acc[r][c] += x, y at columns c, c + 1 (c even): one 8-byte reduction on sm_90, two before
 __device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -769,29 +801,8 @@ dkdvdq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restri
                 for (int i = 0; i < 4; ++i) p[m][n][i] = dp[m][n][i] = 0.0f;
         #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) {
-            unsigned a[2][4], b[2][4];
-            #pragma unroll
-            for (int m = 0; m < 2; ++m) load_a<D>(a[m], Ks, ks + 16 * m, kc);
-            #pragma unroll
-            for (int np = 0; np < 2; ++np) load_b_rows<D>(b[np], Qt, qs + 16 * np, kc);
-            #pragma unroll
-            for (int m = 0; m < 2; ++m)
-                #pragma unroll
-                for (int np = 0; np < 2; ++np) {
-                    mma_bf16(p[m][2 * np], a[m], b[np][0], b[np][1]);
-                    mma_bf16(p[m][2 * np + 1], a[m], b[np][2], b[np][3]);
-                }
-            #pragma unroll
-            for (int m = 0; m < 2; ++m) load_a<D>(a[m], Vs, ks + 16 * m, kc);
-            #pragma unroll
-            for (int np = 0; np < 2; ++np) load_b_rows<D>(b[np], dOt, qs + 16 * np, kc);
-            #pragma unroll
-            for (int m = 0; m < 2; ++m)
-                #pragma unroll
-                for (int np = 0; np < 2; ++np) {
-                    mma_bf16(dp[m][2 * np], a[m], b[np][0], b[np][1]);
-                    mma_bf16(dp[m][2 * np + 1], a[m], b[np][2], b[np][3]);
-                }
+            rows_times_rows_32<D>(p, Ks, ks, Qt, qs, kc);
+            rows_times_rows_32<D>(dp, Vs, ks, dOt, qs, kc);
         }
         // P^T, dS^T: value i of n-tile n of m-tile m is key ks + 16 m + g + 8 (i / 2), query
         // qs + 8 n + 2 t + i % 2 of the tile
@@ -838,17 +849,9 @@ dkdvdq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restri
             for (int nd = 0; nd < D / 32; ++nd) {
                 unsigned b[4];
                 load_b_cols<D>(b, dOt, kc * 16, dc / 16 + nd);
-                #pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    mma_bf16(dv[m][2 * nd], ap[m], b[0], b[1]);
-                    mma_bf16(dv[m][2 * nd + 1], ap[m], b[2], b[3]);
-                }
+                mma_two_mtiles(dv, 2 * nd, ap, b);
                 load_b_cols<D>(b, Qt, kc * 16, dc / 16 + nd);
-                #pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    mma_bf16(dk[m][2 * nd], as[m], b[0], b[1]);
-                    mma_bf16(dk[m][2 * nd + 1], as[m], b[2], b[3]);
-                }
+                mma_two_mtiles(dk, 2 * nd, as, b);
             }
         }
 
@@ -867,11 +870,7 @@ dkdvdq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restri
             for (int nd = 0; nd < D / 64; ++nd) {
                 unsigned b[4];
                 load_b_cols<D>(b, Ks, kc * 16, qc / 16 + nd);
-                #pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    mma_bf16(dq[m][2 * nd], a[m], b[0], b[1]);
-                    mma_bf16(dq[m][2 * nd + 1], a[m], b[2], b[3]);
-                }
+                mma_two_mtiles(dq, 2 * nd, a, b);
             }
         }
         #pragma unroll
