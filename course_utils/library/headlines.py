@@ -75,6 +75,15 @@ def _sdpa(backend):
     return run
 
 
+def _train_step(f, q, k, v, dO, causal):
+    """A training step of ``f(q, k, v, causal) -> O`` on fresh leaves: () -> [dq, dk, dv]."""
+    def step():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        f(*leaves, causal).backward(dO)
+        return [t.grad for t in leaves]
+    return step
+
+
 def _shape_row(chapter, fwd, train, D, causal, N, rounds, modes=("fwd", "fwd+bwd"), H=None):
     import torch
     from torch.nn.attention import SDPBackend
@@ -100,12 +109,7 @@ def _shape_row(chapter, fwd, train, D, causal, N, rounds, modes=("fwd", "fwd+bwd
         def run(impl, mode=mode):
             if mode == "fwd":
                 return lambda: impl(q, k, v, causal)
-            f = train if impl is fwd else impl
-
-            def step():
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                f(*leaves, causal).backward(dO)
-            return step
+            return _train_step(train if impl is fwd else impl, q, k, v, dO, causal)
 
         runs = {}
         for name, impl in impls.items():
@@ -226,15 +230,7 @@ def _backward_row(trains: dict, D: int, causal: bool, N: int, rounds: int) -> di
 
     B, H = TOKENS // N, HIDDEN // D
     q, k, v, dO = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-
-    def step(f):
-        def run():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            f(*leaves, causal).backward(dO)
-            return [t.grad for t in leaves]
-        return run
-
-    runs = {name: step(f) for name, f in trains.items()}
+    runs = {name: _train_step(f, q, k, v, dO, causal) for name, f in trains.items()}
     det, atom = (runs[f"course {b}"]() for b in BACKWARDS)
     gap = max(float((a.float() - b.float()).abs().max()) for a, b in zip(det, atom, strict=True))
     scale = max(float(g.float().abs().max()) for g in det)
