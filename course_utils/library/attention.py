@@ -59,6 +59,7 @@ from .. import paths
 from ..contract import BOTTOM_RIGHT, TOP_LEFT, causal_alignment
 
 IMPLS = ("triton", "mma", "hopper", "cuda", "numba", "torch", "reference")
+MMA_HEAD_DIMS = (64, 96, 128)  # chapter 10's kernels (its atomic backward: 64 and 128)
 HOPPER_BACKWARD_HEAD_DIMS = (64, 128)  # the head dims chapter 14's backward is built for
 HOPPER_HEAD_DIMS = (64, 128, 192, 256)  # ... and its forward (192, 256: variants 3 and 6)
 LAYOUTS = ("bhnd", "bnhd", "bnd")
@@ -245,7 +246,8 @@ def _why_reference(q, k, v, scale):
     return None
 
 
-_WHY = {"triton": _why_triton, "mma": _why_cuda_bf16("chapter 10's mma.sync kernel", (8, 0)),
+_WHY = {"triton": _why_triton,
+        "mma": _why_cuda_bf16("chapter 10's mma.sync kernel", (8, 0), MMA_HEAD_DIMS),
         "hopper": _why_cuda_bf16("chapter 14's Hopper kernel", (9, 0), HOPPER_HEAD_DIMS),
         "cuda": _why_cuda,
         "numba": _why_numba, "torch": _why_torch, "reference": _why_reference}  # fmt: skip

@@ -29,6 +29,7 @@ ROUNDS = 5
 TOKENS, HIDDEN = 32768, 2048  # B x N and H x d of every shape: the same work per shape
 NS = (1024, 2048, 4096, 8192, 16384)
 DS = (64, 128)
+CHAPTER_DS = {10: (64, 96, 128), 14: DS}  # each chapter's headline head dims (H = HIDDEN // d)
 BASELINES = ("sdpa flash", "sdpa cudnn")
 COURSE = "course"
 KERNELS = paths.KERNELS
@@ -150,7 +151,7 @@ def measure(chapter: int, *, rounds: int = ROUNDS, Ns=NS, save: bool = True,
         raise RuntimeError("chapter 14's kernel runs on sm_90 (H100/H200) only")
     fwd, train = _course_kernels(chapter)
     rows = []
-    for D in DS:
+    for D in CHAPTER_DS[chapter]:
         for causal in (False, True):
             for N in Ns:
                 rows += _shape_row(chapter, fwd, train, D, causal, N, rounds)

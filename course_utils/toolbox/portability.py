@@ -417,7 +417,8 @@ class CourseKernel:
 
 
 _FP32_DIMS = (16, 32, 64, 128)  # flash_attention_forward / _backward: the `switch (d)` cases
-_MMA_DIMS = (64, 128)  # flash_attention_mma: `if (D == 64) ... else ...<128>`
+_MMA_DIMS = (64, 96, 128)  # flash_attention_mma: `if (D == 64) ... else if (D == 96) ... else`
+_MMA_ATOMIC_DIMS = (64, 128)  # its atomic backward: D = 96 is refused
 _FWD, _BWD, _MMA, _SGEMM = ("flash_attention_forward.cu", "flash_attention_backward.cu",
                             "flash_attention_mma.cu", "sgemm.cu")
 
@@ -454,24 +455,26 @@ COURSE_KERNELS = (
                  "kernel<<<grid, THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>",
                  "THREADS", "SMEM",
                  ("constexpr int BR = 16 * Config<D>::MT * WARPS, BC = Config<D>::BC;",
-                  "constexpr int SMEM = (BR * D + 2 * BC * D) * 2;"), _MMA_DIMS, "fa_mma"),
+                  "constexpr int SMEM = (BR + 2 * BC) * Config<D>::ROW * 2;"), _MMA_DIMS,
+                 "fa_mma"),
     CourseKernel(_MMA, "fa_mma::delta_kernel",
                  "fa_mma::delta_kernel<<<(rows + 7) / 8, 256, 0, "
                  "c10::cuda::getCurrentCUDAStream()>>>", "256", "0"),
     CourseKernel(_MMA, "fa_mma::dkdv_kernel<{D}>", "kernel<<<grid, THREADS, SMEM, stream>>>",
                  "THREADS", "SMEM",
-                 ("constexpr int SMEM = (2 * B_ROWS * D + 4 * B_TILE * D) * 2 + 4 * B_TILE * 4;",),
+                 ("constexpr int SMEM = (2 * B_ROWS + 4 * B_TILE) * Config<D>::ROW * 2 + "
+                  "4 * B_TILE * 4;",),
                  _MMA_DIMS, "fa_mma"),
     CourseKernel(_MMA, "fa_mma::dq_kernel<{D}>", "kernel<<<grid, THREADS, SMEM, stream>>>",
                  "THREADS", "SMEM",
-                 ("constexpr int SMEM = (2 * B_ROWS * D + 4 * B_TILE * D) * 2;",),
+                 ("constexpr int SMEM = (2 * B_ROWS + 4 * B_TILE) * Config<D>::ROW * 2;",),
                  _MMA_DIMS, "fa_mma"),
     CourseKernel(_MMA, "fa_mma::dkdvdq_kernel<{D}>",
                  "kernel<<<grid, A_THREADS, SMEM, c10::cuda::getCurrentCUDAStream()>>>",
                  "A_THREADS", "SMEM",
                  ("constexpr int SMEM = (2 * A_ROWS * D + 2 * A_BUFS * B_TILE * D + "
                   "2 * A_ROWS * B_TILE) * 2 + 2 * A_BUFS * B_TILE * 4;",),
-                 _MMA_DIMS, "fa_mma"),
+                 _MMA_ATOMIC_DIMS, "fa_mma"),
     CourseKernel(_MMA, "fa_mma::convert_dq",
                  "fa_mma::convert_dq<<<blocks, 256, 0, c10::cuda::getCurrentCUDAStream()>>>",
                  "256", "0"),

@@ -5,8 +5,8 @@
 // same instructions. tests/test_flash_mma.py checks these kernels on a GPU.
 //
 // Shapes (row-major, contiguous): Q (B, H, Nq, D), K and V (B, H, Nk, D), bf16; O (B, H, Nq, D)
-// bf16; LSE (B, H, Nq) float32 (natural log). D is 64 or 128. Causal is top-left aligned, as in
-// chapter 07 (key c is masked for query r when c > r).
+// bf16; LSE (B, H, Nq) float32 (natural log). D is 64, 96 or 128 (the atomic backward: 64 or
+// 128). Causal is top-left aligned, as in chapter 07 (key c is masked for query r when c > r).
 //
 // Forward. Grid (Tr, H, B), Tr = ceil(Nq / BR), the last row blocks first. Block: 4 warps; warp w
 // owns MT = 2 m-tiles of 16 query rows (BR = 128 rows a block).
@@ -23,6 +23,7 @@
 // Shared tiles are swizzled: the 16-byte chunk c of row r is stored at chunk c ^ (r % 8), so the
 // 8 rows an ldmatrix phase reads (same chunk c, 8 consecutive rows) fall in 8 different bank
 // groups instead of one (rows are 128 or 256 bytes long, a multiple of the 128-byte bank width).
+// At D = 96 the rows are padded from 192 to 208 bytes instead (see swizzle).
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 // From torch, what this file uses: the Tensor class and one header per operator it calls, under
@@ -47,9 +48,26 @@ constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-// Element (r, c) of a [rows][D] bf16 tile in the swizzled layout.
+// The tile shape of each head dim: keys per tile, 16-row m-tiles per warp, blocks per SM the
+// registers must allow, elements per row of a shared tile, Q's fragments kept in registers across
+// tiles (or reloaded per tile). Each K or V fragment a warp loads from shared memory feeds MT mma
+// instructions (one per m-tile): with MT = 1 the ldmatrix traffic, not the tensor cores, sets the
+// pace (210 instead of 300 TFLOP/s at D = 128 on an H100). Measured there too: keeping Q in
+// registers costs 32 registers at D = 64 and is no faster; at D = 128 it does not fit.
+// ROW: D, except at D = 96, where a row of 192 bytes is padded to 208 (below).
+template <int D> struct Config;
+template <> struct Config<64> { static constexpr int BC = 128, MT = 2, MIN_BLOCKS = 2, ROW = 64; static constexpr bool Q_REGS = false; };
+template <> struct Config<96> { static constexpr int BC = 64, MT = 2, MIN_BLOCKS = 2, ROW = 104; static constexpr bool Q_REGS = false; };
+template <> struct Config<128> { static constexpr int BC = 64, MT = 2, MIN_BLOCKS = 2, ROW = 128; static constexpr bool Q_REGS = false; };
+
+// Element (r, c) of a [rows][D] bf16 tile in shared memory. Rows of 64 and 128 elements (128 and
+// 256 bytes) are swizzled: the 16-byte chunk c of row r is stored at chunk c ^ (r % 8). Rows of
+// 96 elements are padded to Config<96>::ROW = 104 (208 bytes, 13 chunks): row r then starts
+// 13 r chunks in, in bank group 5 r mod 8, a different group for each of 8 consecutive rows, so
+// an ldmatrix phase (8 rows of one chunk) is conflict-free without a swizzle, for 8 % more memory.
 template <int D>
 __device__ __forceinline__ int swizzle(int r, int c) {
+    if constexpr (D == 96) return r * Config<96>::ROW + c;
     return r * D + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
 }
 
@@ -111,15 +129,6 @@ __device__ __forceinline__ void copy_tile(__nv_bfloat16* tile, const __nv_bfloat
     }
 }
 
-// The tile shape of each head dim: keys per tile, 16-row m-tiles per warp, blocks per SM the
-// registers must allow, Q's fragments kept in registers across tiles (or reloaded per tile).
-// Each K or V fragment a warp loads from shared memory feeds MT mma instructions (one per m-tile):
-// with MT = 1 the ldmatrix traffic, not the tensor cores, sets the pace (210 instead of 300
-// TFLOP/s at D = 128 on an H100). Measured there too: keeping Q in registers costs 32 registers
-// at D = 64 and is no faster; at D = 128 it does not fit.
-template <int D> struct Config;
-template <> struct Config<64> { static constexpr int BC = 128, MT = 2, MIN_BLOCKS = 2; static constexpr bool Q_REGS = false; };
-template <> struct Config<128> { static constexpr int BC = 64, MT = 2, MIN_BLOCKS = 2; static constexpr bool Q_REGS = false; };
 
 template <int D>
 __global__ void __launch_bounds__(THREADS, Config<D>::MIN_BLOCKS)
@@ -131,8 +140,8 @@ flash_attention_mma_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloa
     constexpr int BR = 16 * MT * WARPS;  // query rows per block
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // BR x D
-    __nv_bfloat16* Ks = Qs + BR * D;                                   // BC x D
-    __nv_bfloat16* Vs = Ks + BC * D;                                   // BC x D
+    __nv_bfloat16* Ks = Qs + BR * Config<D>::ROW;                      // BC x D
+    __nv_bfloat16* Vs = Ks + BC * Config<D>::ROW;                      // BC x D
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // the lane's group (row) and place in it (columns)
@@ -461,10 +470,11 @@ dkdv_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict
             int Nq, int Nk, float scale, int causal) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // B_ROWS x D
-    __nv_bfloat16* Vs = Ks + B_ROWS * D;                               // B_ROWS x D
-    __nv_bfloat16* Qs = Vs + B_ROWS * D;                               // 2 x B_TILE x D
-    __nv_bfloat16* dOs = Qs + 2 * B_TILE * D;                          // 2 x B_TILE x D
-    float* lse_s = reinterpret_cast<float*>(dOs + 2 * B_TILE * D);    // 2 x B_TILE
+    constexpr int ROW = Config<D>::ROW;                                // elements per tile row
+    __nv_bfloat16* Vs = Ks + B_ROWS * ROW;                             // B_ROWS x D
+    __nv_bfloat16* Qs = Vs + B_ROWS * ROW;                             // 2 x B_TILE x D
+    __nv_bfloat16* dOs = Qs + 2 * B_TILE * ROW;                        // 2 x B_TILE x D
+    float* lse_s = reinterpret_cast<float*>(dOs + 2 * B_TILE * ROW);  // 2 x B_TILE
     float* delta_s = lse_s + 2 * B_TILE;                               // 2 x B_TILE
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -481,8 +491,8 @@ dkdv_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict
     copy_tile<D, B_ROWS>(Ks, K + bh * Nk * D, key0, Nk);
     copy_tile<D, B_ROWS>(Vs, V + bh * Nk * D, key0, Nk);
     auto stream_in = [&](int i, int buf) {
-        copy_tile<D, B_TILE>(Qs + buf * B_TILE * D, Qb, i * B_TILE, Nq);
-        copy_tile<D, B_TILE>(dOs + buf * B_TILE * D, dOb, i * B_TILE, Nq);
+        copy_tile<D, B_TILE>(Qs + buf * B_TILE * ROW, Qb, i * B_TILE, Nq);
+        copy_tile<D, B_TILE>(dOs + buf * B_TILE * ROW, dOb, i * B_TILE, Nq);
         copy_row_stats(lse_s + buf * B_TILE, lse_b, i * B_TILE, Nq, LOG2E, -neg_inf());
         copy_row_stats(delta_s + buf * B_TILE, delta_b, i * B_TILE, Nq, 1.0f, 0.0f);
     };
@@ -501,7 +511,7 @@ dkdv_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict
         cp_async_commit();
         cp_async_wait<1>();  // tile i (and K, V) landed for this thread ...
         __syncthreads();     // ... and for all (the plain stores of LSE and Delta too)
-        const __nv_bfloat16 *Qt = Qs + buf * B_TILE * D, *dOt = dOs + buf * B_TILE * D;
+        const __nv_bfloat16 *Qt = Qs + buf * B_TILE * ROW, *dOt = dOs + buf * B_TILE * ROW;
         const float *lse_t = lse_s + buf * B_TILE, *delta_t = delta_s + buf * B_TILE;
         const int q0 = it * B_TILE;
 
@@ -562,9 +572,10 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
           __nv_bfloat16* __restrict__ dQ, int Nq, int Nk, float scale, int causal) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // B_ROWS x D
-    __nv_bfloat16* dOs = Qs + B_ROWS * D;                              // B_ROWS x D
-    __nv_bfloat16* Ks = dOs + B_ROWS * D;                              // 2 x B_TILE x D
-    __nv_bfloat16* Vs = Ks + 2 * B_TILE * D;                           // 2 x B_TILE x D
+    constexpr int ROW = Config<D>::ROW;                                // elements per tile row
+    __nv_bfloat16* dOs = Qs + B_ROWS * ROW;                            // B_ROWS x D
+    __nv_bfloat16* Ks = dOs + B_ROWS * ROW;                            // 2 x B_TILE x D
+    __nv_bfloat16* Vs = Ks + 2 * B_TILE * ROW;                         // 2 x B_TILE x D
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const size_t bh = (size_t)blockIdx.z * gridDim.y + blockIdx.y;
@@ -595,13 +606,13 @@ dq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__
     for (int jt = 0; jt < n_tiles; ++jt) {
         const int buf = jt % 2;
         if (jt + 1 < n_tiles) {
-            copy_tile<D, B_TILE>(Ks + (1 - buf) * B_TILE * D, Kb, (jt + 1) * B_TILE, Nk);
-            copy_tile<D, B_TILE>(Vs + (1 - buf) * B_TILE * D, Vb, (jt + 1) * B_TILE, Nk);
+            copy_tile<D, B_TILE>(Ks + (1 - buf) * B_TILE * ROW, Kb, (jt + 1) * B_TILE, Nk);
+            copy_tile<D, B_TILE>(Vs + (1 - buf) * B_TILE * ROW, Vb, (jt + 1) * B_TILE, Nk);
         }
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const __nv_bfloat16 *Kt = Ks + buf * B_TILE * D, *Vt = Vs + buf * B_TILE * D;
+        const __nv_bfloat16 *Kt = Ks + buf * B_TILE * ROW, *Vt = Vs + buf * B_TILE * ROW;
         const int key0 = jt * B_TILE;
 
         float p[B_TILE / 8][4];  // S, then P, then dS
@@ -737,6 +748,7 @@ dkdvdq_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restri
               const float* __restrict__ LSE, const float* __restrict__ Delta,
               __nv_bfloat16* __restrict__ dK, __nv_bfloat16* __restrict__ dV,
               float* __restrict__ dQacc, int Nq, int Nk, float scale, int causal) {
+    static_assert(D % 64 == 0, "dQ's columns are split in 4 groups of a multiple of 16");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // A_ROWS x D
     __nv_bfloat16* Vs = Ks + A_ROWS * D;                               // A_ROWS x D
@@ -937,14 +949,18 @@ __global__ void convert_dq(const float4* __restrict__ acc, __nv_bfloat16* __rest
         const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
         const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
         const float* __restrict__, const float* __restrict__, __nv_bfloat16* __restrict__, int,    \
-        int, float, int);                                                                          \
+        int, float, int);
+#define FA_MMA_INSTANTIATE_ATOMIC(D)                                                               \
     template __global__ void fa_mma::dkdvdq_kernel<D>(                                              \
         const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
         const __nv_bfloat16* __restrict__, const __nv_bfloat16* __restrict__,                      \
         const float* __restrict__, const float* __restrict__, __nv_bfloat16* __restrict__,         \
         __nv_bfloat16* __restrict__, float* __restrict__, int, int, float, int);
 FA_MMA_INSTANTIATE(64)
+FA_MMA_INSTANTIATE(96)
 FA_MMA_INSTANTIATE(128)
+FA_MMA_INSTANTIATE_ATOMIC(64)
+FA_MMA_INSTANTIATE_ATOMIC(128)
 #endif
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
@@ -959,7 +975,7 @@ static void launch_flash_mma(const torch::Tensor& Q, const torch::Tensor& K, con
                              float scale, bool causal) {
     using namespace fa_mma;
     constexpr int BR = 16 * Config<D>::MT * WARPS, BC = Config<D>::BC;
-    constexpr int SMEM = (BR * D + 2 * BC * D) * 2;  // Q, K and V tiles, bf16
+    constexpr int SMEM = (BR + 2 * BC) * Config<D>::ROW * 2;  // Q, K and V tiles, bf16
     auto kernel = flash_attention_mma_kernel<D>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     dim3 grid((Nq + BR - 1) / BR, H, B);
@@ -973,7 +989,7 @@ static void launch_flash_mma(const torch::Tensor& Q, const torch::Tensor& K, con
 }
 
 // What every entry point checks: bf16, 4D, contiguous, 16-byte aligned CUDA tensors on one GPU,
-// K and V alike, Q and K agreeing in B, H and D, and D = 64 or 128.
+// K and V alike, Q and K agreeing in B, H and D, and D = 64, 96 or 128.
 static void check_qkv(const char* fn, const torch::Tensor& Q, const torch::Tensor& K,
                       const torch::Tensor& V) {
     for (const auto* X : {&Q, &K, &V}) {
@@ -992,13 +1008,14 @@ static void check_qkv(const char* fn, const torch::Tensor& Q, const torch::Tenso
     TORCH_CHECK(Q.size(0) == K.size(0) && Q.size(1) == K.size(1) && Q.size(3) == K.size(3),
                 fn, ": Q and K must agree in B, H and D");
     const int64_t D = Q.size(3);
-    TORCH_CHECK(D == 64 || D == 128, fn, ": head dim D must be 64 or 128, got ", std::to_string(D));
+    TORCH_CHECK(D == 64 || D == 96 || D == 128, fn, ": head dim D must be 64, 96 or 128, got ",
+                std::to_string(D));
     TORCH_CHECK(Q.size(0) <= 65535 && Q.size(1) <= 65535,
                 fn, ": B and H must be at most 65535 (grid y and z); split the batch");
 }
 
 // O, LSE = attention(Q, K, V) on tensor cores. Q (B, H, Nq, D), K and V (B, H, Nk, D): bf16,
-// contiguous, on one GPU, D = 64 or 128.
+// contiguous, on one GPU, D = 64, 96 or 128.
 std::vector<torch::Tensor> flash_attention_mma(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                bool causal) {
     check_qkv("flash_attention_mma", Q, K, V);
@@ -1009,6 +1026,7 @@ std::vector<torch::Tensor> flash_attention_mma(torch::Tensor Q, torch::Tensor K,
     if (Nk == 0) return {O.zero_(), LSE.fill_(-INFINITY)};
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     if (D == 64) launch_flash_mma<64>(Q, K, V, O, LSE, Nq, Nk, H, B, scale, causal);
+    else if (D == 96) launch_flash_mma<96>(Q, K, V, O, LSE, Nq, Nk, H, B, scale, causal);
     else launch_flash_mma<128>(Q, K, V, O, LSE, Nq, Nk, H, B, scale, causal);
     return {O, LSE};
 }
@@ -1024,7 +1042,7 @@ static void launch_backward(const torch::Tensor& Q, const torch::Tensor& K, cons
     auto bf = [](const torch::Tensor& X) { return reinterpret_cast<const __nv_bfloat16*>(X.data_ptr()); };
     auto bf_out = [](torch::Tensor& X) { return reinterpret_cast<__nv_bfloat16*>(X.data_ptr()); };
     {   // dK, dV: one block per 64 keys
-        constexpr int SMEM = (2 * B_ROWS * D + 4 * B_TILE * D) * 2 + 4 * B_TILE * 4;
+        constexpr int SMEM = (2 * B_ROWS + 4 * B_TILE) * Config<D>::ROW * 2 + 4 * B_TILE * 4;
         auto kernel = dkdv_kernel<D>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
         dim3 grid((Nk + B_ROWS - 1) / B_ROWS, H, B);
@@ -1034,7 +1052,7 @@ static void launch_backward(const torch::Tensor& Q, const torch::Tensor& K, cons
         check_launch("flash_attention_mma_backward (dK, dV)");
     }
     {   // dQ: one block per 64 queries
-        constexpr int SMEM = (2 * B_ROWS * D + 4 * B_TILE * D) * 2;
+        constexpr int SMEM = (2 * B_ROWS + 4 * B_TILE) * Config<D>::ROW * 2;
         auto kernel = dq_kernel<D>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
         dim3 grid((Nq + B_ROWS - 1) / B_ROWS, H, B);
@@ -1089,6 +1107,7 @@ std::vector<torch::Tensor> flash_attention_mma_backward(torch::Tensor Q, torch::
     auto Delta = backward_delta(O, dO);
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     if (D == 64) launch_backward<64>(Q, K, V, dO, LSE, Delta, dQ, dK, dV, scale, causal);
+    else if (D == 96) launch_backward<96>(Q, K, V, dO, LSE, Delta, dQ, dK, dV, scale, causal);
     else launch_backward<128>(Q, K, V, dO, LSE, Delta, dQ, dK, dV, scale, causal);
     return {dQ, dK, dV};
 }
@@ -1129,6 +1148,9 @@ std::vector<torch::Tensor> flash_attention_mma_backward_atomic(torch::Tensor Q, 
                                                                torch::Tensor dO, torch::Tensor LSE,
                                                                bool causal) {
     check_backward("flash_attention_mma_backward_atomic", Q, K, V, O, dO, LSE);
+    TORCH_CHECK(Q.size(3) != 96, "flash_attention_mma_backward_atomic: built for D = 64 and 128 "
+                "(its warps split dQ's columns in 4 groups of a multiple of 16); at D = 96 use "
+                "flash_attention_mma_backward");
     const int64_t B = Q.size(0), H = Q.size(1), Nq = Q.size(2), Nk = K.size(2), D = Q.size(3);
     auto dQ = torch::empty_like(Q), dK = torch::empty_like(K), dV = torch::empty_like(V);
     if (B == 0 || H == 0) return {dQ, dK, dV};
