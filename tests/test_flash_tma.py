@@ -525,6 +525,51 @@ def test_gpu_fp8_hardware_and_fp32_rounding_of_p_agree():
     assert torch.equal(O_hw, O_sw) and torch.equal(LSE_hw, LSE_sw)
 
 
+# The FP8 inputs' producer: one kernel per tensor (quantize_fused) instead of a pass of torch
+# operations on the host, and the Hadamard rotation of Q and K (incoherent processing).
+
+@pytest.mark.parametrize("N, rows", [(100, 64), (64, 64), (130, 128), (1, 64)])
+def test_fused_quantization_is_the_host_quantization_bit_for_bit(N, rows):
+    x = (torch.randn(2, 2, N, 32, device=DEV) * 3).to(HALF)
+    want8, want_s = tma_fp8.quantize_blockwise(x, rows)
+    got8, got_s = tma_fp8.quantize_fused(x, rows)
+    assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))
+    assert torch.equal(got_s, want_s)
+    pad = triton.cdiv(N, 16) * 16
+    t8, t_s = tma_fp8.quantize_fused(x, rows, transpose=True, n_pad=pad)
+    assert t8.shape == (2, 2, 32, pad) and torch.equal(t_s, want_s)
+    assert torch.equal(t8[..., :N].transpose(-2, -1).contiguous().view(torch.uint8),
+                       want8.view(torch.uint8))
+    assert (t8[..., N:].float() == 0).all(), "V^T's padding keys must be zeros"
+    H = tma_fp8.hadamard(32, DEV)
+    want8, want_s = tma_fp8.quantize_blockwise(x.float() @ H, rows)
+    got8, got_s = tma_fp8.quantize_fused(x, rows, rotate=True)
+    torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
+    assert (got8.view(torch.uint8) != want8.view(torch.uint8)).float().mean() < 1e-3
+
+
+def test_hadamard_is_orthogonal_and_needs_a_power_of_two():
+    for d in (16, 32, 64, 128):
+        H = tma_fp8.hadamard(d)
+        assert set(H.unique().tolist()) == {-1.0, 1.0}
+        assert torch.equal(H.T @ H, d * torch.eye(d))
+    with pytest.raises(ValueError, match="power of two, got 96"):
+        tma_fp8.hadamard(96)
+
+
+def test_rotation_keeps_the_scores_and_cuts_the_error_of_outlier_channels():
+    d = cu.pick(gpu=128, cpu=32)
+    N = cu.pick(gpu=1024, cpu=128)
+    for causal in (False, True):
+        rows = tma_fp8.accuracy_study(1, 2, N, d, outliers=(1.0, 30.0), causal=causal,
+                                      dtype=HALF, device=DEV, seed=int(causal))
+        plain, outlier = rows
+        # without outliers the rotation changes little (both are FP8-sized); with two channels
+        # 30x the others it spreads them over all d channels and the error falls
+        assert plain["rotated"] < 2 * plain["plain"] < 0.4, plain
+        assert outlier["rotated"] < 0.6 * outlier["plain"], outlier
+
+
 # ---------------------------------------------------------------------------------------------
 # TMA backward (attention_backward_tma) and the autograd wrapper (flash_attention_tma)
 # ---------------------------------------------------------------------------------------------

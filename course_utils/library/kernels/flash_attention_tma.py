@@ -39,8 +39,10 @@ longest first (the last query tiles of every head), so what is left at the end i
 **3. Pipelining.** ``num_stages`` is how many K/V tiles are in flight: with TMA a copy needs
 no registers and no threads, so deeper pipelines cost shared memory only.
 
-**FP8.** Q, K, V are quantized on the host to e4m3 (4 exponent bits, 3 mantissa bits, at
-most 448) with one float32 scale per block of rows (:func:`quantize_blockwise`); S = Q K^T runs
+**FP8.** Q, K, V are quantized to e4m3 (4 exponent bits, 3 mantissa bits, at most 448) with
+one float32 scale per block of rows, one producer kernel per tensor (:func:`quantize_fused`,
+the values of the host version :func:`quantize_blockwise`), optionally after a Hadamard
+rotation of Q and K (``rotate=True``: incoherent processing); S = Q K^T runs
 on the FP8 tensor cores (twice the bf16 rate on an H100) and is rescaled by the two block
 scales; the online softmax stays in fp32; P is quantized to e4m3 in the kernel for O += P V.
 See :func:`attention_forward_fp8` for the choices (scale granularity, the scaling of P, the
@@ -137,12 +139,16 @@ from .flash_attention_tma_parts.fp8 import (  # noqa: F401  (re-exported)
     _capability,
     _check_fp8_hardware,
     _forward_fp8_kernel,
+    _quantize_kernel,
     _to_e4m3,
+    accuracy_study,
     attention_forward_fp8,
     attention_forward_fp8_quantized,
     forward_inner_fp8,
+    hadamard,
     quantize_blockwise,
     quantize_fp8_inputs,
+    quantize_fused,
     round_to_e4m3,
 )
 
@@ -154,14 +160,17 @@ __all__ = [
     "Fp8Inputs",
     "P_SCALE",
     "TMA_CONFIGS",
+    "accuracy_study",
     "attention_forward_fp8",
     "attention_forward_fp8_quantized",
     "attention_forward_tma",
     "default_config",
     "forward_inner_fp8",
     "forward_inner_tma",
+    "hadamard",
     "quantize_blockwise",
     "quantize_fp8_inputs",
+    "quantize_fused",
     "round_to_e4m3",
     "softmax_step",
     # the backward and the autograd wrapper

@@ -1,9 +1,12 @@
 """Chapter 14's FP8 forward: e4m3 inputs with per-block scales, e4m3 P, fp32 softmax.
 
-Host-side quantization (:func:`quantize_blockwise`, :func:`quantize_fp8_inputs`), the exact
-e4m3 rounding the interpreter needs (:func:`round_to_e4m3`), the kernel and its host functions
-(:func:`attention_forward_fp8`, :func:`attention_forward_fp8_quantized`). Its own room: the
-only part of the chapter with its own number format and its own hardware check.
+The quantization (:func:`quantize_blockwise` on the host, the reference; :func:`quantize_fused`,
+one producer kernel per tensor, the same values, optionally after a :func:`hadamard` rotation;
+:func:`quantize_fp8_inputs`), the exact e4m3 rounding the interpreter needs
+(:func:`round_to_e4m3`), the kernel and its host functions (:func:`attention_forward_fp8`,
+:func:`attention_forward_fp8_quantized`), and :func:`accuracy_study` (the error against float64
+with and without the rotation). Its own room: the only part of the chapter with its own number
+format and its own hardware check.
 """
 
 from __future__ import annotations
@@ -179,6 +182,83 @@ def quantize_blockwise(x, block_rows):
     return x_fp8.contiguous(), scales
 
 
+@triton.jit
+def _quantize_kernel(X, X8, S, Hd, N, T, N_PAD, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                     TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr, IEEE: tl.constexpr,
+                     ROUND_IN_FP32: tl.constexpr):
+    """One block of BLOCK_ROWS rows of one head: (rotated,) scaled by its amax, to e4m3.
+
+    Grid (T, B*H). X (B*H, N, d); X8 the same shape, or (B*H, d, N_PAD) with TRANSPOSE; S
+    (B*H, T) the scales; Hd (d, d) the rotation (+-1 entries) when ROTATE.
+    """
+    t = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = t * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, HEAD_DIM)
+    inside = rows[:, None] < N
+    x = tl.load(X + bh * N * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :], mask=inside,
+                other=0.0)
+    if ROTATE:  # x Hd: every product is exact (Hd is +-1), the sums in fp32
+        h = tl.load(Hd + cols[:, None] * HEAD_DIM + cols[None, :])
+        if IEEE:  # fp32 inputs, or the interpreter (whose bf16 dot is wrong): fp32 throughout
+            x = tl.dot(x.to(tl.float32), h.to(tl.float32), input_precision="ieee")
+        else:  # 16-bit inputs on a GPU: the tensor cores, exact products, fp32 sums
+            x = tl.dot(x, h)
+    else:
+        x = x.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_E4M3_MAX), _E4M3_MAX)
+    y8 = _to_e4m3(y, ROUND_IN_FP32)
+    tl.store(S + bh * T + t, scale)
+    if TRANSPOSE:  # V^T: the keys along the rows of (d, N_PAD)
+        tl.store(X8 + bh * HEAD_DIM * N_PAD + cols[:, None] * N_PAD + rows[None, :],
+                 tl.trans(y8), mask=rows[None, :] < N)
+    else:
+        tl.store(X8 + bh * N * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :], y8,
+                 mask=inside)
+
+
+def hadamard(d, device=None):
+    """A d x d matrix of +-1 with orthogonal columns (``H^T H = d I``): Sylvester's Hadamard
+    matrix (d a power of two) with its rows' signs flipped by a fixed pseudo-random pattern, so
+    that no input direction that matters in practice (a constant vector, one channel) lands on
+    a single column. float32."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs d a power of two, got {d}")
+    H = torch.ones(1, 1)
+    while H.shape[0] < d:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    signs = torch.randint(0, 2, (d, 1), generator=torch.Generator().manual_seed(d)) * 2 - 1
+    return (signs * H).to(device=device)
+
+
+def quantize_fused(x, block_rows, *, transpose=False, rotate=False, n_pad=None):
+    """:func:`quantize_blockwise` in one kernel (one read of x, one write of e4m3): ``(x8,
+    scales)``, the same values bit for bit; ``transpose``: x8 is ``(B, H, d, n_pad)``, V^T with
+    its keys padded to ``n_pad`` (zeros); ``rotate``: x is multiplied by :func:`hadamard` first
+    (``x H``; the caller divides the scores by d)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise TypeError("x must be a floating (B, H, N, d) tensor")
+    B, H, N, d = x.shape
+    T = triton.cdiv(N, block_rows)
+    x = x.contiguous()
+    scales = torch.empty(B, H, T, dtype=torch.float32, device=x.device)
+    n_pad = N if n_pad is None else n_pad
+    if transpose:
+        x8 = (torch.zeros if n_pad != N else torch.empty)(B, H, d, n_pad,
+                                                          dtype=torch.float8_e4m3fn,
+                                                          device=x.device)
+    else:
+        x8 = torch.empty(B, H, N, d, dtype=torch.float8_e4m3fn, device=x.device)
+    rot = hadamard(d, x.device).to(x.dtype) if rotate else scales  # (unused without rotate)
+    _quantize_kernel[(T, B * H)](x, x8, scales, rot, N, T, n_pad, HEAD_DIM=d,
+                                 BLOCK_ROWS=block_rows, TRANSPOSE=transpose, ROTATE=rotate,
+                                 IEEE=INTERPRETED or x.dtype == torch.float32,
+                                 ROUND_IN_FP32=INTERPRETED)
+    return x8, scales
+
+
 class Fp8Inputs(NamedTuple):
     """What :func:`quantize_fp8_inputs` returns and :func:`attention_forward_fp8_quantized` takes.
 
@@ -195,6 +275,7 @@ class Fp8Inputs(NamedTuple):
     vt8: torch.Tensor
     v_scale: torch.Tensor
     config: triton.Config
+    rotated: bool = False  # Q and K were multiplied by hadamard(d): scores are d times larger
 
 
 def _check_fp8_hardware(q):
@@ -214,11 +295,14 @@ def _capability(index):
     return fat._capability(index)  # honours COURSE_PRETEND_CAPABILITY, as chapter 09 does
 
 
-def quantize_fp8_inputs(q, k, v, *, config=None):
+def quantize_fp8_inputs(q, k, v, *, config=None, rotate=False):
     """Quantize q, k, v to e4m3 for :func:`attention_forward_fp8_quantized` (see Fp8Inputs).
 
-    Q per block of BLOCK_M rows, K and V per block of BLOCK_N rows (the kernel's tiles), with
-    :func:`quantize_blockwise`; V is then stored transposed (see attention_forward_fp8).
+    Q per block of BLOCK_M rows, K and V per block of BLOCK_N rows (the kernel's tiles), each
+    tensor in one kernel (:func:`quantize_fused`: the values of :func:`quantize_blockwise`), V
+    written transposed (see attention_forward_fp8). ``rotate``: Q and K are multiplied by the
+    same :func:`hadamard` rotation first (incoherent processing: Q H (K H)^T = d Q K^T, so the
+    scores are unchanged once divided by d, while an outlier channel is spread over all d).
     """
     B, H, Nq, Nk, d = validate_inputs(q, k, v)
     if d not in FP8_SUPPORTED_D:
@@ -228,17 +312,15 @@ def quantize_fp8_inputs(q, k, v, *, config=None):
     _check_bh(B, H)
     config = config or default_config(d, q.dtype, fp8=True)
     bm, bn, _ = _tiles(config, None, fp8=True)
-    q8, q_scale = quantize_blockwise(q, bm)
-    k8, k_scale = quantize_blockwise(k, bn)
-    v8, v_scale = quantize_blockwise(v, bn)
+    q8, q_scale = quantize_fused(q, bm, rotate=rotate)
+    k8, k_scale = quantize_fused(k, bn, rotate=rotate)
     Nk_pad = triton.cdiv(Nk, TMA_ALIGN) * TMA_ALIGN
-    vt8 = torch.zeros(B, H, d, Nk_pad, dtype=torch.float8_e4m3fn, device=q.device)
-    vt8[..., :Nk] = v8.transpose(-2, -1)
-    return Fp8Inputs(q8, q_scale, k8, k_scale, vt8, v_scale, config)
+    vt8, v_scale = quantize_fused(v, bn, transpose=True, n_pad=Nk_pad)
+    return Fp8Inputs(q8, q_scale, k8, k_scale, vt8, v_scale, config, bool(rotate))
 
 
 def attention_forward_fp8(q, k, v, causal=False, scale=None, *, config=None,
-                          round_in_fp32=None):
+                          round_in_fp32=None, rotate=False):
     """FP8 (e4m3) FlashAttention forward: ``(O, LSE)``, O ``(B, H, Nq, d)`` bfloat16.
 
     q, k, v, causal, scale as in :func:`attention_forward_tma` (d in 32, 64, 128; an sm_89+ GPU
@@ -263,12 +345,15 @@ def attention_forward_fp8(q, k, v, causal=False, scale=None, *, config=None,
       in O += P V the reduction runs over the keys, down the rows of V; transposed, the keys are
       contiguous.
 
+    ``rotate``: incoherent processing, Q and K rotated by :func:`hadamard` before the
+    quantization (see quantize_fp8_inputs).
+
     ``round_in_fp32``: round P to the e4m3 grid in fp32 (:func:`round_to_e4m3`) before the
     conversion; default on in the interpreter (its conversion is wrong, see there), off on a
     GPU (the hardware conversion rounds to nearest even already). The LSE is that of the
     dequantized scores ``scale * (sq Q8) (sk K8)^T``.
     """
-    inputs = quantize_fp8_inputs(q, k, v, config=config)
+    inputs = quantize_fp8_inputs(q, k, v, config=config, rotate=rotate)
     return attention_forward_fp8_quantized(inputs, causal, scale, round_in_fp32=round_in_fp32)
 
 
@@ -284,10 +369,10 @@ def attention_forward_fp8_quantized(inputs, causal=False, scale=None, *, round_i
     """
     if not isinstance(inputs, Fp8Inputs):
         raise TypeError("inputs must come from quantize_fp8_inputs(q, k, v)")
-    q8, q_scale, k8, k_scale, vt8, v_scale, config = inputs
+    q8, q_scale, k8, k_scale, vt8, v_scale, config, rotated = inputs
     B, H, Nq, d = q8.shape
     Nk = k8.shape[2]
-    scale = fat._scale(scale, d)
+    scale = fat._scale(scale, d) / (d if rotated else 1)  # rotated: Q H (K H)^T = d Q K^T
     causal = fat._causal(causal)
     round_in_fp32 = INTERPRETED if round_in_fp32 is None else bool(round_in_fp32)
     bm, bn, launch = _tiles(config, None, fp8=True)
@@ -303,3 +388,32 @@ def attention_forward_fp8_quantized(inputs, causal=False, scale=None, *, round_i
         BLOCK_M=bm, BLOCK_N=bn, EVEN_M=Nq % bm == 0, EVEN_N=Nk % bn == 0,
         ROUND_IN_FP32=round_in_fp32, **launch)
     return O.to(torch.bfloat16), LSE
+
+
+def accuracy_study(B, H, N, d, *, outliers=(1.0, 8.0, 30.0), channels=2, causal=False,
+                   dtype=torch.bfloat16, device=None, seed=0):
+    """Error of the FP8 forward against float64, without and with the Hadamard rotation.
+
+    For each factor in ``outliers``: Q, K, V standard normal (``seed``), the first ``channels``
+    channels of Q and K multiplied by the factor (activations with a few large channels, as
+    language models have) and Q, K divided by sqrt(factor) so that the scores keep their size.
+    Returns one dict per factor: ``outlier``, ``plain`` and ``rotated``, each
+    max |O - O64| / max |O64| (O64 the float64 attention of the same 16-bit inputs).
+    """
+    from .... import reference
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = []
+    for factor in outliers:
+        q, k, v = (torch.randn(B, H, N, d, generator=g) for _ in range(3))
+        q[..., :channels] *= factor
+        k[..., :channels] *= factor
+        q, k = q / factor**0.5, k / factor**0.5
+        q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+        O64, _ = reference.attention(q.double(), k.double(), v.double(), causal=causal)
+        row = {"outlier": factor}
+        for name, rotate in (("plain", False), ("rotated", True)):
+            O, _ = attention_forward_fp8(q, k, v, causal, rotate=rotate)
+            row[name] = float((O.double() - O64).abs().max() / O64.abs().max())
+        rows.append(row)
+    return rows
