@@ -175,7 +175,10 @@ def quantize_blockwise(x, block_rows):
     amax = blocks.abs().amax(dim=(-2, -1))
     if not torch.isfinite(amax).all():
         raise ValueError("x holds inf or NaN: it cannot be scaled into e4m3's range")
-    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # amax / 448 as a division of two tensors: divided by a Python number, torch on a GPU
+    # multiplies by its reciprocal, which can differ in the last bit from the exact quotient
+    # (what quantize_fused's kernel computes, and what the CPU gives)
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     # amax / (amax / 448) can come out a hair above 448: clamp, so it rounds to 448
     scaled = (blocks / scales[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX)
     x_fp8 = scaled.to(torch.float8_e4m3fn).view(B, H, T * block_rows, d)[:, :, :N]
