@@ -54,3 +54,24 @@ def test_show_on_a_cpu_prints_the_recording_or_says_it_is_missing(capsys):
     headlines.show(10)
     out = capsys.readouterr().out
     assert "not recorded yet" in out or "interleaved rounds" in out
+
+
+def test_the_fp8_recording_prints_ratios_with_spread_and_both_errors(capsys):
+    from course_utils import recorded
+
+    data = recorded.load("14_fp8", verbose=False)
+    assert [r["N"] for r in data["rows"]] == [4096, 8192, 16384] * 2
+    headlines.print_fp8(data, "recorded")
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.strip().startswith(("False", "True"))]
+    assert len(rows) == 6 and all(line.count("(") == 2 for line in rows)
+    assert any("x30: plain" in line and "rotated" in line for line in out)
+
+
+def test_measuring_fp8_on_a_cpu_says_what_it_needs():
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("on an H100/H200 measure_fp8 measures")
+    with pytest.raises(RuntimeError, match="sm_90"):
+        headlines.measure_fp8(save=False)

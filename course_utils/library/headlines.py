@@ -42,7 +42,8 @@ WIDE_DS, WIDE_HEADS = (192, 256), 16  # chapter 14's wide heads: forward only, 1
 BACKWARDS = ("deterministic", "atomic")  # chapter 10's two backward kernels
 
 __all__ = ["BACKWARDS", "CHAPTERS", "ROUNDS", "default_variant", "measure",
-           "measure_backward_variants", "measure_wide", "show", "summary"]
+           "measure_backward_variants", "measure_fp8", "measure_wide", "print_fp8", "show",
+           "summary"]
 
 
 def _course_kernels(chapter: int):
@@ -280,6 +281,107 @@ def measure_backward_variants(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
     return data
 
 
+FP8_D, FP8_NS = 128, (4096, 8192, 16384)  # the issue's shapes: d = 128, N >= 4096
+FP8_RUNS = ("fp8", "fp8 rotated", "fp8 kernel", "quantize", "bf16", "sdpa cudnn")
+
+
+def _fp8_row(fwd, D: int, causal: bool, N: int, rounds: int) -> dict:
+    """One shape of :func:`measure_fp8`: the FP8 output checked against float64, then every
+    entry of :data:`FP8_RUNS` timed in interleaved rounds."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from ..reference import attention
+    from ..toolbox import bench
+    from .kernels import flash_attention_tma as tma
+
+    B, H = TOKENS // N, HIDDEN // D
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    O64, _ = attention(q[:1, :1].double(), k[:1, :1].double(), v[:1, :1].double(), causal=causal)
+    err = {}
+    for name, rotate in (("fp8", False), ("fp8 rotated", True)):
+        O, _ = tma.attention_forward_fp8(q, k, v, causal, rotate=rotate)
+        err[name] = float((O[:1, :1].double() - O64).abs().max() / O64.abs().max())
+        if not math.isfinite(err[name]) or err[name] > 0.25:
+            raise AssertionError(f"FP8 ({name}), causal={causal}, N={N}: max |O - O64| is "
+                                 f"{err[name]:.2f} of max |O64|: not timing a wrong kernel")
+    inputs = tma.quantize_fp8_inputs(q, k, v)
+    runs = {"fp8": lambda: tma.attention_forward_fp8(q, k, v, causal),
+            "fp8 rotated": lambda: tma.attention_forward_fp8(q, k, v, causal, rotate=True),
+            "fp8 kernel": lambda: tma.attention_forward_fp8_quantized(inputs, causal),
+            "quantize": lambda: tma.quantize_fp8_inputs(q, k, v),
+            "bf16": lambda: fwd(q, k, v, causal),
+            "sdpa cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v, causal)}
+    ms = bench.interleaved(runs, rounds=rounds)
+    flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd")
+    return {
+        "D": D, "causal": causal, "N": N, "B": B, "H": H, "mode": "fwd",
+        "ms": {n: statistics.median(t) for n, t in ms.items()},
+        "tflops": {n: bench.tflops(flops, statistics.median(t)) for n, t in ms.items()
+                   if n != "quantize"},
+        "ratio": {f"{a} vs {b}": bench.ratio_summary(ms, a, b)
+                  for a in ("fp8", "fp8 rotated", "fp8 kernel") for b in ("bf16", "sdpa cudnn")},
+        "rel_err_vs_float64": err,
+    }
+
+
+def measure_fp8(*, rounds: int = ROUNDS, Ns=FP8_NS, save: bool = True,
+                progress: bool = False) -> dict:
+    """Chapter 14's FP8 forward as a user calls it, from bfloat16 tensors (``"fp8"``: the
+    producer kernels quantize Q, K, V and write V^T inside the timed call; ``"fp8 rotated"``:
+    with the Hadamard rotation), the FP8 kernel alone, the producers alone, the course's bf16
+    forward (chapter 14's default variant) and cuDNN, in the same interleaved rounds; d =
+    ``FP8_D``, causal and not, N in ``Ns``. Then :func:`accuracy_study` at N = 4096, causal and
+    not. Saved as ``14_fp8``."""
+    import torch
+
+    from .. import recorded
+    from .kernels import flash_attention_tma as tma
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise RuntimeError("chapter 14's kernels run on sm_90 (H100/H200) only")
+    fwd, _ = _course_kernels(14)
+    rows = []
+    for causal in (False, True):
+        for N in Ns:
+            rows.append(_fp8_row(fwd, FP8_D, causal, N, rounds))
+            if progress:
+                print(f"  measured FP8 d={FP8_D}, causal={causal}, N={N}", file=sys.stderr,
+                      flush=True)
+    accuracy = {"B": 1, "H": 4, "N": 4096, "D": FP8_D,
+                "rows": {str(c): tma.accuracy_study(1, 4, 4096, FP8_D, causal=c, device="cuda")
+                         for c in (False, True)}}
+    data = {"chapter": 14, "kernel": "chapter 14's FP8 (e4m3) forward, Triton",
+            "device": torch.cuda.get_device_name(), "rounds": rounds, "dtype": "bfloat16 in",
+            "tokens": TOKENS, "hidden": HIDDEN, "runs": list(FP8_RUNS), "rows": rows,
+            "accuracy": accuracy}
+    if save:
+        recorded.save("14_fp8", data)
+    return data
+
+
+def print_fp8(data: dict, where: str) -> None:
+    """The table of :func:`measure_fp8` (or its recording ``14_fp8``)."""
+    print(f"{data['kernel']}, d = {data['rows'][0]['D']}, B x N = {data['tokens']}; {where}")
+    print("TFLOP/s; ratio = the other's time / FP8's (median, lowest-highest over "
+          f"{data['rounds']} interleaved rounds)")
+    print(f"{'causal':>6} {'N':>5} | {'fp8':>5} {'rot.':>5} {'kern.':>5} {'bf16':>5} "
+          f"{'cuDNN':>5} {'quant. ms':>9} | {'fp8 vs bf16':>16} {'kernel vs bf16':>16}")
+    for r in data["rows"]:
+        t = r["tflops"]
+        print(f"{str(r['causal']):>6} {r['N']:5d} | {t['fp8']:5.0f} {t['fp8 rotated']:5.0f} "
+              f"{t['fp8 kernel']:5.0f} {t['bf16']:5.0f} {t['sdpa cudnn']:5.0f} "
+              f"{r['ms']['quantize']:9.3f} | {_fmt(r['ratio']['fp8 vs bf16']):>16} "
+              f"{_fmt(r['ratio']['fp8 kernel vs bf16']):>16}")
+    acc = data["accuracy"]
+    print(f"accuracy, max |O - O64| / max |O64| (B={acc['B']}, H={acc['H']}, N={acc['N']}, "
+          f"d={acc['D']}; Q and K with 2 channels scaled by the outlier factor):")
+    for causal, rows in acc["rows"].items():
+        print(f"  causal={causal}: " + "; ".join(
+            f"x{r['outlier']:g}: plain {r['plain']:.3f}, rotated {r['rotated']:.3f}"
+            for r in rows))
+
+
 def summary(data: dict, baseline: str, *, mode: str = "fwd", D=None, causal=None,
             min_N: int = 0) -> dict:
     """The spread of the per-shape median ratios against ``baseline`` over the selected shapes:
@@ -363,5 +465,7 @@ if __name__ == "__main__":
     for arg in sys.argv[1:] or ["10", "14"]:
         if arg == "10-backward":
             measure_backward_variants(progress=True)
+        elif arg == "14-fp8":
+            print_fp8(measure_fp8(progress=True), "measured now")
         else:
             show(int(arg), progress=True)

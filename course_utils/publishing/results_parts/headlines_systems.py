@@ -287,7 +287,8 @@ def _h14(rec: Recordings) -> Headline:
     if rec.has("14_headline"):
         h = _from_headline_file(rec, "14_headline", "TMA + `wgmma` forward (the default "
                                 "variant)", "sdpa cudnn", cudnn)
-        return _with_wide_heads(rec, h) if rec.has("14_wide_heads") else h
+        h = _with_wide_heads(rec, h) if rec.has("14_wide_heads") else h
+        return _with_fp8(rec, h) if rec.has("14_fp8") else h
     name = "14_ladder"
     d = rec.data(name)
     rung = "cuda + ping-pong + overlap"
@@ -316,4 +317,26 @@ def _with_wide_heads(rec: Recordings, h: Headline) -> Headline:
     return dataclasses.replace(
         h, text=f"{h.text}; the wide heads, forward only: {', '.join(parts)} cuDNN, up to "
                 f"{best:.0f} TFLOP/s ({short_device(w['device'])}, {rec.date(name)})",
+        source=f"{h.source}`, `{name}")
+
+
+def _with_fp8(rec: Recordings, h: Headline) -> Headline:
+    """Chapter 14's row with the FP8 forward as a user calls it (``14_fp8``) added: its speed
+    against the course's bf16 forward, and what the Hadamard rotation does to the error with
+    the largest outlier channels."""
+    name = "14_fp8"
+    f = rec.data(name)
+    user = [r["ratio"]["fp8 vs bf16"]["median"] for r in f["rows"]]
+    kernel = [r["ratio"]["fp8 kernel vs bf16"]["median"] for r in f["rows"]]
+    acc = [row for rows in f["accuracy"]["rows"].values() for row in rows]
+    top = max(row["outlier"] for row in acc)
+    plain = [row["plain"] for row in acc if row["outlier"] == top]
+    rotated = [row["rotated"] for row in acc if row["outlier"] == top]
+    Ns = ks(r["N"] for r in f["rows"])
+    return dataclasses.replace(
+        h, text=f"{h.text}; FP8 (e4m3, Triton) as a user calls it, quantization included: "
+                f"{span(user)} the bf16 forward (the kernel alone {span(kernel)}; d = "
+                f"{f['rows'][0]['D']}, N {Ns}), error with {top:g}x outlier channels "
+                f"{span(plain, pct)} of max |O|, {span(rotated, pct)} with a Hadamard rotation "
+                f"({short_device(f['device'])}, {f['rounds']} rounds, {rec.date(name)})",
         source=f"{h.source}`, `{name}")

@@ -187,6 +187,38 @@ def _is_ulysses(d) -> bool:
             and all(isinstance(r, dict) and "a2a_bytes_per_rank" in r for r in rows))
 
 
+def _is_fp8(d) -> bool:
+    rows = _rows(d)
+    return (bool(rows) and isinstance(d.get("accuracy"), dict)
+            and all("fp8 vs bf16" in r.get("ratio", {}) for r in rows))
+
+
+def _render_fp8(d: dict) -> list[str]:
+    """``14_fp8``: the FP8 forward as a user calls it, the kernel alone, the producers, against
+    the course's bf16 forward and cuDNN; then the error with and without the rotation."""
+    lines = [f"{d.get('kernel', 'FP8')}: {d['dtype']}, {d['rounds']} interleaved rounds per "
+             "shape. `fp8`: as a user calls it (quantization inside the timed call); `rotated`: "
+             "with the Hadamard rotation; `kernel`: the FP8 kernel on inputs quantized "
+             "beforehand; `bf16`: the course's bf16 forward. Ratio = bf16's time / the FP8 "
+             "call's (> 1: FP8 is faster), median (lowest-highest round).", ""]
+    rows = [{"d": r["D"], "causal": r["causal"], "N": r["N"], "B": r["B"], "H": r["H"],
+             **{f"{n} TFLOP/s": r["tflops"].get(n) for n in ("fp8", "fp8 rotated",
+                                                            "fp8 kernel", "bf16", "sdpa cudnn")},
+             "quantize ms": r["ms"].get("quantize"),
+             "fp8 / bf16": _ratio_cell(r["ratio"].get("fp8 vs bf16")),
+             "kernel / bf16": _ratio_cell(r["ratio"].get("fp8 kernel vs bf16")),
+             "fp8 / cuDNN": _ratio_cell(r["ratio"].get("fp8 vs sdpa cudnn"))}
+            for r in d["rows"]]
+    acc = d["accuracy"]
+    lines += _table(rows) + ["", f"Error of O against float64, max |O - O64| / max |O64| "
+                             f"(B = {acc['B']}, H = {acc['H']}, N = {acc['N']}, d = {acc['D']}; "
+                             "two channels of Q and K scaled by the outlier factor):", ""]
+    lines += _table([{"causal": causal, "outlier": row["outlier"], "plain": row["plain"],
+                      "rotated": row["rotated"]}
+                     for causal, rs in acc["rows"].items() for row in rs])
+    return lines + [""]
+
+
 def _render_decode(d: dict) -> list[str]:
     """``11_decode_headline``: decode bandwidth as a fraction of the nominal HBM, against SDPA."""
     device = short_device(d.get("device", ""))
@@ -373,6 +405,7 @@ def _render_ulysses(d: dict) -> list[str]:
 # How docs/results.md renders a recording, by what it holds (never by its name alone): the
 # first predicate that accepts the data picks the renderer; the generic one takes the rest.
 RENDERERS: list[tuple[Callable[[object], bool], Callable[[dict], list[str]]]] = [
+    (_is_fp8, _render_fp8),
     (_is_attention_headline, _render_headline),
     (_is_decode, _render_decode),
     (_is_profile, _render_profile),

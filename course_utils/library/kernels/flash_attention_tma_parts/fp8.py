@@ -11,6 +11,7 @@ format and its own hardware check.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -236,11 +237,19 @@ def hadamard(d, device=None):
     return (signs * H).to(device=device)
 
 
-def quantize_fused(x, block_rows, *, transpose=False, rotate=False, n_pad=None):
+@functools.lru_cache(maxsize=None)
+def _hadamard_on(d, device, dtype):
+    """:func:`hadamard` on ``device`` in ``dtype``, built once: building it is a few host
+    operations and a copy to the GPU, which every call of the FP8 forward would pay again."""
+    return hadamard(d, device).to(dtype)
+
+
+def quantize_fused(x, block_rows, *, transpose=False, rotate=False, n_pad=None, num_warps=None):
     """:func:`quantize_blockwise` in one kernel (one read of x, one write of e4m3): ``(x8,
     scales)``, the same values bit for bit; ``transpose``: x8 is ``(B, H, d, n_pad)``, V^T with
     its keys padded to ``n_pad`` (zeros); ``rotate``: x is multiplied by :func:`hadamard` first
-    (``x H``; the caller divides the scores by d)."""
+    (``x H``; the caller divides the scores by d). ``num_warps``: of the kernel (default 8 for
+    tiles of 8192 elements or more, else 4)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
         raise TypeError("x must be a floating (B, H, N, d) tensor")
     B, H, N, d = x.shape
@@ -254,11 +263,13 @@ def quantize_fused(x, block_rows, *, transpose=False, rotate=False, n_pad=None):
                                                           device=x.device)
     else:
         x8 = torch.empty(B, H, N, d, dtype=torch.float8_e4m3fn, device=x.device)
-    rot = hadamard(d, x.device).to(x.dtype) if rotate else scales  # (unused without rotate)
+    rot = _hadamard_on(d, x.device, x.dtype) if rotate else scales  # (unused without rotate)
+    if num_warps is None:
+        num_warps = 8 if block_rows * d >= 8192 else 4
     _quantize_kernel[(T, B * H)](x, x8, scales, rot, N, T, n_pad, HEAD_DIM=d,
                                  BLOCK_ROWS=block_rows, TRANSPOSE=transpose, ROTATE=rotate,
                                  IEEE=INTERPRETED or x.dtype == torch.float32,
-                                 ROUND_IN_FP32=INTERPRETED)
+                                 ROUND_IN_FP32=INTERPRETED, num_warps=num_warps)
     return x8, scales
 
 
