@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 import course_utils as cu
-from course_utils import checks, reference
+from course_utils import checks, paths, reference
+from course_utils import cuda as cuda_tools
 from course_utils.library.kernels import flash_attention_tma as tma
 from course_utils.library.kernels.flash_attention_tma_parts import configs as tma_configs
 from course_utils.library.kernels.flash_attention_tma_parts import fp8 as tma_fp8
@@ -342,9 +343,10 @@ def test_fp8_forward_large_logits_within_the_bound(causal):
     _check_fp8_exact_bound(inputs, q, k, v, causal, "std 50 logits")
 
 
-def _check_fp8_exact_bound(inputs, q, k, v, causal, case):
-    scale = 1 / math.sqrt(q.shape[-1])
-    O, LSE = tma.attention_forward_fp8_quantized(inputs, causal)
+def _check_fp8_exact_bound(inputs, q, k, v, causal, case,
+                           run=tma.attention_forward_fp8_quantized, scale=None):
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    O, LSE = run(inputs, causal)
     assert O.dtype == torch.bfloat16 and LSE.dtype == torch.float32
     O_ref, LSE_ref = reference.attention(q, k, v, causal=causal, scale=scale)
     W = _weights(q, k, causal, scale)
@@ -388,6 +390,96 @@ def test_fp8_forward_error_is_fp8_sized(shape, d):
     assert float(err.max()) >= 4 * err16, (
         f"FP8 max error {float(err.max()):.2e} is not clearly above the {q.dtype} kernel's "
         f"{err16:.2e}: is the FP8 path rounding anything?")
+
+
+# ---------------------------------------------------------------- the CUDA FP8 kernel (sm_90)
+WGMMA = GPU and cu.capability()[0] == 9
+needs_wgmma = pytest.mark.skipif(not WGMMA, reason="the CUDA FP8 kernel runs on sm_90 only")
+
+
+def _wgmma_case(shape, score_std=1.0, rotate=False):
+    """A problem at d = 128, its inputs for the CUDA kernel, and Q, K, V dequantized from them
+    (V^T's keys back in their own order first; Q and K in the rotated basis with ``rotate``)."""
+    from spec_helpers import poison_free_cuda_memory
+
+    q, k, v = _problem(shape, HALF, d=128, score_std=score_std)
+    inputs = tma.quantize_fp8_inputs_wgmma(q, k, v, rotate=rotate)
+    Nk = k.shape[2]
+    vt = inputs.vt8.view(torch.uint8)[..., tma.key_order(inputs.vt8.shape[-1]).to(q.device)]
+    vt = vt.view(torch.float8_e4m3fn)[..., :Nk]
+    deq = (_dequantize(inputs.q8, inputs.q_scale, 128), _dequantize(inputs.k8, inputs.k_scale, 128),
+           _dequantize(vt.transpose(-2, -1), inputs.v_scale, 128))
+    poison_free_cuda_memory()  # O's allocation comes back NaN where the kernel writes nothing
+    return (q, k, v), inputs, deq
+
+
+@needs_wgmma
+@pytest.mark.parametrize("shape", FP8_SHAPES + [(1, 2, 700, 2000, False)], ids=_name)
+def test_wgmma_fp8_forward_within_the_bound_of_ps_rounding(shape):
+    _, inputs, (q, k, v) = _wgmma_case(shape)
+    _check_fp8_exact_bound(inputs, q, k, v, shape[4], _name(shape) + ", CUDA kernel",
+                           run=tma.attention_forward_fp8_wgmma_quantized)
+
+
+@needs_wgmma
+@pytest.mark.parametrize("causal", (False, True))
+def test_wgmma_fp8_forward_large_logits_within_the_bound(causal):
+    _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), score_std=50.0)
+    _check_fp8_exact_bound(inputs, q, k, v, causal, "std 50 logits, CUDA kernel",
+                           run=tma.attention_forward_fp8_wgmma_quantized)
+
+
+@needs_wgmma
+@pytest.mark.parametrize("causal", (False, True))
+def test_wgmma_fp8_with_the_rotation_within_the_bound(causal):
+    # (Q H)(K H)^T / d = Q K^T: the bound of the rotated, dequantized inputs at scale / d
+    _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), rotate=True)
+    _check_fp8_exact_bound(inputs, q, k, v, causal, "rotated, CUDA kernel",
+                           run=tma.attention_forward_fp8_wgmma_quantized,
+                           scale=1 / math.sqrt(128) / 128)
+
+
+@needs_wgmma
+@pytest.mark.parametrize("rotate", (False, True))
+def test_wgmma_fp8_as_a_user_calls_it_is_quantize_then_kernel(rotate):
+    q, k, v = _problem((2, 3, 1000, 1000, True), HALF, d=128)
+    O, LSE = tma.attention_forward_fp8_wgmma(q, k, v, True, rotate=rotate)
+    inputs = tma.quantize_fp8_inputs_wgmma(q, k, v, rotate=rotate)
+    O2, LSE2 = tma.attention_forward_fp8_wgmma_quantized(inputs, True)
+    assert torch.isfinite(O).all() and torch.equal(O, O2) and torch.equal(LSE, LSE2)
+
+
+def test_wgmma_fp8_refuses_what_it_does_not_run():
+    q = torch.randn(1, 1, 8, 64, device=DEV, dtype=HALF)
+    with pytest.raises(ValueError, match="d = 128 only"):
+        tma.attention_forward_fp8_wgmma(q, q, q)
+    q = torch.randn(1, 1, 8, 128, device=DEV, dtype=HALF)
+    if not WGMMA:
+        with pytest.raises(RuntimeError, match="sm_90"):
+            tma.attention_forward_fp8_wgmma(q, q, q)
+
+
+@pytest.mark.parametrize("N", [70, 64, 1, 33])
+def test_permuted_v_transpose_is_the_plain_one_with_its_keys_in_key_order(N):
+    v = torch.randn(1, 2, N, 32, device=DEV).to(HALF)
+    n_pad = -(-N // 32) * 32
+    plain, s1 = tma.quantize_fused(v, 32, transpose=True, n_pad=n_pad)
+    perm, s2 = tma.quantize_fused(v, 32, transpose=True, n_pad=n_pad, permute_keys=True)
+    want = torch.zeros_like(plain.view(torch.uint8))
+    want[..., tma.key_order(n_pad).to(v.device)] = plain.view(torch.uint8)
+    assert torch.equal(s1, s2) and torch.equal(perm.view(torch.uint8), want)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        tma.quantize_fused(v, 32, transpose=True, n_pad=n_pad + 16, permute_keys=True)
+
+
+def test_key_order_is_a_permutation_inside_each_group_of_32():
+    order = tma.key_order(64)
+    assert sorted(order[:32].tolist()) == list(range(32))
+    assert sorted(order[32:].tolist()) == list(range(32, 64))
+    # a lane t's registers hold P of keys 2t, 2t+1, 8+2t, 9+2t in slots 4t .. 4t+3
+    for t in range(4):
+        assert [int(order[key]) for key in (2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t)] == \
+            [4 * t, 4 * t + 1, 4 * t + 2, 4 * t + 3]
 
 
 def test_fp8_forward_is_quantize_then_kernel():
@@ -894,3 +986,21 @@ def test_gpu_backward_default_configs_every_length(d):
         grads = tma.attention_backward_tma(q, k, v, O, LSE, dO, shape[4],
                                            out=_poisoned_grads(q, k, v))
         _check_grads(grads, q, k, v, dO, shape[4], 1 / math.sqrt(d), f"{_name(shape)}, d={d}")
+
+
+# ---------------------------------------------------------------- the CUDA FP8 kernel, compiled
+FP8_CU = paths.KERNELS / "flash_attention_hopper_fp8.cu"
+
+
+@pytest.mark.skipif(cuda_tools.nvcc_path() is None, reason="nvcc not found")
+def test_wgmma_fp8_kernel_compiles_without_spills():
+    report = cuda_tools.resource_usage(FP8_CU, arch="sm_90a", extra_flags=["-DFA_KERNEL_ONLY"])
+    assert len(report) == 1
+    for r in report:  # 168 at compile time (384 threads); setmaxnreg gives consumers 240
+        assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
+
+
+@pytest.mark.skipif(cuda_tools.nvcc_path() is None or GPU, reason="compile-only: no GPU, nvcc")
+def test_wgmma_fp8_source_compiles_host_function_included():
+    cuda_tools.load_cuda(FP8_CU, ["flash_attention_hopper_fp8"], name="flash_attention_hopper_fp8",
+                         arch="sm_90a")

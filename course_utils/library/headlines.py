@@ -282,11 +282,15 @@ def measure_backward_variants(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
 
 
 FP8_D, FP8_NS = 128, (4096, 8192, 16384)  # the issue's shapes: d = 128, N >= 4096
-FP8_RUNS = ("fp8", "fp8 rotated", "fp8 kernel", "quantize", "bf16", "sdpa cudnn")
+# "fp8": the CUDA FP8 kernel as a user calls it (the course's FP8 forward on sm_90); "fp8
+# rotated": the same with the Hadamard rotation; "fp8 kernel": the kernel alone, inputs quantized
+# beforehand; "quantize": the producers alone; "triton fp8": the Triton FP8 forward as a user
+# calls it; "bf16": the course's bf16 forward (chapter 14's default variant)
+FP8_RUNS = ("fp8", "fp8 rotated", "fp8 kernel", "quantize", "triton fp8", "bf16", "sdpa cudnn")
 
 
 def _fp8_row(fwd, D: int, causal: bool, N: int, rounds: int) -> dict:
-    """One shape of :func:`measure_fp8`: the FP8 output checked against float64, then every
+    """One shape of :func:`measure_fp8`: each FP8 output checked against float64, then every
     entry of :data:`FP8_RUNS` timed in interleaved rounds."""
     import torch
     from torch.nn.attention import SDPBackend
@@ -298,20 +302,23 @@ def _fp8_row(fwd, D: int, causal: bool, N: int, rounds: int) -> dict:
     B, H = TOKENS // N, HIDDEN // D
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     O64, _ = attention(q[:1, :1].double(), k[:1, :1].double(), v[:1, :1].double(), causal=causal)
+    calls = {"fp8": lambda: tma.attention_forward_fp8_wgmma(q, k, v, causal),
+             "fp8 rotated": lambda: tma.attention_forward_fp8_wgmma(q, k, v, causal, rotate=True),
+             "triton fp8": lambda: tma.attention_forward_fp8(q, k, v, causal)}
     err = {}
-    for name, rotate in (("fp8", False), ("fp8 rotated", True)):
-        O, _ = tma.attention_forward_fp8(q, k, v, causal, rotate=rotate)
+    for name, call in calls.items():
+        O, _ = call()
         err[name] = float((O[:1, :1].double() - O64).abs().max() / O64.abs().max())
         if not math.isfinite(err[name]) or err[name] > 0.25:
             raise AssertionError(f"FP8 ({name}), causal={causal}, N={N}: max |O - O64| is "
                                  f"{err[name]:.2f} of max |O64|: not timing a wrong kernel")
-    inputs = tma.quantize_fp8_inputs(q, k, v)
-    runs = {"fp8": lambda: tma.attention_forward_fp8(q, k, v, causal),
-            "fp8 rotated": lambda: tma.attention_forward_fp8(q, k, v, causal, rotate=True),
-            "fp8 kernel": lambda: tma.attention_forward_fp8_quantized(inputs, causal),
-            "quantize": lambda: tma.quantize_fp8_inputs(q, k, v),
+    inputs = tma.quantize_fp8_inputs_wgmma(q, k, v)
+    runs = {**calls,
+            "fp8 kernel": lambda: tma.attention_forward_fp8_wgmma_quantized(inputs, causal),
+            "quantize": lambda: tma.quantize_fp8_inputs_wgmma(q, k, v),
             "bf16": lambda: fwd(q, k, v, causal),
             "sdpa cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v, causal)}
+    runs = {name: runs[name] for name in FP8_RUNS}
     ms = bench.interleaved(runs, rounds=rounds)
     flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd")
     return {
@@ -320,19 +327,20 @@ def _fp8_row(fwd, D: int, causal: bool, N: int, rounds: int) -> dict:
         "tflops": {n: bench.tflops(flops, statistics.median(t)) for n, t in ms.items()
                    if n != "quantize"},
         "ratio": {f"{a} vs {b}": bench.ratio_summary(ms, a, b)
-                  for a in ("fp8", "fp8 rotated", "fp8 kernel") for b in ("bf16", "sdpa cudnn")},
+                  for a in ("fp8", "fp8 rotated", "fp8 kernel", "triton fp8")
+                  for b in ("bf16", "sdpa cudnn")},
         "rel_err_vs_float64": err,
     }
 
 
 def measure_fp8(*, rounds: int = ROUNDS, Ns=FP8_NS, save: bool = True,
                 progress: bool = False) -> dict:
-    """Chapter 14's FP8 forward as a user calls it, from bfloat16 tensors (``"fp8"``: the
-    producer kernels quantize Q, K, V and write V^T inside the timed call; ``"fp8 rotated"``:
-    with the Hadamard rotation), the FP8 kernel alone, the producers alone, the course's bf16
-    forward (chapter 14's default variant) and cuDNN, in the same interleaved rounds; d =
-    ``FP8_D``, causal and not, N in ``Ns``. Then :func:`accuracy_study` at N = 4096, causal and
-    not. Saved as ``14_fp8``."""
+    """Chapter 14's FP8 forwards as a user calls them, from bfloat16 tensors (the producer
+    kernels quantize Q, K, V and write V^T inside the timed call), beside the course's bf16
+    forward (chapter 14's default variant) and cuDNN, in the same interleaved rounds (the runs
+    of :data:`FP8_RUNS`); d = ``FP8_D``, causal and not, N in ``Ns``. Then
+    :func:`accuracy_study` (the Triton FP8 forward, the same quantization) at N = 4096, causal
+    and not. Saved as ``14_fp8``."""
     import torch
 
     from .. import recorded
@@ -351,7 +359,7 @@ def measure_fp8(*, rounds: int = ROUNDS, Ns=FP8_NS, save: bool = True,
     accuracy = {"B": 1, "H": 4, "N": 4096, "D": FP8_D,
                 "rows": {str(c): tma.accuracy_study(1, 4, 4096, FP8_D, causal=c, device="cuda")
                          for c in (False, True)}}
-    data = {"chapter": 14, "kernel": "chapter 14's FP8 (e4m3) forward, Triton",
+    data = {"chapter": 14, "kernel": "chapter 14's FP8 (e4m3) forward, CUDA (wgmma)",
             "device": torch.cuda.get_device_name(), "rounds": rounds, "dtype": "bfloat16 in",
             "tokens": TOKENS, "hidden": HIDDEN, "runs": list(FP8_RUNS), "rows": rows,
             "accuracy": accuracy}
@@ -363,16 +371,16 @@ def measure_fp8(*, rounds: int = ROUNDS, Ns=FP8_NS, save: bool = True,
 def print_fp8(data: dict, where: str) -> None:
     """The table of :func:`measure_fp8` (or its recording ``14_fp8``)."""
     print(f"{data['kernel']}, d = {data['rows'][0]['D']}, B x N = {data['tokens']}; {where}")
-    print("TFLOP/s; ratio = the other's time / FP8's (median, lowest-highest over "
-          f"{data['rounds']} interleaved rounds)")
-    print(f"{'causal':>6} {'N':>5} | {'fp8':>5} {'rot.':>5} {'kern.':>5} {'bf16':>5} "
-          f"{'cuDNN':>5} {'quant. ms':>9} | {'fp8 vs bf16':>16} {'kernel vs bf16':>16}")
+    print("TFLOP/s; fp8 = as a user calls it (quantization inside); ratio = bf16's time / "
+          f"FP8's (median, lowest-highest over {data['rounds']} interleaved rounds)")
+    print(f"{'causal':>6} {'N':>5} | {'fp8':>5} {'rot.':>5} {'kern.':>5} {'Triton':>6} "
+          f"{'bf16':>5} {'cuDNN':>5} {'quant. ms':>9} | {'fp8 vs bf16':>16} {'kernel vs bf16':>16}")
     for r in data["rows"]:
         t = r["tflops"]
         print(f"{str(r['causal']):>6} {r['N']:5d} | {t['fp8']:5.0f} {t['fp8 rotated']:5.0f} "
-              f"{t['fp8 kernel']:5.0f} {t['bf16']:5.0f} {t['sdpa cudnn']:5.0f} "
-              f"{r['ms']['quantize']:9.3f} | {_fmt(r['ratio']['fp8 vs bf16']):>16} "
-              f"{_fmt(r['ratio']['fp8 kernel vs bf16']):>16}")
+              f"{t['fp8 kernel']:5.0f} {t['triton fp8']:6.0f} {t['bf16']:5.0f} "
+              f"{t['sdpa cudnn']:5.0f} {r['ms']['quantize']:9.3f} | "
+              f"{_fmt(r['ratio']['fp8 vs bf16']):>16} {_fmt(r['ratio']['fp8 kernel vs bf16']):>16}")
     acc = data["accuracy"]
     print(f"accuracy, max |O - O64| / max |O64| (B={acc['B']}, H={acc['H']}, N={acc['N']}, "
           f"d={acc['D']}; Q and K with 2 channels scaled by the outlier factor):")

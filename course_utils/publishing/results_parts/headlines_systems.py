@@ -334,8 +334,9 @@ def _with_fp8(rec: Recordings, h: Headline) -> Headline:
     rotated = [row["rotated"] for row in acc if row["outlier"] == top]
     Ns = ks(r["N"] for r in f["rows"])
     return dataclasses.replace(
-        h, text=f"{h.text}; FP8 (e4m3, Triton) as a user calls it, quantization included: "
-                f"{span(user)} the bf16 forward (the kernel alone {span(kernel)}; d = "
+        h, text=f"{h.text}; FP8 (e4m3, {f['kernel'].split(', ')[-1].replace(' (', ', ').rstrip(')')}) as a user calls it, "
+                f"quantization included: {span(user)} the bf16 forward (the kernel alone "
+                f"{span(kernel)}; d = "
                 f"{f['rows'][0]['D']}, N {Ns}), error with {top:g}x outlier channels "
                 f"{span(plain, pct)} of max |O|, {span(rotated, pct)} with a Hadamard rotation "
                 f"({short_device(f['device'])}, {f['rounds']} rounds, {rec.date(name)})",

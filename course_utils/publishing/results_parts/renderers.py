@@ -199,11 +199,12 @@ def _render_fp8(d: dict) -> list[str]:
     lines = [f"{d.get('kernel', 'FP8')}: {d['dtype']}, {d['rounds']} interleaved rounds per "
              "shape. `fp8`: as a user calls it (quantization inside the timed call); `rotated`: "
              "with the Hadamard rotation; `kernel`: the FP8 kernel on inputs quantized "
-             "beforehand; `bf16`: the course's bf16 forward. Ratio = bf16's time / the FP8 "
-             "call's (> 1: FP8 is faster), median (lowest-highest round).", ""]
+             "beforehand; `triton fp8`: the Triton FP8 forward as a user calls it; `bf16`: the "
+             "course's bf16 forward. Ratio = bf16's time / the FP8 call's (> 1: FP8 is "
+             "faster), median (lowest-highest round).", ""]
     rows = [{"d": r["D"], "causal": r["causal"], "N": r["N"], "B": r["B"], "H": r["H"],
-             **{f"{n} TFLOP/s": r["tflops"].get(n) for n in ("fp8", "fp8 rotated",
-                                                            "fp8 kernel", "bf16", "sdpa cudnn")},
+             **{f"{n} TFLOP/s": r["tflops"].get(n) for n in ("fp8", "fp8 rotated", "fp8 kernel",
+                                                            "triton fp8", "bf16", "sdpa cudnn")},
              "quantize ms": r["ms"].get("quantize"),
              "fp8 / bf16": _ratio_cell(r["ratio"].get("fp8 vs bf16")),
              "kernel / bf16": _ratio_cell(r["ratio"].get("fp8 kernel vs bf16")),

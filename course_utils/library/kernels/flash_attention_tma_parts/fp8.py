@@ -189,7 +189,7 @@ def quantize_blockwise(x, block_rows):
 @triton.jit
 def _quantize_kernel(X, X8, S, Hd, N, T, N_PAD, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                      TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr, IEEE: tl.constexpr,
-                     ROUND_IN_FP32: tl.constexpr):
+                     ROUND_IN_FP32: tl.constexpr, KEY_ORDER: tl.constexpr = False):
     """One block of BLOCK_ROWS rows of one head: (rotated,) scaled by its amax, to e4m3.
 
     Grid (T, B*H). X (B*H, N, d); X8 the same shape, or (B*H, d, N_PAD) with TRANSPOSE; S
@@ -197,7 +197,10 @@ def _quantize_kernel(X, X8, S, Hd, N, T, N_PAD, HEAD_DIM: tl.constexpr, BLOCK_RO
     """
     t = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rows = t * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    slots = t * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # where row i of the tile is written
+    rows = slots  # the rows of X it holds
+    if KEY_ORDER:  # slot p of a group of 32 holds key sigma(p), the inverse of key_order
+        rows = (slots & -16) | ((slots & 2) << 2) | ((slots & 12) >> 1) | (slots & 1)
     cols = tl.arange(0, HEAD_DIM)
     inside = rows[:, None] < N
     x = tl.load(X + bh * N * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :], mask=inside,
@@ -216,8 +219,11 @@ def _quantize_kernel(X, X8, S, Hd, N, T, N_PAD, HEAD_DIM: tl.constexpr, BLOCK_RO
     y8 = _to_e4m3(y, ROUND_IN_FP32)
     tl.store(S + bh * T + t, scale)
     if TRANSPOSE:  # V^T: the keys along the rows of (d, N_PAD)
-        tl.store(X8 + bh * HEAD_DIM * N_PAD + cols[:, None] * N_PAD + rows[None, :],
-                 tl.trans(y8), mask=rows[None, :] < N)
+        # KEY_ORDER: the rows were loaded in the order of their slots, so the store stays
+        # contiguous (permuted slots in the store made it byte by byte: 5x slower on an
+        # H200); it also writes the padding's zeros (slots N .. N_PAD)
+        tl.store(X8 + bh * HEAD_DIM * N_PAD + cols[:, None] * N_PAD + slots[None, :],
+                 tl.trans(y8), mask=(slots < N_PAD if KEY_ORDER else slots < N)[None, :])
     else:
         tl.store(X8 + bh * N * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :], y8,
                  mask=inside)
@@ -244,12 +250,22 @@ def _hadamard_on(d, device, dtype):
     return hadamard(d, device).to(dtype)
 
 
-def quantize_fused(x, block_rows, *, transpose=False, rotate=False, n_pad=None, num_warps=None):
+def key_order(n):
+    """The slot of each key 0 .. n-1 in the rows of V^T that the CUDA FP8 kernel reads
+    (``flash_attention_hopper_fp8.cu``, KEY_ORDER): inside every group of 32 keys, key k sits
+    where that kernel's registers hold P of key k (n a multiple of 32). An int64 tensor."""
+    k = torch.arange(n)
+    return (k & -16) | ((k & 6) << 1) | ((k & 8) >> 2) | (k & 1)
+
+
+def quantize_fused(x, block_rows, *, transpose=False, rotate=False, n_pad=None, num_warps=None,
+                   permute_keys=False):
     """:func:`quantize_blockwise` in one kernel (one read of x, one write of e4m3): ``(x8,
     scales)``, the same values bit for bit; ``transpose``: x8 is ``(B, H, d, n_pad)``, V^T with
     its keys padded to ``n_pad`` (zeros); ``rotate``: x is multiplied by :func:`hadamard` first
     (``x H``; the caller divides the scores by d). ``num_warps``: of the kernel (default 8 for
-    tiles of 8192 elements or more, else 4)."""
+    tiles of 8192 elements or more (16 without transpose or rotation), else 4). ``permute_keys`` (with ``transpose``): the keys of
+    each group of 32 in :func:`key_order` (n_pad a multiple of 32)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
         raise TypeError("x must be a floating (B, H, N, d) tensor")
     B, H, N, d = x.shape
@@ -257,19 +273,24 @@ def quantize_fused(x, block_rows, *, transpose=False, rotate=False, n_pad=None, 
     x = x.contiguous()
     scales = torch.empty(B, H, T, dtype=torch.float32, device=x.device)
     n_pad = N if n_pad is None else n_pad
+    if permute_keys and (not transpose or n_pad % 32 or block_rows % 32):
+        raise ValueError("permute_keys: for V^T (transpose=True), with n_pad and block_rows "
+                         "multiples of 32 (the permutation stays inside groups of 32 keys)")
     if transpose:
-        x8 = (torch.zeros if n_pad != N else torch.empty)(B, H, d, n_pad,
+        x8 = (torch.zeros if n_pad != N and not permute_keys else torch.empty)(B, H, d, n_pad,
                                                           dtype=torch.float8_e4m3fn,
                                                           device=x.device)
     else:
         x8 = torch.empty(B, H, N, d, dtype=torch.float8_e4m3fn, device=x.device)
     rot = _hadamard_on(d, x.device, x.dtype) if rotate else scales  # (unused without rotate)
-    if num_warps is None:
-        num_warps = 8 if block_rows * d >= 8192 else 4
+    if num_warps is None:  # measured on an H200 (lecture 14's lab notes): 16 warps the rows,
+        # 8 the transposed store
+        num_warps = 4 if block_rows * d < 8192 else 8 if transpose or rotate else 16
     _quantize_kernel[(T, B * H)](x, x8, scales, rot, N, T, n_pad, HEAD_DIM=d,
                                  BLOCK_ROWS=block_rows, TRANSPOSE=transpose, ROTATE=rotate,
                                  IEEE=INTERPRETED or x.dtype == torch.float32,
-                                 ROUND_IN_FP32=INTERPRETED, num_warps=num_warps)
+                                 ROUND_IN_FP32=INTERPRETED, KEY_ORDER=bool(permute_keys),
+                                 num_warps=num_warps)
     return x8, scales
 
 
@@ -431,3 +452,85 @@ def accuracy_study(B, H, N, d, *, outliers=(1.0, 8.0, 30.0), channels=2, causal=
             row[name] = float((O.double() - O64).abs().max() / O64.abs().max())
         rows.append(row)
     return rows
+
+
+# =============================================================================================
+# 5. The FP8 forward in CUDA: chapter 14's bf16 kernel (TMA, wgmma, ping-pong, overlap) on e4m3
+# =============================================================================================
+
+WGMMA_FP8_D = 128  # flash_attention_hopper_fp8.cu: one 128-byte row of e4m3 a head
+WGMMA_FP8_BLOCK = 128  # its query and key tiles, and so the rows of every scale block
+_WGMMA_FP8_MODULE = []
+
+
+def _wgmma_fp8_module():
+    if not _WGMMA_FP8_MODULE:
+        from .... import paths
+        from ....toolbox.cuda import load_cuda
+
+        _WGMMA_FP8_MODULE.append(load_cuda(
+            paths.KERNELS / "flash_attention_hopper_fp8.cu", ["flash_attention_hopper_fp8"],
+            name="flash_attention_hopper_fp8", arch="sm_90a"))
+    return _WGMMA_FP8_MODULE[0]
+
+
+class WgmmaFp8Inputs(NamedTuple):
+    """What :func:`quantize_fp8_inputs_wgmma` returns: Fp8Inputs' tensors in the CUDA kernel's
+    layout (V^T's keys in :func:`key_order`), ``v_max`` (B, H) the largest V scale of a head."""
+
+    q8: torch.Tensor
+    q_scale: torch.Tensor
+    k8: torch.Tensor
+    k_scale: torch.Tensor
+    vt8: torch.Tensor
+    v_scale: torch.Tensor
+    v_max: torch.Tensor
+    rotated: bool = False
+
+
+def _check_wgmma_fp8(q, k, v):
+    B, H, Nq, Nk, d = validate_inputs(q, k, v)
+    if d != WGMMA_FP8_D:
+        raise ValueError(f"head dim d={d}: the CUDA FP8 kernel is built for d = {WGMMA_FP8_D} "
+                         "only; use attention_forward_fp8 (Triton: d in 32, 64, 128)")
+    if INTERPRETED or not q.is_cuda or _capability(q.device.index or 0)[0] != 9:
+        raise RuntimeError("the CUDA FP8 kernel needs an sm_90 GPU (H100/H200: wgmma, TMA); on "
+                           "other GPUs and in the CPU interpreter use attention_forward_fp8")
+    return B, H, Nq, Nk, d
+
+
+def quantize_fp8_inputs_wgmma(q, k, v, *, rotate=False):
+    """Q, K, V quantized for :func:`attention_forward_fp8_wgmma_quantized`: the producers of
+    :func:`quantize_fused` with 128-row blocks, V^T's keys permuted (``permute_keys``)."""
+    B, H, Nq, Nk, d = _check_wgmma_fp8(q, k, v)
+    q8, q_scale = quantize_fused(q, WGMMA_FP8_BLOCK, rotate=rotate)
+    k8, k_scale = quantize_fused(k, WGMMA_FP8_BLOCK, rotate=rotate)
+    vt8, v_scale = quantize_fused(v, WGMMA_FP8_BLOCK, transpose=True,
+                                  n_pad=triton.cdiv(Nk, 32) * 32, permute_keys=True)
+    return WgmmaFp8Inputs(q8, q_scale, k8, k_scale, vt8, v_scale,
+                          v_scale.amax(dim=-1).contiguous(), bool(rotate))
+
+
+def attention_forward_fp8_wgmma_quantized(inputs, causal=False, scale=None):
+    """The CUDA FP8 kernel on inputs from :func:`quantize_fp8_inputs_wgmma`: ``(O, LSE)``."""
+    if not isinstance(inputs, WgmmaFp8Inputs):
+        raise TypeError("inputs must come from quantize_fp8_inputs_wgmma(q, k, v)")
+    q8, q_scale, k8, k_scale, vt8, v_scale, v_max, rotated = inputs
+    d = q8.shape[-1]
+    scale = fat._scale(scale, d) / (d if rotated else 1)
+    causal = fat._causal(causal)
+    u8 = torch.uint8
+    return _wgmma_fp8_module().flash_attention_hopper_fp8(
+        q8.view(u8), k8.view(u8), vt8.view(u8), q_scale, k_scale, v_scale, v_max, causal, scale)
+
+
+def attention_forward_fp8_wgmma(q, k, v, causal=False, scale=None, *, rotate=False):
+    """FP8 forward with chapter 14's CUDA kernel (warp specialization, ping-pong, overlap; d =
+    128, sm_90): ``(O, LSE)`` from bfloat16 / float16 q, k, v, quantized inside the call.
+
+    The same quantization as :func:`attention_forward_fp8` (per-block scales from the producer
+    kernels, optional Hadamard ``rotate``), tiles of 128 rows; V's tile scales are folded into
+    P's exponent (see the kernel's file), causal top-left aligned.
+    """
+    inputs = quantize_fp8_inputs_wgmma(q, k, v, rotate=rotate)
+    return attention_forward_fp8_wgmma_quantized(inputs, causal, scale)
