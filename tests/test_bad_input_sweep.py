@@ -80,6 +80,10 @@ NOT_CALLED = {
                                               "calls",
     "flash_attention_tma.attention_forward_fp8": "FP8: its error bound is chapter 14's tests'",
     "flash_attention_tma.quantize_fp8_inputs": "FP8 quantisation, not attention",
+    "flash_attention_tma.attention_forward_fp8_wgmma": "FP8 in CUDA, sm_90 only (a CPU refuses "
+                                                       "every input): chapter 14's tests bound "
+                                                       "its error and its refusals",
+    "flash_attention_tma.quantize_fp8_inputs_wgmma": "FP8 quantisation, not attention",
     "ring.block_forward": "one block pair inside the ring's loop, on inputs the swept ring entry "
                           "points have checked",
     "ring.block_backward": "one block pair inside the ring's backward, on checked inputs",

@@ -185,13 +185,8 @@ struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boun
     uint64_t k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
 };
 
-// Named barriers for ping-pong: consumer w waits on 1 + w for its turn on the tensor cores.
-__device__ __forceinline__ void named_sync(int id) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
-}
+// Named barriers for ping-pong (named_sync / named_arrive, hopper_common.cuh): consumer w waits on
+// 1 + w for its turn on the tensor cores.
 
 template <int D, int BN, int CONS, bool PINGPONG, bool OVERLAP, bool PERSIST>
 __global__ void __launch_bounds__(128 * (CONS + 1), 1)

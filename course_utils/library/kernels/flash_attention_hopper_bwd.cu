@@ -230,11 +230,8 @@ __device__ __forceinline__ void store_dst(__nv_bfloat16* dST, int w, int warp, i
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// Named barrier `id` for the two consumer warpgroups (256 threads); 0 is __syncthreads.
-__device__ __forceinline__ void named_sync(int id) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
-}
-// ... and for one warpgroup (128 threads).
+// Named barrier `id` for one warpgroup (128 threads; named_sync, hopper_common.cuh, is the one
+// for both consumers).
 __device__ __forceinline__ void named_sync_wg(int id) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(128) : "memory");
 }

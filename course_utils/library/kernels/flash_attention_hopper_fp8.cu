@@ -100,13 +100,6 @@ struct Tiles {  // every tile a single 128-byte panel, each on a 1024-byte bound
     uint64_t k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 
-__device__ __forceinline__ void named_sync(int id) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
-}
-
 __global__ void __launch_bounds__(128 * (CONS + 1), 1)
 flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
                            const __grid_constant__ CUtensorMap k_map,
@@ -319,34 +312,7 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 
-static void check_cuda(cudaError_t err, const char* what) {
-    TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
-}
-
-// A 3D TMA map over a (B*H, rows, cols) uint8 tensor: boxes of box_rows rows x 128 bytes of one
-// head, 128-byte swizzle, zeros past the end.
-static CUtensorMap make_map_u8(const torch::Tensor& X, int box_rows) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    if (!encode) {
-        cudaDriverEntryPointQueryResult found;
-        check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled",
-                                                    reinterpret_cast<void**>(&encode), 12000,
-                                                    cudaEnableDefault, &found),
-                   "flash_attention_hopper_fp8: looking up cuTensorMapEncodeTiled");
-        TORCH_CHECK(found == cudaDriverEntryPointSuccess && encode,
-                    "flash_attention_hopper_fp8: the driver has no cuTensorMapEncodeTiled");
-    }
-    const int64_t cols = X.size(3), rows = X.size(2), BH = X.size(0) * X.size(1);
-    CUtensorMap map;
-    const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)BH};
-    const cuuint64_t strides[2] = {(cuuint64_t)cols, (cuuint64_t)(rows * cols)};
-    const cuuint32_t box[3] = {128, (cuuint32_t)box_rows, 1}, step[3] = {1, 1, 1};
-    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, X.data_ptr(), dims, strides,
-                              box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    TORCH_CHECK(r == CUDA_SUCCESS, "flash_attention_hopper_fp8: cuTensorMapEncodeTiled failed (", (int)r, ")");
-    return map;
-}
+#include "hopper_host.cuh"  // check_cuda, make_map (the TMA tensor maps, uint8 here)
 
 // O, LSE = attention of the e4m3 inputs (see the head of this file). Q8, K8, Vt8: uint8 views
 // of float8_e4m3fn tensors; the scales float32.
@@ -385,8 +351,8 @@ std::vector<torch::Tensor> flash_attention_hopper_fp8(torch::Tensor Q8, torch::T
     if (B == 0 || H == 0 || Nq == 0) return {O, LSE};
     TORCH_CHECK(Nk > 0, fn, ": Nk must be at least 1");
     c10::cuda::CUDAGuard guard(Q8.device());
-    const CUtensorMap q_map = make_map_u8(Q8, 64), k_map = make_map_u8(K8, BLOCK_N),
-                      vt_map = make_map_u8(Vt8, D);
+    const CUtensorMap q_map = make_map(Q8, 64), k_map = make_map(K8, BLOCK_N),
+                      vt_map = make_map(Vt8, D);
     constexpr int SMEM = sizeof(Tiles) + 1024;
     check_cuda(cudaFuncSetAttribute(flash_attention_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
                "flash_attention_hopper_fp8: asking for shared memory");

@@ -69,6 +69,15 @@ __device__ __forceinline__ T& shared_tiles() {
     return *reinterpret_cast<T*>(smem_raw + pad);
 }
 
+// Named barrier `id` for the two consumer warpgroups (256 threads; 0 is __syncthreads): sync
+// waits for all 256 arrivals, arrive adds this warpgroup's and goes on (ping-pong's hand-over).
+__device__ __forceinline__ void named_sync(int id) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * 128) : "memory");
+}
+
 // ---------------------------------------------------------------- mbarriers and TMA
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
