@@ -144,10 +144,10 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
             }
             for (int j = 0; j < n_blocks; ++j) {
                 const int s = j % STAGES, phase = (j / STAGES) & 1;
-                mbar_wait(&sm.k_empty[s], phase ^ 1);
+                mbar_wait(&sm.k_empty[s], phase ^ 1);  // WAR: both consumers' S of the last use is done
                 mbar_expect_bytes(&sm.k_full[s], BLOCK_N * D);
                 tma_load(sm.K[s], &k_map, &sm.k_full[s], 0, j * BLOCK_N, bh);
-                mbar_wait(&sm.v_empty[s], phase ^ 1);
+                mbar_wait(&sm.v_empty[s], phase ^ 1);  // WAR: both consumers' P V of the last use is done
                 mbar_expect_bytes(&sm.v_full[s], D * BLOCK_N);
                 tma_load(sm.Vt[s], &vt_map, &sm.v_full[s], j * BLOCK_N, 0, bh);
             }
@@ -188,14 +188,14 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
 
     auto issue_s = [&](int j) {
-        mbar_wait(&sm.k_full[stage(j)], parity(j));
+        mbar_wait(&sm.k_full[stage(j)], parity(j));  // RAW: K(j) has landed
         wgmma_fence();
         #pragma unroll
         for (int k = 0; k < D / 32; ++k) wgmma_ss_e4m3(s_acc, q_desc(k), k_desc(stage(j), k), k > 0);
         wgmma_commit();
     };
     auto issue_pv = [&](int j) {
-        mbar_wait(&sm.v_full[stage(j)], parity(j));
+        mbar_wait(&sm.v_full[stage(j)], parity(j));  // RAW: V(j)^T has landed
         wgmma_fence();
         #pragma unroll
         for (int k = 0; k < BLOCK_N / 32; ++k) {
@@ -259,7 +259,7 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     };
 
     if (w == CONS - 1) named_arrive(1);  // consumer 0 takes the first turn
-    mbar_wait(&sm.q_full[w], 0);
+    mbar_wait(&sm.q_full[w], 0);  // RAW: this consumer's 64 rows of Q have landed
     // S(0) and its softmax; blocks 1 .. n - 1, each S(j) issued with P(j - 1) V(j - 1); the last
     // P V alone (the bf16 kernel's variant 3)
     turn_begin();
@@ -275,14 +275,14 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
         issue_s(j);
         issue_pv(j - 1);
         turn_end(false);
-        wgmma_wait<1>();
+        wgmma_wait<1>();     // S(j) is done (the older group); P(j - 1) V(j - 1) may still run
         fence_regs(s_acc);
-        mbar_arrive(&sm.k_empty[stage(j)]);
+        mbar_arrive(&sm.k_empty[stage(j)]);  // K(j) read: its buffer may be refilled
         softmax(j);
-        wgmma_wait<0>();
+        wgmma_wait<0>();     // P(j - 1) V(j - 1) is done: o may be rescaled, p overwritten
         fence_regs(o);
         fence_regs(p);
-        mbar_arrive(&sm.v_empty[stage(j - 1)]);
+        mbar_arrive(&sm.v_empty[stage(j - 1)]);  // V(j - 1)^T read: its buffer may be refilled
         rescale_and_pack();
     }
     turn_begin();
