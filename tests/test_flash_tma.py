@@ -1004,3 +1004,26 @@ def test_wgmma_fp8_kernel_compiles_without_spills():
 def test_wgmma_fp8_source_compiles_host_function_included():
     cuda_tools.load_cuda(FP8_CU, ["flash_attention_hopper_fp8"], name="flash_attention_hopper_fp8",
                          arch="sm_90a")
+
+
+def test_wgmma_fp8_packs_each_key_into_the_slot_key_order_gives_it():
+    """The CUDA FP8 kernel packs P from S's accumulator (hopper.accumulator_rows_cols) into e4m3
+    A fragments (hopper.a_fragment_rows_cols_e4m3) by the pack_e4m3 lines of its source: each
+    value must land in its own row, in the slot where V^T holds the same key (key_order)."""
+    import re
+
+    from course_utils import hopper
+
+    lines = re.findall(r"p\[4 \* kk \+ (\d)\] = pack_e4m3\(s\[(\d+)\], s\[(\d+)\], s\[(\d+)\], "
+                       r"s\[(\d+)\]\)", FP8_CU.read_text())
+    assert [int(r) for r, *_ in lines] == [0, 1, 2, 3], "the kernel's pack lines changed"
+    acc_rows, acc_cols = hopper.accumulator_rows_cols(128)
+    a_rows, a_cols = hopper.a_fragment_rows_cols_e4m3()
+    order = tma.key_order(128).numpy()
+    for kk in range(4):  # keys 32 kk .. 32 kk + 31
+        for r, *regs in lines:
+            for b, i in enumerate(int(x) for x in regs):
+                reg = 16 * kk + i  # the accumulator register packed into byte b of p[4 kk + r]
+                assert (acc_rows[:, reg] == a_rows[:, int(r), b]).all(), (kk, r, b)
+                slot = 32 * kk + a_cols[:, int(r), b]
+                assert (order[acc_cols[:, reg]] == slot).all(), (kk, r, b)

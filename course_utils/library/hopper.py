@@ -312,4 +312,24 @@ def a_fragment_rows_cols() -> tuple[np.ndarray, np.ndarray]:
     return np.broadcast_to(rows, (128, 4, 2)).copy(), np.broadcast_to(cols, (128, 4, 2)).copy()
 
 
-__all__ += ["a_fragment_rows_cols", "accumulator_rows_cols"]
+def a_fragment_rows_cols_e4m3() -> tuple[np.ndarray, np.ndarray]:
+    """Where the A operand of an ``m64nNk32`` wgmma on e4m3 taken from registers comes from.
+
+    Returns ``(rows, cols)`` of shape ``(128, 4, 4)``: thread ``tid``'s 32-bit register ``r``
+    (of 4) holds four e4m3, byte ``b`` (0 the lowest) element ``(rows[tid, r, b],
+    cols[tid, r, b])`` of the 64 x 32 A tile: registers 0 and 2 are row ``16 warp + g``, 1 and 3
+    row ``16 warp + g + 8``; 0 and 1 columns ``4t .. 4t + 3``, 2 and 3 columns ``16 + 4t ..``.
+    Against the bf16 fragment (:func:`a_fragment_rows_cols`) a register covers 4 consecutive
+    columns, not 2: the accumulator of S (:func:`accumulator_rows_cols`) has them in another
+    order, which the FP8 kernel absorbs into V^T's order of the keys (``key_order``).
+    """
+    tid = np.arange(128)[:, None, None]
+    r = np.arange(4)[None, :, None]
+    b = np.arange(4)[None, None, :]
+    warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
+    rows = 16 * warp + g + 8 * (r % 2)
+    cols = 4 * t + 16 * (r // 2) + b
+    return np.broadcast_to(rows, (128, 4, 4)).copy(), np.broadcast_to(cols, (128, 4, 4)).copy()
+
+
+__all__ += ["a_fragment_rows_cols", "a_fragment_rows_cols_e4m3", "accumulator_rows_cols"]
