@@ -303,13 +303,22 @@ def a_fragment_rows_cols() -> tuple[np.ndarray, np.ndarray]:
     are row ``16 warp + g``, 1 and 3 row ``16 warp + g + 8``; 0 and 1 columns ``2t, 2t + 1``,
     2 and 3 columns ``2t + 8, 2t + 9``.
     """
+    return _a_fragment(2)
+
+
+def _a_fragment(per_register: int) -> tuple[np.ndarray, np.ndarray]:
+    """The A fragment of one k-step with ``per_register`` elements a 32-bit register (2 bf16, 4
+    e4m3): registers 0 and 2 row ``16 warp + g``, 1 and 3 row ``16 warp + g + 8``; register r,
+    element e column ``per_register t + 4 per_register (r // 2) + e`` (the k-step is
+    8 per_register columns wide)."""
+    e = per_register
     tid = np.arange(128)[:, None, None]
     r = np.arange(4)[None, :, None]
-    half = np.arange(2)[None, None, :]
+    b = np.arange(e)[None, None, :]
     warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
     rows = 16 * warp + g + 8 * (r % 2)
-    cols = 2 * t + 8 * (r // 2) + half
-    return np.broadcast_to(rows, (128, 4, 2)).copy(), np.broadcast_to(cols, (128, 4, 2)).copy()
+    cols = e * t + 4 * e * (r // 2) + b
+    return np.broadcast_to(rows, (128, 4, e)).copy(), np.broadcast_to(cols, (128, 4, e)).copy()
 
 
 def a_fragment_rows_cols_e4m3() -> tuple[np.ndarray, np.ndarray]:
@@ -323,13 +332,7 @@ def a_fragment_rows_cols_e4m3() -> tuple[np.ndarray, np.ndarray]:
     columns, not 2: the accumulator of S (:func:`accumulator_rows_cols`) has them in another
     order, which the FP8 kernel absorbs into V^T's order of the keys (``key_order``).
     """
-    tid = np.arange(128)[:, None, None]
-    r = np.arange(4)[None, :, None]
-    b = np.arange(4)[None, None, :]
-    warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
-    rows = 16 * warp + g + 8 * (r % 2)
-    cols = 4 * t + 16 * (r // 2) + b
-    return np.broadcast_to(rows, (128, 4, 4)).copy(), np.broadcast_to(cols, (128, 4, 4)).copy()
+    return _a_fragment(4)
 
 
 __all__ += ["a_fragment_rows_cols", "a_fragment_rows_cols_e4m3", "accumulator_rows_cols"]

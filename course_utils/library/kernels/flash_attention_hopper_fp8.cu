@@ -7,7 +7,7 @@
 //   K8 (B, H, Nk, 128) e4m3, with k_scale (B, H, ceil(Nk / 128));
 //   Vt8 (B, H, 128, Nk_pad) e4m3: V transposed (an FP8 wgmma reads both shared operands K-major,
 //     and in O += P V the reduction runs over the keys), Nk_pad a multiple of 32, and the keys
-//     of every group of 32 stored in the order KEY_ORDER below; v_scale (B, H, ceil(Nk / 128)),
+//     of every group of 32 stored in the order key_order (below); v_scale (B, H, ceil(Nk / 128)),
 //     and v_max (B, H): the largest of a head's v_scale.
 // Out: O (B, H, Nq, 128) bf16, LSE (B, H, Nq) float32 (natural log), causal top-left aligned
 // (key c is masked for query r when c > r), as the bf16 kernel.
@@ -22,7 +22,7 @@
 //   * P is the A operand of O += P V from registers, as e4m3. The accumulator of S gives a lane
 //     the keys 2t, 2t + 1, 8 + 2t, 9 + 2t (and + 16) of each 32, an e4m3 A fragment wants the
 //     keys 4t .. 4t + 3 (and + 16). No shuffle moves them: the producer stores V^T's keys of
-//     each group of 32 in the order the registers already have (KEY_ORDER), and the sum over the
+//     each group of 32 in the order the registers already have (key_order), and the sum over the
 //     keys does not care about their order.
 //   * V's per-tile scales are folded into P: P'_j = 256 (sv_j / sv_max) P_j, still at most 256
 //     (e4m3 goes to 448), by adding 8 + log2(sv_j / sv_max) to the exponent: no multiplication.
@@ -56,11 +56,10 @@ constexpr int STAGES = FA8_STAGES;     // K and V^T tiles in flight: 16 KB + 3 x
 
 #include "hopper_common.cuh"
 
-// The slot of key k (0..31) of a group of 32 in V^T's rows: the inverse of the order in which a
-// lane's registers hold P (see the file's head). Mirrored by fp8.py's producer.
-__host__ __device__ constexpr int KEY_ORDER(int k) {
-    return (k & 16) | ((k & 6) << 1) | ((k & 8) >> 2) | (k & 1);
-}
+// V^T's order of the keys (fp8.py's key_order, which its producer writes): key k (0..31) of a
+// group of 32 sits in slot (k & 16) | ((k & 6) << 1) | ((k & 8) >> 2) | (k & 1), the slot of the
+// A fragment where the pack_e4m3 lines below put P of key k (tests/test_flash_tma.py checks the
+// two against the register models of course_utils.library.hopper).
 
 // Four floats as four e4m3 in one register, x0 in the lowest byte (round to nearest even,
 // saturating at 448).

@@ -333,8 +333,10 @@ def _with_fp8(rec: Recordings, h: Headline) -> Headline:
     plain = [row["plain"] for row in acc if row["outlier"] == top]
     rotated = [row["rotated"] for row in acc if row["outlier"] == top]
     Ns = ks(r["N"] for r in f["rows"])
+    # the recording's kernel ends in its implementation: "..., CUDA (wgmma)" -> "CUDA, wgmma"
+    impl = f["kernel"].split(", ")[-1].replace(" (", ", ").rstrip(")")
     return dataclasses.replace(
-        h, text=f"{h.text}; FP8 (e4m3, {f['kernel'].split(', ')[-1].replace(' (', ', ').rstrip(')')}) as a user calls it, "
+        h, text=f"{h.text}; FP8 (e4m3, {impl}) as a user calls it, "
                 f"quantization included: {span(user)} the bf16 forward (the kernel alone "
                 f"{span(kernel)}; d = "
                 f"{f['rows'][0]['D']}, N {Ns}), error with {top:g}x outlier channels "

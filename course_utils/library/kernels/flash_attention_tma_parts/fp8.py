@@ -243,7 +243,7 @@ def hadamard(d, device=None):
     return (signs * H).to(device=device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_on(d, device, dtype):
     """:func:`hadamard` on ``device`` in ``dtype``, built once: building it is a few host
     operations and a copy to the GPU, which every call of the FP8 forward would pay again."""
@@ -252,7 +252,7 @@ def _hadamard_on(d, device, dtype):
 
 def key_order(n):
     """The slot of each key 0 .. n-1 in the rows of V^T that the CUDA FP8 kernel reads
-    (``flash_attention_hopper_fp8.cu``, KEY_ORDER): inside every group of 32 keys, key k sits
+    (``flash_attention_hopper_fp8.cu``): inside every group of 32 keys, key k sits
     where that kernel's registers hold P of key k (n a multiple of 32). An int64 tensor."""
     k = torch.arange(n)
     return (k & -16) | ((k & 6) << 1) | ((k & 8) >> 2) | (k & 1)
@@ -264,8 +264,9 @@ def quantize_fused(x, block_rows, *, transpose=False, rotate=False, n_pad=None, 
     scales)``, the same values bit for bit; ``transpose``: x8 is ``(B, H, d, n_pad)``, V^T with
     its keys padded to ``n_pad`` (zeros); ``rotate``: x is multiplied by :func:`hadamard` first
     (``x H``; the caller divides the scores by d). ``num_warps``: of the kernel (default 8 for
-    tiles of 8192 elements or more (16 without transpose or rotation), else 4). ``permute_keys`` (with ``transpose``): the keys of
-    each group of 32 in :func:`key_order` (n_pad a multiple of 32)."""
+    tiles of 8192 elements or more (16 without transpose or rotation), else 4).
+    ``permute_keys`` (with ``transpose``): the keys of each group of 32 in :func:`key_order`
+    (n_pad a multiple of 32)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
         raise TypeError("x must be a floating (B, H, N, d) tensor")
     B, H, N, d = x.shape
@@ -460,18 +461,15 @@ def accuracy_study(B, H, N, d, *, outliers=(1.0, 8.0, 30.0), channels=2, causal=
 
 WGMMA_FP8_D = 128  # flash_attention_hopper_fp8.cu: one 128-byte row of e4m3 a head
 WGMMA_FP8_BLOCK = 128  # its query and key tiles, and so the rows of every scale block
-_WGMMA_FP8_MODULE = []
-
-
+@functools.cache
 def _wgmma_fp8_module():
-    if not _WGMMA_FP8_MODULE:
-        from .... import paths
-        from ....toolbox.cuda import load_cuda
+    """The built extension of ``flash_attention_hopper_fp8.cu``, built once."""
+    from .... import paths
+    from ....toolbox.cuda import load_cuda
 
-        _WGMMA_FP8_MODULE.append(load_cuda(
-            paths.KERNELS / "flash_attention_hopper_fp8.cu", ["flash_attention_hopper_fp8"],
-            name="flash_attention_hopper_fp8", arch="sm_90a"))
-    return _WGMMA_FP8_MODULE[0]
+    return load_cuda(paths.KERNELS / "flash_attention_hopper_fp8.cu",
+                     ["flash_attention_hopper_fp8"], name="flash_attention_hopper_fp8",
+                     arch="sm_90a")
 
 
 class WgmmaFp8Inputs(NamedTuple):
