@@ -397,12 +397,12 @@ WGMMA = GPU and cu.capability()[0] == 9
 needs_wgmma = pytest.mark.skipif(not WGMMA, reason="the CUDA FP8 kernel runs on sm_90 only")
 
 
-def _wgmma_case(shape, score_std=1.0, rotate=False):
+def _wgmma_case(shape, score_std=1.0, rotate=False, d=128):
     """A problem at d = 128, its inputs for the CUDA kernel, and Q, K, V dequantized from them
     (V^T's keys back in their own order first; Q and K in the rotated basis with ``rotate``)."""
     from spec_helpers import poison_free_cuda_memory
 
-    q, k, v = _problem(shape, HALF, d=128, score_std=score_std)
+    q, k, v = _problem(shape, HALF, d=d, score_std=score_std)
     inputs = tma.quantize_fp8_inputs_wgmma(q, k, v, rotate=rotate)
     Nk = k.shape[2]
     vt = inputs.vt8.view(torch.uint8)[..., tma.key_order(inputs.vt8.shape[-1]).to(q.device)]
@@ -414,17 +414,19 @@ def _wgmma_case(shape, score_std=1.0, rotate=False):
 
 
 @needs_wgmma
+@pytest.mark.parametrize("d", (128, 256))
 @pytest.mark.parametrize("shape", FP8_SHAPES + [(1, 2, 700, 2000, False)], ids=_name)
-def test_wgmma_fp8_forward_within_the_bound_of_ps_rounding(shape):
-    _, inputs, (q, k, v) = _wgmma_case(shape)
-    _check_fp8_exact_bound(inputs, q, k, v, shape[4], _name(shape) + ", CUDA kernel",
+def test_wgmma_fp8_forward_within_the_bound_of_ps_rounding(shape, d):
+    _, inputs, (q, k, v) = _wgmma_case(shape, d=d)
+    _check_fp8_exact_bound(inputs, q, k, v, shape[4], _name(shape) + f", d={d}, CUDA kernel",
                            run=tma.attention_forward_fp8_wgmma_quantized)
 
 
 @needs_wgmma
+@pytest.mark.parametrize("d", (128, 256))
 @pytest.mark.parametrize("causal", (False, True))
-def test_wgmma_fp8_forward_large_logits_within_the_bound(causal):
-    _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), score_std=50.0)
+def test_wgmma_fp8_forward_large_logits_within_the_bound(causal, d):
+    _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), score_std=50.0, d=d)
     _check_fp8_exact_bound(inputs, q, k, v, causal, "std 50 logits, CUDA kernel",
                            run=tma.attention_forward_fp8_wgmma_quantized)
 
@@ -451,7 +453,7 @@ def test_wgmma_fp8_as_a_user_calls_it_is_quantize_then_kernel(rotate):
 
 def test_wgmma_fp8_refuses_what_it_does_not_run():
     q = torch.randn(1, 1, 8, 64, device=DEV, dtype=HALF)
-    with pytest.raises(ValueError, match="d = 128 only"):
+    with pytest.raises(ValueError, match=r"d in \(128, 256\) only"):
         tma.attention_forward_fp8_wgmma(q, q, q)
     q = torch.randn(1, 1, 8, 128, device=DEV, dtype=HALF)
     if not WGMMA:
@@ -995,7 +997,7 @@ FP8_CU = paths.KERNELS / "flash_attention_hopper_fp8.cu"
 @pytest.mark.skipif(cuda_tools.nvcc_path() is None, reason="nvcc not found")
 def test_wgmma_fp8_kernel_compiles_without_spills():
     report = cuda_tools.resource_usage(FP8_CU, arch="sm_90a", extra_flags=["-DFA_KERNEL_ONLY"])
-    assert len(report) == 1
+    assert len(report) == 2  # d = 128 and 256
     for r in report:  # 168 at compile time (384 threads); setmaxnreg gives consumers 240
         assert r.registers <= 168 and r.spills == 0, f"{r.name}: {r.registers} regs, {r.spills} B"
 

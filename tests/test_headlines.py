@@ -60,11 +60,11 @@ def test_the_fp8_recording_prints_ratios_with_spread_and_both_errors(capsys):
     from course_utils import recorded
 
     data = recorded.load("14_fp8", verbose=False)
-    assert [r["N"] for r in data["rows"]] == [4096, 8192, 16384] * 2
+    assert {r["N"] for r in data["rows"]} == {4096, 8192, 16384}
     headlines.print_fp8(data, "recorded")
     out = capsys.readouterr().out.splitlines()
-    rows = [line for line in out if line.strip().startswith(("False", "True"))]
-    assert len(rows) == 6 and all(line.count("(") == 2 for line in rows)
+    rows = [line for line in out if " False " in line or " True " in line]
+    assert len(rows) == len(data["rows"]) and all(line.count("(") == 2 for line in rows)
     assert any("x30: plain" in line and "rotated" in line for line in out)
 
 

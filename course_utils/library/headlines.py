@@ -281,7 +281,7 @@ def measure_backward_variants(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
     return data
 
 
-FP8_D, FP8_NS = 128, (4096, 8192, 16384)  # the issue's shapes: d = 128, N >= 4096
+FP8_DS, FP8_NS = (128, 256), (4096, 8192, 16384)  # the issue's shapes: d = 128, 256, N >= 4096
 # "fp8": the CUDA FP8 kernel as a user calls it (the course's FP8 forward on sm_90); "fp8
 # rotated": the same with the Hadamard rotation; "fp8 kernel": the kernel alone, inputs quantized
 # beforehand; "quantize": the producers alone; "triton fp8": the Triton FP8 forward as a user
@@ -305,6 +305,8 @@ def _fp8_row(fwd, D: int, causal: bool, N: int, rounds: int) -> dict:
     calls = {"fp8": lambda: tma.attention_forward_fp8_wgmma(q, k, v, causal),
              "fp8 rotated": lambda: tma.attention_forward_fp8_wgmma(q, k, v, causal, rotate=True),
              "triton fp8": lambda: tma.attention_forward_fp8(q, k, v, causal)}
+    if D not in tma.FP8_SUPPORTED_D:  # the Triton FP8 forward stops at d = 128
+        del calls["triton fp8"]
     err = {}
     for name, call in calls.items():
         O, _ = call()
@@ -318,7 +320,7 @@ def _fp8_row(fwd, D: int, causal: bool, N: int, rounds: int) -> dict:
             "quantize": lambda: tma.quantize_fp8_inputs_wgmma(q, k, v),
             "bf16": lambda: fwd(q, k, v, causal),
             "sdpa cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v, causal)}
-    runs = {name: runs[name] for name in FP8_RUNS}
+    runs = {name: runs[name] for name in FP8_RUNS if name in runs}
     ms = bench.interleaved(runs, rounds=rounds)
     flops = bench.attention_flops(B, H, N, N, D, causal, mode="fwd")
     return {
@@ -327,7 +329,7 @@ def _fp8_row(fwd, D: int, causal: bool, N: int, rounds: int) -> dict:
         "tflops": {n: bench.tflops(flops, statistics.median(t)) for n, t in ms.items()
                    if n != "quantize"},
         "ratio": {f"{a} vs {b}": bench.ratio_summary(ms, a, b)
-                  for a in ("fp8", "fp8 rotated", "fp8 kernel", "triton fp8")
+                  for a in ("fp8", "fp8 rotated", "fp8 kernel", "triton fp8") if a in ms
                   for b in ("bf16", "sdpa cudnn")},
         "rel_err_vs_float64": err,
     }
@@ -338,7 +340,7 @@ def measure_fp8(*, rounds: int = ROUNDS, Ns=FP8_NS, save: bool = True,
     """Chapter 14's FP8 forwards as a user calls them, from bfloat16 tensors (the producer
     kernels quantize Q, K, V and write V^T inside the timed call), beside the course's bf16
     forward (chapter 14's default variant) and cuDNN, in the same interleaved rounds (the runs
-    of :data:`FP8_RUNS`); d = ``FP8_D``, causal and not, N in ``Ns``. Then
+    of :data:`FP8_RUNS`); d in ``FP8_DS``, causal and not, N in ``Ns``. Then
     :func:`accuracy_study` (the Triton FP8 forward, the same quantization) at N = 4096, causal
     and not. Saved as ``14_fp8``."""
     import torch
@@ -350,14 +352,15 @@ def measure_fp8(*, rounds: int = ROUNDS, Ns=FP8_NS, save: bool = True,
         raise RuntimeError("chapter 14's kernels run on sm_90 (H100/H200) only")
     fwd, _ = _course_kernels(14)
     rows = []
-    for causal in (False, True):
-        for N in Ns:
-            rows.append(_fp8_row(fwd, FP8_D, causal, N, rounds))
-            if progress:
-                print(f"  measured FP8 d={FP8_D}, causal={causal}, N={N}", file=sys.stderr,
-                      flush=True)
-    accuracy = {"B": 1, "H": 4, "N": 4096, "D": FP8_D,
-                "rows": {str(c): tma.accuracy_study(1, 4, 4096, FP8_D, causal=c, device="cuda")
+    for D in FP8_DS:
+        for causal in (False, True):
+            for N in Ns:
+                rows.append(_fp8_row(fwd, D, causal, N, rounds))
+                if progress:
+                    print(f"  measured FP8 d={D}, causal={causal}, N={N}", file=sys.stderr,
+                          flush=True)
+    accuracy = {"B": 1, "H": 4, "N": 4096, "D": 128,
+                "rows": {str(c): tma.accuracy_study(1, 4, 4096, 128, causal=c, device="cuda")
                          for c in (False, True)}}
     data = {"chapter": 14, "kernel": "chapter 14's FP8 (e4m3) forward, CUDA (wgmma)",
             "device": torch.cuda.get_device_name(), "rounds": rounds, "dtype": "bfloat16 in",
@@ -370,15 +373,16 @@ def measure_fp8(*, rounds: int = ROUNDS, Ns=FP8_NS, save: bool = True,
 
 def print_fp8(data: dict, where: str) -> None:
     """The table of :func:`measure_fp8` (or its recording ``14_fp8``)."""
-    print(f"{data['kernel']}, d = {data['rows'][0]['D']}, B x N = {data['tokens']}; {where}")
+    print(f"{data['kernel']}, B x N = {data['tokens']}, H x d = {data['hidden']}; {where}")
     print("TFLOP/s; fp8 = as a user calls it (quantization inside); ratio = bf16's time / "
           f"FP8's (median, lowest-highest over {data['rounds']} interleaved rounds)")
-    print(f"{'causal':>6} {'N':>5} | {'fp8':>5} {'rot.':>5} {'kern.':>5} {'Triton':>6} "
+    print(f"{'d':>3} {'causal':>6} {'N':>5} | {'fp8':>5} {'rot.':>5} {'kern.':>5} {'Triton':>6} "
           f"{'bf16':>5} {'cuDNN':>5} {'quant. ms':>9} | {'fp8 vs bf16':>16} {'kernel vs bf16':>16}")
     for r in data["rows"]:
         t = r["tflops"]
-        print(f"{str(r['causal']):>6} {r['N']:5d} | {t['fp8']:5.0f} {t['fp8 rotated']:5.0f} "
-              f"{t['fp8 kernel']:5.0f} {t['triton fp8']:6.0f} {t['bf16']:5.0f} "
+        triton_fp8 = f"{t['triton fp8']:6.0f}" if "triton fp8" in t else f"{'-':>6}"
+        print(f"{r['D']:3d} {str(r['causal']):>6} {r['N']:5d} | {t['fp8']:5.0f} "
+              f"{t['fp8 rotated']:5.0f} {t['fp8 kernel']:5.0f} {triton_fp8} {t['bf16']:5.0f} "
               f"{t['sdpa cudnn']:5.0f} {r['ms']['quantize']:9.3f} | "
               f"{_fmt(r['ratio']['fp8 vs bf16']):>16} {_fmt(r['ratio']['fp8 kernel vs bf16']):>16}")
     acc = data["accuracy"]

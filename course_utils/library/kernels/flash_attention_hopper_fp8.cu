@@ -45,14 +45,13 @@ namespace torch { using namespace at; }
 
 namespace fa_hopper_fp8 {
 
-constexpr int D = 128;                 // head dim: a row of e4m3 is one 128-byte panel
 constexpr int CONS = 2;                // consumer warpgroups, 64 query rows each
 constexpr int BLOCK_M = 64 * CONS;     // query rows a block (and Q's scale blocks)
 constexpr int BLOCK_N = 128;           // keys a tile (and K's and V's scale blocks)
-#ifndef FA8_STAGES
-#define FA8_STAGES 3
-#endif
-constexpr int STAGES = FA8_STAGES;     // K and V^T tiles in flight: 16 KB + 3 x 32 KB of shared
+// K and V^T tiles in flight: d = 128, 16 KB of Q + 3 x 32 KB; d = 256 (two 128-byte panels a
+// row of Q and K), 32 KB + 2 x 64 KB
+template <int D>
+constexpr int STAGES = D == 128 ? 3 : 2;
 
 #include "hopper_common.cuh"
 
@@ -84,21 +83,38 @@ __device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[64], uint64_t a, uint64
 }
 
 // D[64 x 128] += A[64 x 32] B[32 x 128], A in registers (4 x 4 e4m3), B in shared memory K-major.
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+__device__ __forceinline__ void wgmma_rs_e4m3_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1;\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-struct Tiles {  // every tile a single 128-byte panel, each on a 1024-byte boundary
+// D[64 x 256] += A[64 x 32] B[32 x 256], A in registers, B in shared memory K-major (d = 256).
+__device__ __forceinline__ void wgmma_rs_e4m3_n256(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, 1, 1, 1;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// O += P V(j) by the head dim: N = D columns of O.
+template <int D>
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[D / 2], const uint32_t (&a)[4], uint64_t b) {
+    if constexpr (D == 128) wgmma_rs_e4m3_n128(d, a, b);
+    else wgmma_rs_e4m3_n256(d, a, b);
+}
+
+template <int D>
+struct Tiles {  // rows of D bytes: D / 128 panels of 128 bytes, each tile on a 1024-byte boundary
     uint8_t Q[BLOCK_M * D];
-    uint8_t K[STAGES][BLOCK_N * D];
-    uint8_t Vt[STAGES][D * BLOCK_N];
+    uint8_t K[STAGES<D>][BLOCK_N * D];
+    uint8_t Vt[STAGES<D>][D * BLOCK_N];  // D rows of 128 keys: one panel
     uint64_t q_full[CONS];
-    uint64_t k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    uint64_t k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
 };
 
+template <int D>
 __global__ void __launch_bounds__(128 * (CONS + 1), 1)
 flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
                            const __grid_constant__ CUtensorMap k_map,
@@ -109,9 +125,11 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
                            int Nk, float scale, int causal) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int S_REGS = BLOCK_N / 2, O_REGS = D / 2, P_REGS = BLOCK_N / 8;  // P: 4 e4m3 a register
+    constexpr int PANELS = D / 128;  // 128-byte panels of a row of Q and K
+    constexpr int STAGES = fa_hopper_fp8::STAGES<D>;
     constexpr int CONSUMER_REGS = 240;
-    static_assert(sizeof(Tiles) + 1024 <= 227 * 1024, "the tiles must fit 227 KB: fewer stages");
-    Tiles& sm = shared_tiles<Tiles>();
+    static_assert(sizeof(Tiles<D>) + 1024 <= 227 * 1024, "the tiles must fit 227 KB: fewer stages");
+    Tiles<D>& sm = shared_tiles<Tiles<D>>();
 
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
     const int qb = causal ? q_blocks - 1 - blockIdx.x : blockIdx.x;  // longest rows first
@@ -137,15 +155,18 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     if (wg == 0) {  // ------------------------------------------------ the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == 0) {
-            for (int c = 0; c < CONS; ++c) {
+            for (int c = 0; c < CONS; ++c) {  // panel p of consumer c's 64 rows
                 mbar_expect_bytes(&sm.q_full[c], 64 * D);
-                tma_load(sm.Q + c * 64 * D, &q_map, &sm.q_full[c], 0, q0 + 64 * c, bh);
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load(sm.Q + p * BLOCK_M * 128 + c * 64 * 128, &q_map, &sm.q_full[c], 128 * p,
+                             q0 + 64 * c, bh);
             }
             for (int j = 0; j < n_blocks; ++j) {
                 const int s = j % STAGES, phase = (j / STAGES) & 1;
                 mbar_wait(&sm.k_empty[s], phase ^ 1);  // WAR: both consumers' S of the last use is done
                 mbar_expect_bytes(&sm.k_full[s], BLOCK_N * D);
-                tma_load(sm.K[s], &k_map, &sm.k_full[s], 0, j * BLOCK_N, bh);
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load(sm.K[s] + p * BLOCK_N * 128, &k_map, &sm.k_full[s], 128 * p, j * BLOCK_N, bh);
                 mbar_wait(&sm.v_empty[s], phase ^ 1);  // WAR: both consumers' P V of the last use is done
                 mbar_expect_bytes(&sm.v_full[s], D * BLOCK_N);
                 tma_load(sm.Vt[s], &vt_map, &sm.v_full[s], j * BLOCK_N, 0, bh);
@@ -169,11 +190,13 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     const float* ks = k_scale + (size_t)bh * Tc;
     const float* vs = v_scale + (size_t)bh * Tc;
 
-    // descriptors, one 128-byte panel a tile: a k-step of 32 e4m3 = 32 bytes (desc_plus counts
-    // 2-byte elements: 16)
-    const uint64_t q_start = smem_desc(sm.Q + w * 64 * D, 16, 1024);
-    auto q_desc = [&](int k) { return desc_plus(q_start, 16 * k); };
-    auto k_desc = [&](int s, int k) { return desc_plus(smem_desc(sm.K[s], 16, 1024), 16 * k); };
+    // descriptors: a k-step of 32 e4m3 = 32 bytes inside a 128-byte panel, 4 steps a panel
+    // (desc_plus counts 2-byte elements: 16 a step, a panel of R rows R x 64)
+    const uint64_t q_start = smem_desc(sm.Q + w * 64 * 128, 16, 1024);
+    auto q_desc = [&](int k) { return desc_plus(q_start, (k / 4) * BLOCK_M * 64 + (k % 4) * 16); };
+    auto k_desc = [&](int s, int k) {
+        return desc_plus(smem_desc(sm.K[s], 16, 1024), (k / 4) * BLOCK_N * 64 + (k % 4) * 16);
+    };
     auto v_desc = [&](int s, int k) { return desc_plus(smem_desc(sm.Vt[s], 16, 1024), 16 * k); };
     auto turn_begin = [&]() { named_sync(1 + w); };
     auto turn_end = [&](bool last) {
@@ -199,7 +222,7 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
         #pragma unroll
         for (int k = 0; k < BLOCK_N / 32; ++k) {
             const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
-            wgmma_rs_e4m3(o, a, v_desc(stage(j), k));
+            wgmma_rs_e4m3<D>(o, a, v_desc(stage(j), k));
         }
         wgmma_commit();
     };
@@ -307,6 +330,17 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
 #endif
 }
 
+#if defined(FA_KERNEL_ONLY)  // compile-only builds (ptxas -v): both head dims
+template __global__ void flash_attention_fp8_kernel<128>(
+    const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
+    const __grid_constant__ CUtensorMap, const float*, const float*, const float*, const float*,
+    __nv_bfloat16*, float*, int, int, int, float, int);
+template __global__ void flash_attention_fp8_kernel<256>(
+    const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
+    const __grid_constant__ CUtensorMap, const float*, const float*, const float*, const float*,
+    __nv_bfloat16*, float*, int, int, int, float, int);
+#endif
+
 }  // namespace fa_hopper_fp8
 
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
@@ -327,10 +361,12 @@ std::vector<torch::Tensor> flash_attention_hopper_fp8(torch::Tensor Q8, torch::T
         TORCH_CHECK(reinterpret_cast<uintptr_t>(X->data_ptr()) % 16 == 0, fn, ": inputs must start on 16 bytes");
     }
     const int64_t B = Q8.size(0), H = Q8.size(1), Nq = Q8.size(2), Nk = K8.size(2);
-    TORCH_CHECK(Q8.size(3) == D && K8.size(3) == D, fn, ": head dim must be 128, got ", std::to_string(Q8.size(3)));
+    const int64_t D = Q8.size(3);
+    TORCH_CHECK((D == 128 || D == 256) && K8.size(3) == D, fn, ": head dim must be 128 or 256 (and the same for Q and K), got ",
+                std::to_string(D));
     TORCH_CHECK(K8.size(0) == B && K8.size(1) == H && Vt8.size(0) == B && Vt8.size(1) == H &&
                 Vt8.size(2) == D && Vt8.size(3) >= Nk && Vt8.size(3) % 32 == 0,
-                fn, ": Vt8 must be (B, H, 128, Nk_pad) with Nk_pad >= Nk a multiple of 32");
+                fn, ": Vt8 must be (B, H, D, Nk_pad) with Nk_pad >= Nk a multiple of 32");
     const int64_t Tr = (Nq + BLOCK_M - 1) / BLOCK_M, Tc = (Nk + BLOCK_N - 1) / BLOCK_N;
     auto check_scale = [&](const torch::Tensor& s, int64_t n, const char* name) {
         TORCH_CHECK(s.is_cuda() && s.scalar_type() == torch::kFloat && s.is_contiguous() &&
@@ -351,16 +387,18 @@ std::vector<torch::Tensor> flash_attention_hopper_fp8(torch::Tensor Q8, torch::T
     TORCH_CHECK(Nk > 0, fn, ": Nk must be at least 1");
     c10::cuda::CUDAGuard guard(Q8.device());
     const CUtensorMap q_map = make_map(Q8, 64), k_map = make_map(K8, BLOCK_N),
-                      vt_map = make_map(Vt8, D);
-    constexpr int SMEM = sizeof(Tiles) + 1024;
-    check_cuda(cudaFuncSetAttribute(flash_attention_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
-               "flash_attention_hopper_fp8: asking for shared memory");
-    dim3 grid(Tr, H, B);
-    flash_attention_fp8_kernel<<<grid, 128 * (CONS + 1), SMEM, c10::cuda::getCurrentCUDAStream()>>>(
-        q_map, k_map, vt_map, q_scale.data_ptr<float>(), k_scale.data_ptr<float>(),
-        v_scale.data_ptr<float>(), v_max.data_ptr<float>(),
-        reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(), H, Nq, Nk,
-        static_cast<float>(scale), causal ? 1 : 0);
+                      vt_map = make_map(Vt8, static_cast<int>(D));
+    auto launch = [&](auto kernel, int smem) {
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                   "flash_attention_hopper_fp8: asking for shared memory");
+        kernel<<<dim3(Tr, H, B), 128 * (CONS + 1), smem, c10::cuda::getCurrentCUDAStream()>>>(
+            q_map, k_map, vt_map, q_scale.data_ptr<float>(), k_scale.data_ptr<float>(),
+            v_scale.data_ptr<float>(), v_max.data_ptr<float>(),
+            reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(), H, Nq, Nk,
+            static_cast<float>(scale), causal ? 1 : 0);
+    };
+    if (D == 128) launch(flash_attention_fp8_kernel<128>, sizeof(Tiles<128>) + 1024);
+    else launch(flash_attention_fp8_kernel<256>, sizeof(Tiles<256>) + 1024);
     check_cuda(cudaGetLastError(), "flash_attention_hopper_fp8: launch");
     return {O, LSE};
 }

@@ -335,11 +335,11 @@ def _with_fp8(rec: Recordings, h: Headline) -> Headline:
     Ns = ks(r["N"] for r in f["rows"])
     # the recording's kernel ends in its implementation: "..., CUDA (wgmma)" -> "CUDA, wgmma"
     impl = f["kernel"].split(", ")[-1].replace(" (", ", ").rstrip(")")
+    Ds = "/".join(str(D) for D in sorted({r["D"] for r in f["rows"]}))
     return dataclasses.replace(
         h, text=f"{h.text}; FP8 (e4m3, {impl}) as a user calls it, "
                 f"quantization included: {span(user)} the bf16 forward (the kernel alone "
-                f"{span(kernel)}; d = "
-                f"{f['rows'][0]['D']}, N {Ns}), error with {top:g}x outlier channels "
+                f"{span(kernel)}; d = {Ds}, N {Ns}), error with {top:g}x outlier channels "
                 f"{span(plain, pct)} of max |O|, {span(rotated, pct)} with a Hadamard rotation "
                 f"({short_device(f['device'])}, {f['rounds']} rounds, {rec.date(name)})",
         source=f"{h.source}`, `{name}")

@@ -459,7 +459,7 @@ def accuracy_study(B, H, N, d, *, outliers=(1.0, 8.0, 30.0), channels=2, causal=
 # 5. The FP8 forward in CUDA: chapter 14's bf16 kernel (TMA, wgmma, ping-pong, overlap) on e4m3
 # =============================================================================================
 
-WGMMA_FP8_D = 128  # flash_attention_hopper_fp8.cu: one 128-byte row of e4m3 a head
+WGMMA_FP8_D = (128, 256)  # flash_attention_hopper_fp8.cu: rows of one or two 128-byte panels
 WGMMA_FP8_BLOCK = 128  # its query and key tiles, and so the rows of every scale block
 @functools.cache
 def _wgmma_fp8_module():
@@ -488,8 +488,8 @@ class WgmmaFp8Inputs(NamedTuple):
 
 def _check_wgmma_fp8(q, k, v):
     B, H, Nq, Nk, d = validate_inputs(q, k, v)
-    if d != WGMMA_FP8_D:
-        raise ValueError(f"head dim d={d}: the CUDA FP8 kernel is built for d = {WGMMA_FP8_D} "
+    if d not in WGMMA_FP8_D:
+        raise ValueError(f"head dim d={d}: the CUDA FP8 kernel is built for d in {WGMMA_FP8_D} "
                          "only; use attention_forward_fp8 (Triton: d in 32, 64, 128)")
     if INTERPRETED or not q.is_cuda or _capability(q.device.index or 0)[0] != 9:
         raise RuntimeError("the CUDA FP8 kernel needs an sm_90 GPU (H100/H200: wgmma, TMA); on "
@@ -523,8 +523,8 @@ def attention_forward_fp8_wgmma_quantized(inputs, causal=False, scale=None):
 
 
 def attention_forward_fp8_wgmma(q, k, v, causal=False, scale=None, *, rotate=False):
-    """FP8 forward with chapter 14's CUDA kernel (warp specialization, ping-pong, overlap; d =
-    128, sm_90): ``(O, LSE)`` from bfloat16 / float16 q, k, v, quantized inside the call.
+    """FP8 forward with chapter 14's CUDA kernel (warp specialization, ping-pong, overlap; d in
+    128 and 256, sm_90): ``(O, LSE)`` from bfloat16 / float16 q, k, v, quantized inside the call.
 
     The same quantization as :func:`attention_forward_fp8` (per-block scales from the producer
     kernels, optional Hadamard ``rotate``), tiles of 128 rows; V's tile scales are folded into
