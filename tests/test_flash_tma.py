@@ -344,15 +344,19 @@ def test_fp8_forward_large_logits_within_the_bound(causal):
 
 
 def _check_fp8_exact_bound(inputs, q, k, v, causal, case,
-                           run=tma.attention_forward_fp8_quantized, scale=None):
+                           run=tma.attention_forward_fp8_quantized, scale=None, subnormal=None):
+    """``subnormal``: the largest error of a P below e4m3's normals, times |V_j|, per key j
+    (default 2**-18: the Triton kernel's P * 256)."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    subnormal = 2.0**-18 * torch.ones_like(v[..., :1]) if subnormal is None else subnormal
     O, LSE = run(inputs, causal)
     assert O.dtype == torch.bfloat16 and LSE.dtype == torch.float32
     O_ref, LSE_ref = reference.attention(q, k, v, causal=causal, scale=scale)
     W = _weights(q, k, causal, scale)
     S_abs = float((scale * q.abs() @ k.abs().transpose(-2, -1)).amax())
     WV = W @ v.abs()
-    bound = (U + 2.0**-9 + 2 * C_S * S_abs) * WV + 2.0**-18 * v.abs().sum(-2, keepdim=True) + 1e-6
+    bound = ((U + 2.0**-9 + 2 * C_S * S_abs) * WV
+             + (subnormal * v.abs()).sum(-2, keepdim=True) + 1e-6)
     checks.compare("|O - O_ref| / bound", (O.double() - O_ref).abs() / bound,
                    torch.zeros_like(O_ref), case=case, atol=1.0, rtol=0.0,
                    hint="P's e4m3 rounding cannot explain this error: a block scale applied to "
@@ -413,13 +417,22 @@ def _wgmma_case(shape, score_std=1.0, rotate=False, d=128):
     return (q, k, v), inputs, deq
 
 
+def _wgmma_subnormal(inputs, Nk):
+    """The CUDA kernel's P' = 2^(P_SHIFT) (sv_j / sv_max) P (V's tile scale in P's exponent): a
+    P' below e4m3's normals is off by at most 2**-10, so P by 2**-(10 + P_SHIFT) sv_max / sv_j."""
+    ratio = inputs.v_max[..., None] / inputs.v_scale  # (B, H, Tc)
+    per_key = ratio.repeat_interleave(tma.WGMMA_FP8_BLOCK, dim=-1)[..., :Nk]
+    return 2.0 ** -(10 + tma.WGMMA_FP8_P_SHIFT) * per_key[..., None].double()
+
+
 @needs_wgmma
 @pytest.mark.parametrize("d", (128, 256))
 @pytest.mark.parametrize("shape", FP8_SHAPES + [(1, 2, 700, 2000, False)], ids=_name)
 def test_wgmma_fp8_forward_within_the_bound_of_ps_rounding(shape, d):
     _, inputs, (q, k, v) = _wgmma_case(shape, d=d)
     _check_fp8_exact_bound(inputs, q, k, v, shape[4], _name(shape) + f", d={d}, CUDA kernel",
-                           run=tma.attention_forward_fp8_wgmma_quantized)
+                           run=tma.attention_forward_fp8_wgmma_quantized,
+                           subnormal=_wgmma_subnormal(inputs, k.shape[2]))
 
 
 @needs_wgmma
@@ -428,7 +441,8 @@ def test_wgmma_fp8_forward_within_the_bound_of_ps_rounding(shape, d):
 def test_wgmma_fp8_forward_large_logits_within_the_bound(causal, d):
     _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), score_std=50.0, d=d)
     _check_fp8_exact_bound(inputs, q, k, v, causal, "std 50 logits, CUDA kernel",
-                           run=tma.attention_forward_fp8_wgmma_quantized)
+                           run=tma.attention_forward_fp8_wgmma_quantized,
+                           subnormal=_wgmma_subnormal(inputs, k.shape[2]))
 
 
 @needs_wgmma
@@ -438,6 +452,7 @@ def test_wgmma_fp8_with_the_rotation_within_the_bound(causal):
     _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), rotate=True)
     _check_fp8_exact_bound(inputs, q, k, v, causal, "rotated, CUDA kernel",
                            run=tma.attention_forward_fp8_wgmma_quantized,
+                           subnormal=_wgmma_subnormal(inputs, k.shape[2]),
                            scale=1 / math.sqrt(128) / 128)
 
 
@@ -449,6 +464,21 @@ def test_wgmma_fp8_as_a_user_calls_it_is_quantize_then_kernel(rotate):
     inputs = tma.quantize_fp8_inputs_wgmma(q, k, v, rotate=rotate)
     O2, LSE2 = tma.attention_forward_fp8_wgmma_quantized(inputs, True)
     assert torch.isfinite(O).all() and torch.equal(O, O2) and torch.equal(LSE, LSE2)
+
+
+def test_wgmma_fp8_p_shift_and_tau_keep_p_inside_e4m3():
+    # The kernel's constants, read off its source: Python's bound above uses P_SHIFT, and a stale
+    # running maximum (kept while the new one is within TAU) lets P reach 2^TAU: P' = 2^(P_SHIFT
+    # + TAU) must stay at or below e4m3's largest value, 448, or the saturating cast clips it.
+    import re
+
+    from course_utils import paths
+
+    src = (paths.KERNELS / "flash_attention_hopper_fp8.cu").read_text()
+    const = {name: float(value) for name, value in
+             re.findall(r"constexpr float (P_SHIFT|P_FACTOR|TAU) = ([0-9.]+)f;", src)}
+    assert const["P_SHIFT"] == tma.WGMMA_FP8_P_SHIFT and const["P_FACTOR"] == 2 ** const["P_SHIFT"]
+    assert 2 ** (const["P_SHIFT"] + const["TAU"]) <= float(tma.E4M3_MAX)
 
 
 def test_wgmma_fp8_refuses_what_it_does_not_run():

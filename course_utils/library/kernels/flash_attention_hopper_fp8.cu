@@ -24,11 +24,15 @@
 //     keys 4t .. 4t + 3 (and + 16). No shuffle moves them: the producer stores V^T's keys of
 //     each group of 32 in the order the registers already have (key_order), and the sum over the
 //     keys does not care about their order.
-//   * V's per-tile scales are folded into P: P'_j = 256 (sv_j / sv_max) P_j, still at most 256
-//     (e4m3 goes to 448), by adding 8 + log2(sv_j / sv_max) to the exponent: no multiplication.
-//     O then accumulates in the wgmma accumulator across all key tiles, and the epilogue
-//     multiplies by sv_max / 256 / l. The row sums l add up the unrounded P (a per-row, per-tile
-//     correction by 1 / (256 sv_j / sv_max)).
+//   * V's per-tile scales are folded into P: P'_j = 2^P_SHIFT (sv_j / sv_max) P_j, by adding
+//     P_SHIFT + log2(sv_j / sv_max) to the exponent: no multiplication. O then accumulates in
+//     the wgmma accumulator across all key tiles, and the epilogue multiplies by
+//     sv_max / 2^P_SHIFT / l. The row sums l add up the unrounded P (a per-row, per-tile
+//     correction by 2^-(P_SHIFT + log2(sv_j / sv_max))).
+//   * The running maximum moves only when a row's new maximum passes it by more than TAU (log2
+//     units), a decision a warp takes together: between moves O is not rescaled (64 multiplies
+//     a tile saved), and P = 2^(s - m) stays below 2^TAU, so P' <= 2^(P_SHIFT + TAU) = 2^8.5,
+//     inside e4m3's 448.
 #if !defined(__CUDACC_RTC__) && !defined(FA_KERNEL_ONLY)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -48,6 +52,9 @@ namespace fa_hopper_fp8 {
 constexpr int CONS = 2;                // consumer warpgroups, 64 query rows each
 constexpr int BLOCK_M = 64 * CONS;     // query rows a block (and Q's scale blocks)
 constexpr int BLOCK_N = 128;           // keys a tile (and K's and V's scale blocks)
+constexpr float P_SHIFT = 6.f;         // P' = 2^P_SHIFT P: P' >= 2^-6 (e4m3's normals) for P >= 2^-12
+constexpr float P_FACTOR = 64.f;       // 2^P_SHIFT
+constexpr float TAU = 2.5f;            // a stale maximum is kept while the new one is within TAU
 // K and V^T tiles in flight: d = 128, 16 KB of Q + 3 x 32 KB; d = 256 (two 128-byte panels a
 // row of Q and K), 32 KB + 2 x 64 KB
 template <int D>
@@ -186,7 +193,7 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     // The per-tile factors: scores to log2 units (scale sq sk_j log2 e) and V's share of the
     // exponent (log2 (sv_j / sv_max)); sq and sv_max once.
     const float sq_log2 = scale * LOG2E * q_scale[(size_t)bh * q_blocks + qb];
-    const float sv_max = v_max[bh];
+    const float sv_max = v_max[bh], log2_sv_max = __log2f(sv_max);
     const float* ks = k_scale + (size_t)bh * Tc;
     const float* vs = v_scale + (size_t)bh * Tc;
 
@@ -209,15 +216,17 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     #pragma unroll
     for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
 
+    // RAW waits (K(j), V(j)^T have landed) are taken before the turn, so that their latency
+    // hides behind the wait for the other consumer's issue
+    auto wait_k = [&](int j) { mbar_wait(&sm.k_full[stage(j)], parity(j)); };
+    auto wait_v = [&](int j) { mbar_wait(&sm.v_full[stage(j)], parity(j)); };
     auto issue_s = [&](int j) {
-        mbar_wait(&sm.k_full[stage(j)], parity(j));  // RAW: K(j) has landed
         wgmma_fence();
         #pragma unroll
         for (int k = 0; k < D / 32; ++k) wgmma_ss_e4m3(s_acc, q_desc(k), k_desc(stage(j), k), k > 0);
         wgmma_commit();
     };
     auto issue_pv = [&](int j) {
-        mbar_wait(&sm.v_full[stage(j)], parity(j));  // RAW: V(j)^T has landed
         wgmma_fence();
         #pragma unroll
         for (int k = 0; k < BLOCK_N / 32; ++k) {
@@ -227,13 +236,13 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
         wgmma_commit();
     };
     float alpha[2], rowsum[2], l_factor = 1.f;
+    bool moved = true;  // did the warp move its running maxima this tile (then O is rescaled)?
     auto softmax = [&](int j) {
         const float sl = sq_log2 * ks[j];
-        const float sv = vs[j];
-        // P' = 2^(8 + log2(sv / sv_max)) P: V's tile scale and the 256 that keeps P's small
-        // values out of e4m3's subnormals, both in the exponent
-        const float shift = 8.f + __log2f(sv / sv_max);
-        l_factor = sv_max / (256.f * sv);  // the row sums of P' back to those of P
+        // P' = 2^shift P, shift = P_SHIFT + log2(sv / sv_max): V's tile scale and the factor that
+        // keeps P's small values out of e4m3's subnormals, both in the exponent
+        const float shift = P_SHIFT + __log2f(vs[j]) - log2_sv_max;
+        l_factor = fast_exp2(-shift);  // the row sums of P' back to those of P
         const int c0 = j * BLOCK_N + 2 * t;
         const bool edge = (j + 1) * BLOCK_N > Nk || (causal && (j + 1) * BLOCK_N - 1 > q0 + 64 * w);
         if (edge) {
@@ -243,33 +252,56 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
                 if (c >= Nk || (causal && c > r)) s_acc[i] = neg_inf();
             }
         }
-        float mx[2] = {neg_inf(), neg_inf()};
+        // the row maxima as four interleaved chains a row (a shorter dependency chain)
+        float mx4[2][4];
         #pragma unroll
-        for (int i = 0; i < S_REGS; ++i) mx[(i % 4) / 2] = fmaxf(mx[(i % 4) / 2], s_acc[i]);
+        for (int h = 0; h < 2; ++h)
+            for (int c = 0; c < 4; ++c) mx4[h][c] = neg_inf();
+        #pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            float& x = mx4[(i % 4) / 2][(i / 4) % 4];
+            x = fmaxf(x, s_acc[i]);
+        }
+        float m_new[2];
+        bool move = false;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = fmaxf(fmaxf(mx4[h][0], mx4[h][1]), fmaxf(mx4[h][2], mx4[h][3]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            m_new[h] = fmaxf(m[h], mx * sl);  // sl > 0: the maximum of the scaled
+            move |= m_new[h] > m[h] + TAU;     // false for a row with no key yet (both -inf)
+        }
+        moved = __any_sync(0xffffffff, move);
         float base[2];
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-            const float m_new = fmaxf(m[h], mx[h] * sl);  // sl > 0: the maximum of the scaled
-            const float m_use = m_new == neg_inf() ? 0.f : m_new;  // a row with no key yet
-            alpha[h] = fast_exp2(m[h] - m_use);
-            base[h] = m_use - shift;
-            m[h] = m_new;
-            rowsum[h] = 0.f;
+            if (moved) {
+                const float m_use = m_new[h] == neg_inf() ? 0.f : m_new[h];  // a row with no key yet
+                alpha[h] = fast_exp2(m[h] - m_use);
+                m[h] = m_new[h];
+            }
+            base[h] = (m[h] == neg_inf() ? 0.f : m[h]) - shift;
         }
+        float sum4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
             const int h = (i % 4) / 2;
             s_acc[i] = fast_exp2(fmaf(s_acc[i], sl, -base[h]));
-            rowsum[h] += s_acc[i];
+            sum4[h][(i / 4) % 4] += s_acc[i];
         }
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) rowsum[h] = (sum4[h][0] + sum4[h][1]) + (sum4[h][2] + sum4[h][3]);
     };
     auto rescale_and_pack = [&]() {
+        if (moved) {  // warp-uniform: most tiles of a long row skip the 64 multiplies
+            #pragma unroll
+            for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i % 4) / 2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) l[h] *= alpha[h];
+        }
         #pragma unroll
-        for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[(i % 4) / 2];
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h] * l_factor;
+        for (int h = 0; h < 2; ++h) l[h] += rowsum[h] * l_factor;
         #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 32; ++kk) {  // the A fragment of keys 32kk .. 32kk + 31
             const float* s = s_acc + 16 * kk;
@@ -284,6 +316,7 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     mbar_wait(&sm.q_full[w], 0);  // RAW: this consumer's 64 rows of Q have landed
     // S(0) and its softmax; blocks 1 .. n - 1, each S(j) issued with P(j - 1) V(j - 1); the last
     // P V alone (the bf16 kernel's variant 3)
+    wait_k(0);
     turn_begin();
     issue_s(0);
     turn_end(false);
@@ -293,6 +326,8 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     softmax(0);
     rescale_and_pack();
     for (int j = 1; j < n_blocks; ++j) {
+        wait_k(j);
+        wait_v(j - 1);
         turn_begin();
         issue_s(j);
         issue_pv(j - 1);
@@ -307,6 +342,7 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
         mbar_arrive(&sm.v_empty[stage(j - 1)]);  // V(j - 1)^T read: its buffer may be refilled
         rescale_and_pack();
     }
+    wait_v(n_blocks - 1);
     turn_begin();
     issue_pv(n_blocks - 1);
     turn_end(true);
@@ -314,13 +350,13 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     fence_regs(o);
     mbar_arrive(&sm.v_empty[stage(n_blocks - 1)]);
 
-    // epilogue: O = acc sv_max / (256 l) as bf16 (the 256 and sv_max of P'), LSE = (m + log2 l) ln 2
+    // epilogue: O = acc sv_max / (2^P_SHIFT l) as bf16 (P's factors), LSE = (m + log2 l) ln 2
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
         const int r = row0 + 8 * h;
-        const float inv = l[h] > 0.f ? sv_max / (256.f * l[h]) : 0.f;
+        const float inv = l[h] > 0.f ? sv_max / (P_FACTOR * l[h]) : 0.f;
         store_row_bf16<D>(O + ((size_t)bh * Nq + r) * D, o, h, inv, t, r < Nq);
         if (t == 0 && r < Nq)
             LSE[(size_t)bh * Nq + r] = l[h] > 0.f ? (m[h] + __log2f(l[h])) / LOG2E : neg_inf();

@@ -461,6 +461,7 @@ def accuracy_study(B, H, N, d, *, outliers=(1.0, 8.0, 30.0), channels=2, causal=
 
 WGMMA_FP8_D = (128, 256)  # flash_attention_hopper_fp8.cu: rows of one or two 128-byte panels
 WGMMA_FP8_BLOCK = 128  # its query and key tiles, and so the rows of every scale block
+WGMMA_FP8_P_SHIFT = 6  # its P' = 2^6 (sv_j / sv_max) P: the kernel's P_SHIFT
 @functools.cache
 def _wgmma_fp8_module():
     """The built extension of ``flash_attention_hopper_fp8.cu``, built once."""
