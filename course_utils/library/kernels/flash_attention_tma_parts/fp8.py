@@ -488,7 +488,7 @@ class WgmmaFp8Inputs(NamedTuple):
 
 
 def _check_wgmma_fp8(q, k, v):
-    B, H, Nq, Nk, d = validate_inputs(q, k, v)
+    B, H, Nq, Nk, d = validate_inputs(q, k, v, supported_d=None)  # d: below
     if d not in WGMMA_FP8_D:
         raise ValueError(f"head dim d={d}: the CUDA FP8 kernel is built for d in {WGMMA_FP8_D} "
                          "only; use attention_forward_fp8 (Triton: d in 32, 64, 128)")

@@ -33,8 +33,11 @@ def _real_capability(index):
     return torch.cuda.get_device_capability(index)
 
 
-def validate_inputs(q, k, v):
+def validate_inputs(q, k, v, supported_d=SUPPORTED_D):
     """Check q ``(B, H, Nq, d)``, k, v ``(B, H, Nk, d)``; return ``(B, H, Nq, Nk, d)``.
+
+    ``supported_d``: the head dims the caller's kernel is built for (default: the Triton
+    kernels'; None: the caller checks d itself).
 
     Raises TypeError (not a tensor, unsupported dtype) or ValueError (shape, device, layout)
     with what is wrong and what to do.
@@ -63,8 +66,8 @@ def validate_inputs(q, k, v):
     if k.shape[3] != d:
         raise ValueError(f"q has head dim d={d} but k and v have {k.shape[3]}: S = Q K^T needs "
                          "the same d")
-    if d not in SUPPORTED_D:
-        raise ValueError(f"head dim d={d} is not supported: use one of {SUPPORTED_D} (pad the "
+    if supported_d is not None and d not in supported_d:
+        raise ValueError(f"head dim d={d} is not supported: use one of {supported_d} (pad the "
                          "head dim with zeros up to the next one)")
     if Nq < 1 or Nk < 1:
         raise ValueError(f"Nq={Nq}, Nk={Nk}: attention needs at least one query and one key")
