@@ -3,13 +3,13 @@
 //
 // Inputs, all made by the producers of flash_attention_tma_parts/fp8.py (quantize_fused), one
 // float32 scale per block of rows (the kernel's tiles):
-//   Q8 (B, H, Nq, 128) e4m3, with q_scale (B, H, ceil(Nq / 128));
-//   K8 (B, H, Nk, 128) e4m3, with k_scale (B, H, ceil(Nk / 128));
-//   Vt8 (B, H, 128, Nk_pad) e4m3: V transposed (an FP8 wgmma reads both shared operands K-major,
+//   Q8 (B, H, Nq, D) e4m3 (D = 128 or 256), with q_scale (B, H, ceil(Nq / 128));
+//   K8 (B, H, Nk, D) e4m3, with k_scale (B, H, ceil(Nk / 128));
+//   Vt8 (B, H, D, Nk_pad) e4m3: V transposed (an FP8 wgmma reads both shared operands K-major,
 //     and in O += P V the reduction runs over the keys), Nk_pad a multiple of 32, and the keys
 //     of every group of 32 stored in the order key_order (below); v_scale (B, H, ceil(Nk / 128)),
 //     and v_max (B, H): the largest of a head's v_scale.
-// Out: O (B, H, Nq, 128) bf16, LSE (B, H, Nq) float32 (natural log), causal top-left aligned
+// Out: O (B, H, Nq, D) bf16, LSE (B, H, Nq) float32 (natural log), causal top-left aligned
 // (key c is masked for query r when c > r), as the bf16 kernel.
 //
 // What changes from the bf16 kernel, and why:

@@ -326,8 +326,12 @@ def _with_fp8(rec: Recordings, h: Headline) -> Headline:
     the largest outlier channels."""
     name = "14_fp8"
     f = rec.data(name)
-    user = [r["ratio"]["fp8 vs bf16"]["median"] for r in f["rows"]]
-    kernel = [r["ratio"]["fp8 kernel vs bf16"]["median"] for r in f["rows"]]
+    def per_d(run):  # "d = 128 a-b, d = 256 c-d": the head dims differ by far more than noise
+        return ", ".join(
+            f"d = {D} " + span([r["ratio"][f"{run} vs bf16"]["median"] for r in f["rows"]
+                                if r["D"] == D])
+            for D in sorted({r["D"] for r in f["rows"]}))
+
     acc = [row for rows in f["accuracy"]["rows"].values() for row in rows]
     top = max(row["outlier"] for row in acc)
     plain = [row["plain"] for row in acc if row["outlier"] == top]
@@ -335,11 +339,10 @@ def _with_fp8(rec: Recordings, h: Headline) -> Headline:
     Ns = ks(r["N"] for r in f["rows"])
     # the recording's kernel ends in its implementation: "..., CUDA (wgmma)" -> "CUDA, wgmma"
     impl = f["kernel"].split(", ")[-1].replace(" (", ", ").rstrip(")")
-    Ds = "/".join(str(D) for D in sorted({r["D"] for r in f["rows"]}))
     return dataclasses.replace(
         h, text=f"{h.text}; FP8 (e4m3, {impl}) as a user calls it, "
-                f"quantization included: {span(user)} the bf16 forward (the kernel alone "
-                f"{span(kernel)}; d = {Ds}, N {Ns}), error with {top:g}x outlier channels "
+                f"quantization included, against the bf16 forward: {per_d('fp8')} (the kernel "
+                f"alone {per_d('fp8 kernel')}; N {Ns}), error with {top:g}x outlier channels "
                 f"{span(plain, pct)} of max |O|, {span(rotated, pct)} with a Hadamard rotation "
                 f"({short_device(f['device'])}, {f['rounds']} rounds, {rec.date(name)})",
         source=f"{h.source}`, `{name}")
