@@ -402,7 +402,7 @@ needs_wgmma = pytest.mark.skipif(not WGMMA, reason="the CUDA FP8 kernel runs on 
 
 
 def _wgmma_case(shape, score_std=1.0, rotate=False, d=128):
-    """A problem at d = 128, its inputs for the CUDA kernel, and Q, K, V dequantized from them
+    """A problem at head dim d, its inputs for the CUDA kernel, and Q, K, V dequantized from them
     (V^T's keys back in their own order first; Q and K in the rotated basis with ``rotate``)."""
     from spec_helpers import poison_free_cuda_memory
 
@@ -446,20 +446,22 @@ def test_wgmma_fp8_forward_large_logits_within_the_bound(causal, d):
 
 
 @needs_wgmma
+@pytest.mark.parametrize("d", (128, 256))
 @pytest.mark.parametrize("causal", (False, True))
-def test_wgmma_fp8_with_the_rotation_within_the_bound(causal):
+def test_wgmma_fp8_with_the_rotation_within_the_bound(causal, d):
     # (Q H)(K H)^T / d = Q K^T: the bound of the rotated, dequantized inputs at scale / d
-    _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), rotate=True)
-    _check_fp8_exact_bound(inputs, q, k, v, causal, "rotated, CUDA kernel",
+    _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), rotate=True, d=d)
+    _check_fp8_exact_bound(inputs, q, k, v, causal, f"rotated, d={d}, CUDA kernel",
                            run=tma.attention_forward_fp8_wgmma_quantized,
                            subnormal=_wgmma_subnormal(inputs, k.shape[2]),
-                           scale=1 / math.sqrt(128) / 128)
+                           scale=1 / math.sqrt(d) / d)
 
 
 @needs_wgmma
+@pytest.mark.parametrize("d", (128, 256))
 @pytest.mark.parametrize("rotate", (False, True))
-def test_wgmma_fp8_as_a_user_calls_it_is_quantize_then_kernel(rotate):
-    q, k, v = _problem((2, 3, 1000, 1000, True), HALF, d=128)
+def test_wgmma_fp8_as_a_user_calls_it_is_quantize_then_kernel(rotate, d):
+    q, k, v = _problem((2, 3, 1000, 1000, True), HALF, d=d)
     O, LSE = tma.attention_forward_fp8_wgmma(q, k, v, True, rotate=rotate)
     inputs = tma.quantize_fp8_inputs_wgmma(q, k, v, rotate=rotate)
     O2, LSE2 = tma.attention_forward_fp8_wgmma_quantized(inputs, True)
