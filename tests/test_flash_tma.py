@@ -425,14 +425,19 @@ def _wgmma_subnormal(inputs, Nk):
     return 2.0 ** -(10 + tma.WGMMA_FP8_P_SHIFT) * per_key[..., None].double()
 
 
+def _check_wgmma_exact_bound(inputs, q, k, v, causal, case, scale=None):
+    """:func:`_check_fp8_exact_bound` for the CUDA kernel: its run, and its subnormal term."""
+    _check_fp8_exact_bound(inputs, q, k, v, causal, case + ", CUDA kernel",
+                           run=tma.attention_forward_fp8_wgmma_quantized, scale=scale,
+                           subnormal=_wgmma_subnormal(inputs, k.shape[2]))
+
+
 @needs_wgmma
 @pytest.mark.parametrize("d", (128, 256))
 @pytest.mark.parametrize("shape", FP8_SHAPES + [(1, 2, 700, 2000, False)], ids=_name)
 def test_wgmma_fp8_forward_within_the_bound_of_ps_rounding(shape, d):
     _, inputs, (q, k, v) = _wgmma_case(shape, d=d)
-    _check_fp8_exact_bound(inputs, q, k, v, shape[4], _name(shape) + f", d={d}, CUDA kernel",
-                           run=tma.attention_forward_fp8_wgmma_quantized,
-                           subnormal=_wgmma_subnormal(inputs, k.shape[2]))
+    _check_wgmma_exact_bound(inputs, q, k, v, shape[4], _name(shape) + f", d={d}")
 
 
 @needs_wgmma
@@ -440,9 +445,7 @@ def test_wgmma_fp8_forward_within_the_bound_of_ps_rounding(shape, d):
 @pytest.mark.parametrize("causal", (False, True))
 def test_wgmma_fp8_forward_large_logits_within_the_bound(causal, d):
     _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), score_std=50.0, d=d)
-    _check_fp8_exact_bound(inputs, q, k, v, causal, "std 50 logits, CUDA kernel",
-                           run=tma.attention_forward_fp8_wgmma_quantized,
-                           subnormal=_wgmma_subnormal(inputs, k.shape[2]))
+    _check_wgmma_exact_bound(inputs, q, k, v, causal, f"std 50 logits, d={d}")
 
 
 @needs_wgmma
@@ -451,10 +454,8 @@ def test_wgmma_fp8_forward_large_logits_within_the_bound(causal, d):
 def test_wgmma_fp8_with_the_rotation_within_the_bound(causal, d):
     # (Q H)(K H)^T / d = Q K^T: the bound of the rotated, dequantized inputs at scale / d
     _, inputs, (q, k, v) = _wgmma_case((1, 2, 1000, 1000, causal), rotate=True, d=d)
-    _check_fp8_exact_bound(inputs, q, k, v, causal, f"rotated, d={d}, CUDA kernel",
-                           run=tma.attention_forward_fp8_wgmma_quantized,
-                           subnormal=_wgmma_subnormal(inputs, k.shape[2]),
-                           scale=1 / math.sqrt(d) / d)
+    _check_wgmma_exact_bound(inputs, q, k, v, causal, f"rotated, d={d}",
+                             scale=1 / math.sqrt(d) / d)
 
 
 @needs_wgmma
