@@ -152,8 +152,8 @@ def test_compiles_for_sm90a_without_spills():
     # for both; the host side adds no kernel and changes no register count)
     report = C.resource_usage(SOURCE, arch="sm_90a")
     # D x PINGPONG x OVERLAP, variant 4 (d = 128, 176-key tiles), 5 (d = 64, three consumers),
-    # 6 (persistent, both D); the wide heads (d = 192, 256): variants 3 and 6
-    assert len([r for r in report if "probe" not in r.name]) == 16
+    # 6 and 7 (persistent, both D); the wide heads (d = 192, 256): variants 3 and 6
+    assert len([r for r in report if "probe" not in r.name]) == 18
     assert len([r for r in report if "probe" in r.name]) == 6  # 3 probes x D
     for r in report:
         # 3 warpgroups of 128 threads, one block per SM: at most 65536 / 384 -> 168 registers
@@ -183,7 +183,7 @@ def test_the_timeline_build_compiles_and_the_timed_build_reads_no_clock(tmp_path
                         "--ptx", "-o", str(out), str(SOURCE)], check=True, capture_output=True)
         ptx[name] = out.read_text()
     assert "%clock64" not in ptx["plain"] and "%smid" not in ptx["plain"]
-    # variants 0-5 each read the clock (persistent 6 is not instrumented)
+    # variants 0-5 each read the clock (persistent 6 and 7 are not instrumented)
     kernels = [k for k in ptx["timeline"].split(".entry")[1:] if "probe" not in k.split("(")[0]]
     with_clock = [k.split("(")[0] for k in kernels if "%clock64" in k]
     # 4 + 4 (D x PINGPONG x OVERLAP), variants 4 and 5, variant 3 at d = 192 and 256
@@ -206,7 +206,7 @@ def _load():
 
 
 @needs_sm90
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("B, H, Nq, Nk, D, causal, big", [
     (1, 1, 1, 1, 64, False, 1.0), (2, 3, 100, 77, 64, False, 1.0),
     (1, 2, 130, 130, 128, True, 1.0), (1, 1, 64, 300, 128, False, 1.0),
@@ -221,6 +221,19 @@ def test_matches_float64(variant, B, H, Nq, Nk, D, causal, big):
     forward_matches_float64(
         lambda Q, K, V: _load().flash_attention_hopper(Q, K, V, causal, variant),
         B, H, Nq, Nk, D, causal, big)
+
+
+@needs_sm90
+@pytest.mark.parametrize("variant, D", [(6, 64), (7, 64), (6, 128), (7, 128)])
+@pytest.mark.parametrize("B, H, Nq, Nk", [(4, 40, 1000, 1000), (3, 50, 777, 1030),
+                                          (2, 70, 1030, 500)])
+def test_the_causal_scheduler_hands_out_every_tile(variant, D, B, H, Nq, Nk):
+    """Causal persistent kernels take their tiles from the scheduler (tile_counter): with
+    hundreds of tiles for 132 blocks, most tiles are handed out by atomicAdd after the first
+    wave; every row must be computed once and right (ragged N, Nq != Nk, poisoned output)."""
+    forward_matches_float64(
+        lambda Q, K, V: _load().flash_attention_hopper(Q, K, V, True, variant),
+        B, H, Nq, Nk, D, True, 1.0)
 
 
 @needs_sm90
@@ -361,8 +374,8 @@ def test_bad_input_says_what_is_wrong():
         f(q, q, q, False, 3)
     with pytest.raises(RuntimeError, match="contiguous"):
         f(Q.transpose(2, 3), Q, Q, False, 3)
-    with pytest.raises(RuntimeError, match="variant must be 0..6"):
-        f(Q, Q, Q, False, 7)
+    with pytest.raises(RuntimeError, match="variant must be 0..7"):
+        f(Q, Q, Q, False, 8)
     with pytest.raises(RuntimeError, match="variant 4 .* D = 128 only"):
         f(Q, Q, Q, False, 4)
     Q128 = torch.randn(1, 1, 8, 128, device="cuda").bfloat16()
@@ -455,6 +468,48 @@ def test_persistent_blocks_cover_every_tile_once(q_blocks, BH, sms, causal):
             order = [_take_tile(t, q_blocks, BH, causal)[0] for t in range(n_tiles)
                      if _take_tile(t, q_blocks, BH, causal)[1] == bh]
             assert order == sorted(order, reverse=True)
+
+
+def _schedule(q_blocks, BH, sms, scheduled):
+    """Key blocks each persistent block computes, causal, one block per key block of work: the
+    static stride (tile b, b + sms, ...) or the scheduler (block b starts with tile b; whichever
+    block is free first takes the counter's next tile, as its producer's atomicAdd)."""
+    import heapq
+    n_tiles = q_blocks * BH
+    blocks = min(sms, n_tiles)
+    length = [_take_tile(t, q_blocks, BH, True)[0] + 1 for t in range(n_tiles)]
+    if not scheduled:
+        return [sum(length[t] for t in range(b, n_tiles, blocks)) for b in range(blocks)], None
+    free = [(length[b], b) for b in range(blocks)]  # (when the block is free, block)
+    heapq.heapify(free)
+    load, taken = [length[b] for b in range(blocks)], list(range(blocks))
+    for t in range(blocks, n_tiles):
+        at, b = heapq.heappop(free)
+        load[b] += length[t]
+        taken.append(t)
+        heapq.heappush(free, (at + length[t], b))
+    return load, taken
+
+
+def test_kernel_source_schedules_causal_tiles_as_modelled_here():
+    text = SOURCE.read_text()
+    for line in ("const int next = atomicAdd(tile_counter, 1) + gridDim.x;",
+                 "next = sm.next_tile[n & 1];"):
+        assert line in text, f"the .cu no longer has {line!r}: update _schedule"
+
+
+@pytest.mark.parametrize("q_blocks, BH", [(8, 1024), (16, 512), (32, 256), (3, 150)])
+def test_the_scheduler_balances_causal_tiles_where_the_stride_does_not(q_blocks, BH):
+    """132 SMs, the 14_headline shapes (B x H x N / 128 tiles): the static stride leaves some
+    blocks with far more key blocks than others (q_blocks = 8: 8, 4, 8, 4, ... against 5, 1, ...);
+    the scheduler takes every tile once and its busiest block is within one tile of the mean."""
+    static, _ = _schedule(q_blocks, BH, 132, False)
+    load, taken = _schedule(q_blocks, BH, 132, True)
+    assert sorted(taken) == list(range(q_blocks * BH))
+    mean = sum(load) / len(load)
+    assert max(load) <= mean + q_blocks
+    if q_blocks == 8:
+        assert max(static) / mean > 1.3 > max(load) / mean
 
 
 # ------------------------------------------------------------------ ping-pong's named barriers

@@ -23,9 +23,10 @@ DATA = {"chapter": 14, "kernel": "k", "device": "GPU", "rounds": 5, "dtype": "bf
 
 def test_the_default_variant_is_a_rule_of_the_shape():
     assert headlines.default_variant(128, False, 16384) == 6
-    assert headlines.default_variant(64, True, 4096) == 3
-    assert headlines.default_variant(128, True, 8192) == 4
-    assert headlines.default_variant(64, True, 8192) == 5
+    assert headlines.default_variant(64, True, 2048) == 7
+    assert headlines.default_variant(64, True, 4096) == 6
+    assert headlines.default_variant(128, True, 4096) == 7
+    assert headlines.default_variant(128, True, 8192) == 6
     assert headlines.default_variant(256, False, 8192) == 6  # the wide heads: 3 and 6 only
     assert headlines.default_variant(192, True, 8192) == 3
     with pytest.raises(ValueError, match="d in"):

@@ -300,12 +300,14 @@ def _kernels(impl):
 def default_variant(D: int, causal: bool, Nk: int) -> int:
     """Chapter 14's forward variant for a shape, fixed before any headline is timed.
 
-    Without the mask: 6, the persistent kernel. With it: 3 (128-key tiles) up to 4096 keys, where
-    a causal tile wastes less of a 128-key block than of a 176-key one; beyond, FlashAttention-3's
-    tiles: 4 (176 keys) at d = 128, 5 (three consumers) at d = 64. Chosen from the H100 ladder
-    of lecture 14, not per measurement. The wide heads (d = 192, 256) are built as variants 3
-    and 6 only, with their own key tiles: 6 without the mask, 3 with it (one tile a block, a
-    head's longest rows first).
+    The persistent kernel at every shape of d = 64 and 128: 6 (FlashAttention-3's tiles: 176
+    keys at d = 128, three consumers at d = 64) without the mask, and with it beyond 4096 keys
+    (d = 128) or 2048 (d = 64); below, 7 (128 x 128 tiles), where a causal tile's diagonal block
+    is a larger share of its work. Causal, the persistent blocks take their tiles from a
+    scheduler. Chosen from the H200 A/B of lecture 14 (its paragraph on the scheduler), not per
+    measurement. The wide heads (d = 192, 256) are built as variants 3 and 6 only, with their own
+    key tiles: 6 without the mask, 3 with it (one tile a block, a head's longest rows first: the
+    static order of their persistent kernel measured 0.93-0.97x of it).
     """
     if D not in HOPPER_HEAD_DIMS:
         raise ValueError(f"chapter 14's kernel is built for d in {HOPPER_HEAD_DIMS}, got d = {D}")
@@ -313,7 +315,7 @@ def default_variant(D: int, causal: bool, Nk: int) -> int:
         return 6
     if D > 128:
         return 3
-    return 3 if Nk <= 4096 else {64: 5, 128: 4}[D]
+    return 7 if Nk <= {64: 2048, 128: 4096}[D] else 6
 
 
 _CUDA_MODULES: dict = {}

@@ -52,6 +52,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 namespace torch { using namespace at; }  // torch::Tensor, torch::empty, torch::kFloat, ...
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -183,6 +184,8 @@ struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boun
     __nv_bfloat16 V[STAGES<D>][BN * D];
     uint64_t q_full[CONS], q_empty[CONS];  // consumer w's 64 rows of Q: landed / done with (persistent)
     uint64_t k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
+    uint64_t tile_full[2], tile_empty[2];  // the scheduler's next tile (causal, persistent): posted / read
+    int next_tile[2];
 };
 
 // Named barriers for ping-pong (named_sync / named_arrive, hopper_common.cuh): consumer w waits on
@@ -194,7 +197,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                               const __grid_constant__ CUtensorMap k_map,
                               const __grid_constant__ CUtensorMap v_map,
                               __nv_bfloat16* __restrict__ O, float* __restrict__ LSE, int B, int H,
-                              int Nq, int Nk, float scale, int causal) {
+                              int Nq, int Nk, float scale, int causal, int* __restrict__ tile_counter) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int PANELS = D / 64;          // 64-column panels of a tile
     constexpr int S_REGS = BN / 2;     // a thread's share of its warpgroup's 64 x BN S
@@ -211,12 +214,22 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     Tiles<D, BN, CONS>& sm = shared_tiles<Tiles<D, BN, CONS>>();
 
     // The work: tiles of BLOCK_M query rows of one head. One tile a block (the grid is
-    // q_blocks x H x B), or, PERSIST, one block per SM that takes tile after tile (blockIdx.x,
-    // + gridDim.x, ...), so that one tile's last product and epilogue overlap the next's first.
-    // Causal: a head's longest rows first (their tiles have the most key blocks).
+    // q_blocks x H x B), or, PERSIST, one block per SM that takes tile after tile, so that one
+    // tile's last product and epilogue overlap the next's first. Causal: a head's longest rows
+    // first (their tiles have the most key blocks). Which tiles a persistent block takes:
+    //   * without the mask, every tile is as long: blockIdx.x, + gridDim.x, ... (static);
+    //   * with it, tiles are 1 to q_blocks key blocks long, and a static stride hands some blocks
+    //     mostly long tiles (with q_blocks = 8 and 132 SMs, block 0 gets 8, 4, 8, 4, ... key
+    //     blocks, block 3 gets 5, 1, 5, 1, ...). So a scheduler: the host passes a zeroed
+    //     tile_counter, and a block's producer takes its next tile with atomicAdd when it has
+    //     issued the loads of its current one, and posts it to the consumers in next_tile.
+    //     The first blocks to finish take the next tiles, in the order above. (d <= 128: at
+    //     d = 256 the scheduler's few registers made ptxas spill, and the wide heads keep the
+    //     static order.)
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
     const int first = PERSIST ? blockIdx.x : 0, step = PERSIST ? gridDim.x : 1;
     const int n_tiles = PERSIST ? q_blocks * B * H : 1;
+    const bool scheduled = PERSIST && D <= 128 && tile_counter != nullptr;
     int q0 = 0, bh = 0, n_blocks = 0;
     auto take_tile = [&](int tile) {  // sets q0, bh and the number of key blocks
         int qb;
@@ -235,9 +248,16 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         const int key_end = causal ? min(Nk, q0 + BLOCK_M) : Nk;
         n_blocks = (key_end + BN - 1) / BN;
     };
-    const int wg = threadIdx.x / 128;
+    // the warpgroup: the same for the 128 threads of a warpgroup, but the compiler cannot know
+    // that of threadIdx.x / 128; read through a shuffle from lane 0 it can, and keeps it (and
+    // the addresses made from it) in uniform registers: on an H200 1.00-1.03x at d = 128
+    const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
     if (threadIdx.x == 0) {
+        for (int c = 0; c < 2; ++c) {
+            mbar_init(&sm.tile_full[c], 1);
+            mbar_init(&sm.tile_empty[c], 128 * CONS);
+        }
         for (int c = 0; c < CONS; ++c) {
             mbar_init(&sm.q_full[c], 1);
             mbar_init(&sm.q_empty[c], 128);
@@ -256,7 +276,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == 0) {
             int it = 0;  // K/V tiles loaded so far: the position in the ring, across query tiles
-            for (int tile = first, n = 0; tile < n_tiles; tile += step, ++n) {
+            for (int tile = first, n = 0; tile < n_tiles; ++n) {
                 take_tile(tile);
                 for (int c = 0; c < CONS; ++c) {  // consumer c's 64 rows of Q, each with its barriers
                     if (PERSIST) mbar_wait(&sm.q_empty[c], (n & 1) ^ 1);  // c's last tile's S is done
@@ -275,6 +295,15 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                     mbar_expect_bytes(&sm.v_full[s], BN * D * 2);
                     for (int p = 0; p < PANELS; ++p)
                         tma_load(sm.V[s] + p * BN * 64, &v_map, &sm.v_full[s], 64 * p, j * BN, bh);
+                }
+                if (scheduled) {  // the tile after tile n, posted in slot n % 2
+                    const int next = atomicAdd(tile_counter, 1) + gridDim.x;
+                    mbar_wait(&sm.tile_empty[n & 1], ((n >> 1) & 1) ^ 1);
+                    sm.next_tile[n & 1] = next;
+                    mbar_arrive(&sm.tile_full[n & 1]);
+                    tile = next;
+                } else {
+                    tile += step;
                 }
             }
         }
@@ -542,7 +571,12 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     first_block();
     while (true) {
         overlapped_blocks();
-        const int next = tile + step;
+        int next = tile + step;
+        if (scheduled) {  // the producer's pick for the tile after tile n
+            mbar_wait(&sm.tile_full[n & 1], (n >> 1) & 1);
+            next = sm.next_tile[n & 1];
+            mbar_arrive(&sm.tile_empty[n & 1]);
+        }
         if (next >= n_tiles) {  // the block's last tile: its last P V alone
             last_pv();
             store_o(row0, bh, m, l);
@@ -696,7 +730,7 @@ __global__ void probe_rs_kernel(const __nv_bfloat16* __restrict__ P,
 #define FA_INSTANTIATE(DD, PP, OV)                                                               \
     template __global__ void flash_attention_hopper_kernel<DD, BLOCK_N, CONSUMERS, PP, OV, false>( \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
-        const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, int, float, int);
+        const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, int, float, int, int*);
 FA_INSTANTIATE(64, false, false) FA_INSTANTIATE(64, true, false)
 FA_INSTANTIATE(64, false, true) FA_INSTANTIATE(64, true, true)
 FA_INSTANTIATE(128, false, false) FA_INSTANTIATE(128, true, false)
@@ -705,9 +739,10 @@ FA_INSTANTIATE(128, false, true) FA_INSTANTIATE(128, true, true)
 #define FA_INSTANTIATE(DD, BN, CONS, PERSIST)                                                    \
     template __global__ void flash_attention_hopper_kernel<DD, BN, CONS, true, true, PERSIST>(   \
         const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,                \
-        const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, int, float, int);
+        const __grid_constant__ CUtensorMap, __nv_bfloat16*, float*, int, int, int, int, float, int, int*);
 FA_INSTANTIATE(128, 176, 2, false) FA_INSTANTIATE(64, 128, 3, false)
 FA_INSTANTIATE(64, 128, 3, true) FA_INSTANTIATE(128, 176, 2, true)
+FA_INSTANTIATE(64, 128, 2, true) FA_INSTANTIATE(128, 128, 2, true)
 FA_INSTANTIATE(192, WIDE_BN<192>, 2, false) FA_INSTANTIATE(192, WIDE_BN<192>, 2, true)
 FA_INSTANTIATE(256, WIDE_BN<256>, 2, false) FA_INSTANTIATE(256, WIDE_BN<256>, 2, true)
 #undef FA_INSTANTIATE
@@ -750,9 +785,12 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
                    "flash_attention_hopper: counting SMs");
         grid = dim3(static_cast<unsigned>(std::min<int64_t>(sms, int64_t(q_blocks) * B * H)));
     }
+    // causal and persistent: the scheduler's counter, zeroed (tiles taken after the first wave)
+    torch::Tensor counter;
+    if (PERSIST && causal && D <= 128) counter = torch::zeros({1}, Q.options().dtype(torch::kInt));
     kernel<<<grid, 128 * (CONS + 1), SMEM, c10::cuda::getCurrentCUDAStream()>>>(
         q_map, k_map, v_map, reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(),
-        B, H, Nq, Nk, scale, causal ? 1 : 0);
+        B, H, Nq, Nk, scale, causal ? 1 : 0, counter.defined() ? counter.data_ptr<int>() : nullptr);
     check_cuda(cudaGetLastError(), "flash_attention_hopper: launch");
 }
 
@@ -762,7 +800,9 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
 // choice; 88 + 44 + 64 registers of S, P and O a thread); 5 = 3 with three consumers, 192 query
 // rows a block (d = 64 only, where the exponentials weigh most: 160 registers a consumer thread);
 // 6 = the best tiles of d (4 at d = 128, 5 at d = 64) as a persistent kernel: one block per SM
-// takes query tile after query tile, the next tile's first product under this one's last.
+// takes query tile after query tile, the next tile's first product under this one's last (causal:
+// from a scheduler, the next free tile); 7 = 6 with variant 3's tiles (128 query rows, 128 keys;
+// d = 64 and 128): causal tiles on short sequences, where a tile's diagonal block is a larger share.
 std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor K, torch::Tensor V,
                                                   bool causal, int64_t variant) {
     const char* fn = "flash_attention_hopper";
@@ -781,7 +821,7 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
     const int64_t D = Q.size(3);
     TORCH_CHECK(D == 64 || D == 128 || D == 192 || D == 256, fn,
                 ": head dim D must be 64, 128, 192 or 256, got ", std::to_string(D));
-    TORCH_CHECK(variant >= 0 && variant <= 6, fn, ": variant must be 0..6, got ", std::to_string(variant));
+    TORCH_CHECK(variant >= 0 && variant <= 7, fn, ": variant must be 0..7, got ", std::to_string(variant));
     TORCH_CHECK(D <= 128 || variant == 3 || variant == 6, fn, ": at D = ", std::to_string(D),
                 " only variants 3 (one tile a block) and 6 (persistent) are built, got ",
                 std::to_string(variant));
@@ -807,12 +847,14 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
         if (variant == 0) FA_LAUNCH(64, false, false); else if (variant == 1) FA_LAUNCH(64, true, false);
         else if (variant == 2) FA_LAUNCH(64, false, true); else if (variant == 3) FA_LAUNCH(64, true, true);
         else if (variant == 5) launch<64, 128, 3, true, true>(Q, K, V, O, LSE, scale, causal);
-        else launch<64, 128, 3, true, true, true>(Q, K, V, O, LSE, scale, causal);
+        else if (variant == 6) launch<64, 128, 3, true, true, true>(Q, K, V, O, LSE, scale, causal);
+        else launch<64, 128, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
     } else if (D == 128) {
         if (variant == 0) FA_LAUNCH(128, false, false); else if (variant == 1) FA_LAUNCH(128, true, false);
         else if (variant == 2) FA_LAUNCH(128, false, true); else if (variant == 3) FA_LAUNCH(128, true, true);
         else if (variant == 4) launch<128, 176, 2, true, true>(Q, K, V, O, LSE, scale, causal);
-        else launch<128, 176, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
+        else if (variant == 6) launch<128, 176, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
+        else launch<128, 128, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
     } else if (D == 192) {  // the wide heads: their own key tiles (WIDE_BN), variants 3 and 6
         if (variant == 3) launch<192, fa_hopper::WIDE_BN<192>, 2, true, true>(Q, K, V, O, LSE, scale, causal);
         else launch<192, fa_hopper::WIDE_BN<192>, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
@@ -833,7 +875,7 @@ std::vector<torch::Tensor> flash_attention_hopper_timeline(torch::Tensor Q, torc
                                                            int64_t variant) {
     const char* fn = "flash_attention_hopper_timeline";
     TORCH_CHECK(variant >= 0 && variant <= 5, fn, ": variants 0-5 only (one tile a block); the "
-                "persistent variant 6 runs many tiles a block, got ", std::to_string(variant));
+                "persistent variants 6 and 7 run many tiles a block, got ", std::to_string(variant));
     TORCH_CHECK(Q.is_cuda() && Q.dim() == 4, fn, ": Q must be a 4D (B, H, N, D) CUDA tensor");
     c10::cuda::CUDAGuard guard(Q.device());  // the table pointer is set on Q's GPU
     const int64_t rows_per_block = variant == 5 ? 192 : 128;

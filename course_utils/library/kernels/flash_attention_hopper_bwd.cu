@@ -366,7 +366,9 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
     const int my_tile = PERSIST ? blockIdx.x : (blockIdx.z * H + blockIdx.y) * n_kb + blockIdx.x;
     // causal: query r sees keys 0 .. r, so queries below kb * BLOCK_N see no key of key block kb
     auto first_q_block = [&](int kb) { return causal ? kb * BLOCK_N / R : 0; };
-    const int wg = threadIdx.x / 128;
+    // the warpgroup, uniform to the compiler when read through a shuffle (see the forward); at
+    // d = 128 only: at d = 64 it made ptxas spill 8 bytes
+    const int wg = D == 128 ? __shfl_sync(0xffffffff, threadIdx.x / 128, 0) : threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.kv_full, 1);

@@ -145,7 +145,7 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     const int Tc = (Nk + BLOCK_N - 1) / BLOCK_N;
     const int key_end = causal ? min(Nk, q0 + BLOCK_M) : Nk;
     const int n_blocks = (key_end + BLOCK_N - 1) / BLOCK_N;
-    const int wg = threadIdx.x / 128;
+    const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: see chapter 14's bf16 kernel
 
     if (threadIdx.x == 0) {
         for (int c = 0; c < CONS; ++c) mbar_init(&sm.q_full[c], 1);
