@@ -307,7 +307,7 @@ def default_variant(D: int, causal: bool, Nk: int) -> int:
     scheduler. Chosen from the H200 A/B of lecture 14 (its paragraph on the scheduler), not per
     measurement. The wide heads (d = 192, 256) are built as variants 3 and 6 only, with their own
     key tiles: 6 without the mask, 3 with it (one tile a block, a head's longest rows first: the
-    static order of their persistent kernel measured 0.93-0.97x of it).
+    static order of their persistent kernel measured 0.89-0.96x of it).
     """
     if D not in HOPPER_HEAD_DIMS:
         raise ValueError(f"chapter 14's kernel is built for d in {HOPPER_HEAD_DIMS}, got d = {D}")
