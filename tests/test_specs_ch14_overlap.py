@@ -172,7 +172,8 @@ def test_the_generated_kernel_compiles_for_sm90a_without_spills(tmp_path):
     one_tile = {k: v for k, v in kernels.items() if "flash_attention_hopper_kernel" in k
                 and k.split("EEEv")[0].endswith("Lb0")}
     assert len(one_tile) == 12, sorted(one_tile)
-    spills = {k: v for k, v in one_tile.items() if not v.startswith("0 bytes stack frame, 0 bytes spill")}
+    spills = {k: v for k, v in one_tile.items()
+              if not v.startswith("0 bytes stack frame, 0 bytes spill")}
     assert not spills, spills
 
 
