@@ -30,7 +30,7 @@ def test_the_default_variant_is_a_rule_of_the_shape():
     assert headlines.default_variant(256, False, 8192) == 6  # the wide heads: 3 and 6 only
     assert headlines.default_variant(192, True, 8192) == 3
     with pytest.raises(ValueError, match="d in"):
-        headlines.default_variant(96, True, 8192)
+        headlines.default_variant(80, True, 8192)
 
 
 def test_summary_is_the_spread_of_the_medians_and_of_single_rounds():

@@ -62,6 +62,8 @@ IMPLS = ("triton", "mma", "hopper", "cuda", "numba", "torch", "reference")
 MMA_HEAD_DIMS = (64, 96, 128)  # chapter 10's kernels (its atomic backward: 64 and 128)
 HOPPER_BACKWARD_HEAD_DIMS = (64, 128)  # the head dims chapter 14's backward is built for
 HOPPER_HEAD_DIMS = (64, 128, 192, 256)  # ... and its forward (192, 256: variants 3 and 6)
+# (the kernel also builds d = 96, d = 128's tiles on padded columns; it joins HOPPER_HEAD_DIMS once
+# tests/test_flash_hopper.py's d = 96 cases have passed on a GPU)
 LAYOUTS = ("bhnd", "bnhd", "bnd")
 
 __all__ = ["IMPLS", "LAYOUTS", "ImplUnavailable", "attention", "available",
@@ -358,8 +360,9 @@ def _cuda_backward(impl):
         if impl == "hopper" and q.shape[-1] not in HOPPER_BACKWARD_HEAD_DIMS:
             raise NotImplementedError(
                 f"chapter 14's backward is built for d in {HOPPER_BACKWARD_HEAD_DIMS}, not d = "
-                f"{q.shape[-1]} (its forward runs d = 192 and 256): train with impl='triton', or "
-                "run this head dim forward only (no gradient through impl='hopper')")
+                f"{q.shape[-1]} (its forward runs d = 192 and 256): train with "
+                "impl='triton', or run this head dim forward only (no gradient through "
+                "impl='hopper')")
         _, bwd_mod = _cuda_module(impl)
         if impl == "mma":
             return tuple(bwd_mod.flash_attention_mma_backward(q, k, v, O, dO, LSE, causal))

@@ -1,8 +1,9 @@
 // FlashAttention forward for Hopper (sm_90a): TMA copies, wgmma, warp specialization. Chapter 14.
 //
 // Shapes (row-major, contiguous): Q (B, H, Nq, D), K and V (B, H, Nk, D), bf16; O (B, H, Nq, D)
-// bf16; LSE (B, H, Nq) float32 (natural log). D is 64 or 128 (every variant), or 192 or 256
-// (variants 3 and 6, with shorter key tiles: WIDE_BN). Causal is top-left aligned, as in
+// bf16; LSE (B, H, Nq) float32 (natural log). D is 64 or 128 (every variant), 96 (variants 3, 4,
+// 6, 7: d = 128's tiles on padded columns, DP), or 192 or 256 (variants 3 and 6, with shorter key
+// tiles: WIDE_BN). Causal is top-left aligned, as in
 // chapters 07 and 10 and torch's is_causal (key c is masked for query r when c > r), also when
 // Nq != Nk; FlashAttention-2 (from 2.1) and FlashAttention-3 align it bottom-right (c masked when
 // c > r + Nk - Nq). The two agree when Nq == Nk.
@@ -101,6 +102,15 @@ constexpr int STAGES = D == 64 ? FA_STAGES_D64 : FA_STAGES_D128;  // d = 192, 25
 template <int D>
 constexpr int WIDE_BN = D == 192 ? FA_BN_D192 : FA_BN_D256;
 
+// d = 96: a row of 192 bytes is one and a half 128-byte panels. Shared tiles are DP = 128 columns
+// wide: TMA fills columns 96-127 of the second panel with zeros (past the tensor's last column).
+// S = Q K^T takes D / 16 = 6 k-steps and never reads them. O += P V reads V MN-major, where the
+// 128-byte swizzle's unit is 64 columns, so it runs 128 columns wide: O's columns 96-127 come out
+// zero and are not stored, and 1 product in 8 is wasted. The registers are d = 128's (O: 64 a
+// thread), and so are the tiles and variants (3, 4, 6, 7).
+template <int D>
+constexpr int DP = D == 96 ? 128 : D;
+
 // mbarriers, TMA, descriptors, the m64n128 S = Q K^T and the P V products (shared with the
 // backward)
 #include "hopper_common.cuh"
@@ -179,9 +189,9 @@ __device__ __forceinline__ void wgmma_rs<256, 256>(float (&d)[128], const uint32
 
 template <int D, int BN, int CONS = CONSUMERS>
 struct Tiles {  // the shared-memory ring; every tile starts on a 1024-byte boundary (8 rows x 128 B)
-    __nv_bfloat16 Q[64 * CONS * D];
-    __nv_bfloat16 K[STAGES<D>][BN * D];
-    __nv_bfloat16 V[STAGES<D>][BN * D];
+    __nv_bfloat16 Q[64 * CONS * DP<D>];
+    __nv_bfloat16 K[STAGES<D>][BN * DP<D>];
+    __nv_bfloat16 V[STAGES<D>][BN * DP<D>];
     uint64_t q_full[CONS], q_empty[CONS];  // consumer w's 64 rows of Q: landed / done with (persistent)
     uint64_t k_full[STAGES<D>], v_full[STAGES<D>], k_empty[STAGES<D>], v_empty[STAGES<D>];
     uint64_t tile_full[2], tile_empty[2];  // the scheduler's next tile (causal, persistent): posted / read
@@ -199,9 +209,9 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                               __nv_bfloat16* __restrict__ O, float* __restrict__ LSE, int B, int H,
                               int Nq, int Nk, float scale, int causal, int* __restrict__ tile_counter) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int PANELS = D / 64;          // 64-column panels of a tile
+    constexpr int PANELS = DP<D> / 64;      // 64-column panels of a tile (d = 96: 2, see DP)
     constexpr int S_REGS = BN / 2;     // a thread's share of its warpgroup's 64 x BN S
-    constexpr int O_REGS = D / 2;           // ... and of its 64 x D O
+    constexpr int O_REGS = DP<D> / 2;       // ... and of its 64 x D O (d = 96: 64 x 128)
     constexpr int P_REGS = BN / 4;     // P as bf16 pairs
     constexpr int STAGES = fa_hopper::STAGES<D>;
     constexpr int BLOCK_M = 64 * CONS;      // query rows of the block: 64 per consumer
@@ -280,7 +290,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                 take_tile(tile);
                 for (int c = 0; c < CONS; ++c) {  // consumer c's 64 rows of Q, each with its barriers
                     if (PERSIST) mbar_wait(&sm.q_empty[c], (n & 1) ^ 1);  // c's last tile's S is done
-                    mbar_expect_bytes(&sm.q_full[c], 64 * D * 2);
+                    mbar_expect_bytes(&sm.q_full[c], 64 * DP<D> * 2);  // whole boxes, zeros included
                     for (int p = 0; p < PANELS; ++p)
                         tma_load(sm.Q + p * BLOCK_M * 64 + c * 64 * 64, &q_map, &sm.q_full[c], 64 * p,
                                  q0 + 64 * c, bh);
@@ -288,11 +298,11 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
                 for (int j = 0; j < n_blocks; ++j, ++it) {
                     const int s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(&sm.k_empty[s], phase ^ 1);  // a fresh barrier counts as emptied
-                    mbar_expect_bytes(&sm.k_full[s], BN * D * 2);
+                    mbar_expect_bytes(&sm.k_full[s], BN * DP<D> * 2);
                     for (int p = 0; p < PANELS; ++p)
                         tma_load(sm.K[s] + p * BN * 64, &k_map, &sm.k_full[s], 64 * p, j * BN, bh);
                     mbar_wait(&sm.v_empty[s], phase ^ 1);
-                    mbar_expect_bytes(&sm.v_full[s], BN * D * 2);
+                    mbar_expect_bytes(&sm.v_full[s], BN * DP<D> * 2);
                     for (int p = 0; p < PANELS; ++p)
                         tma_load(sm.V[s] + p * BN * 64, &v_map, &sm.v_full[s], 64 * p, j * BN, bh);
                 }
@@ -373,7 +383,7 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
         #pragma unroll
         for (int k = 0; k < BN / 16; ++k) {
             const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
-            wgmma_rs<D, D>(o, a, v_desc(s, k));
+            wgmma_rs<DP<D>, DP<D>>(o, a, v_desc(s, k));
         }
     };
     auto issue_s = [&](int j) {  // S = Q K(j)^T, asynchronous
@@ -463,7 +473,9 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
             ll[h] += __shfl_xor_sync(0xffffffff, ll[h], 2);
             const int r = r_first + 8 * h;
             const float inv = ll[h] > 0.f ? 1.f / ll[h] : 0.f;
-            store_row_bf16<D>(O + ((size_t)head * Nq + r) * D, o, h, inv, t, r < Nq);
+            // d = 96: O's first 48 registers are its columns 0-95 (column 8 (i / 4) + 2t + i % 2)
+            store_row_bf16<D>(O + ((size_t)head * Nq + r) * D,
+                              reinterpret_cast<const float(&)[D / 2]>(o), h, inv, t, r < Nq);
             if (t == 0 && r < Nq)
                 LSE[(size_t)head * Nq + r] = ll[h] > 0.f ? (mm[h] * scale_log2 + __log2f(ll[h])) / LOG2E : neg_inf();
         }
@@ -743,6 +755,8 @@ FA_INSTANTIATE(128, false, true) FA_INSTANTIATE(128, true, true)
 FA_INSTANTIATE(128, 176, 2, false) FA_INSTANTIATE(64, 128, 3, false)
 FA_INSTANTIATE(64, 128, 3, true) FA_INSTANTIATE(128, 176, 2, true)
 FA_INSTANTIATE(64, 128, 2, true) FA_INSTANTIATE(128, 128, 2, true)
+FA_INSTANTIATE(96, 128, 2, false) FA_INSTANTIATE(96, 176, 2, false)
+FA_INSTANTIATE(96, 176, 2, true) FA_INSTANTIATE(96, 128, 2, true)
 FA_INSTANTIATE(192, WIDE_BN<192>, 2, false) FA_INSTANTIATE(192, WIDE_BN<192>, 2, true)
 FA_INSTANTIATE(256, WIDE_BN<256>, 2, false) FA_INSTANTIATE(256, WIDE_BN<256>, 2, true)
 #undef FA_INSTANTIATE
@@ -819,14 +833,16 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
     TORCH_CHECK(Q.size(0) == K.size(0) && Q.size(1) == K.size(1) && Q.size(3) == K.size(3),
                 fn, ": Q and K must agree in B, H and D");
     const int64_t D = Q.size(3);
-    TORCH_CHECK(D == 64 || D == 128 || D == 192 || D == 256, fn,
-                ": head dim D must be 64, 128, 192 or 256, got ", std::to_string(D));
+    TORCH_CHECK(D == 64 || D == 96 || D == 128 || D == 192 || D == 256, fn,
+                ": head dim D must be 64, 96, 128, 192 or 256, got ", std::to_string(D));
     TORCH_CHECK(variant >= 0 && variant <= 7, fn, ": variant must be 0..7, got ", std::to_string(variant));
     TORCH_CHECK(D <= 128 || variant == 3 || variant == 6, fn, ": at D = ", std::to_string(D),
                 " only variants 3 (one tile a block) and 6 (persistent) are built, got ",
                 std::to_string(variant));
-    TORCH_CHECK(variant != 4 || D == 128, fn, ": variant 4 (176-key tiles) is built for D = 128 only; "
-                "use variant 3 or 5 at D = 64");
+    TORCH_CHECK(D != 96 || variant == 3 || variant == 4 || variant >= 6, fn, ": at D = 96 only "
+                "variants 3, 4, 6 and 7 are built (d = 128's tiles), got ", std::to_string(variant));
+    TORCH_CHECK(variant != 4 || D == 128 || D == 96, fn, ": variant 4 (176-key tiles) is built for "
+                "D = 96 and 128 only; use variant 3 or 5 at D = 64");
     TORCH_CHECK(variant != 5 || D == 64, fn, ": variant 5 (three consumers) is built for D = 64 only; "
                 "use variant 3 or 4 at D = 128");
     int major = 0, minor = 0;  // device attributes: cheap, unlike cudaGetDeviceProperties
@@ -849,6 +865,11 @@ std::vector<torch::Tensor> flash_attention_hopper(torch::Tensor Q, torch::Tensor
         else if (variant == 5) launch<64, 128, 3, true, true>(Q, K, V, O, LSE, scale, causal);
         else if (variant == 6) launch<64, 128, 3, true, true, true>(Q, K, V, O, LSE, scale, causal);
         else launch<64, 128, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
+    } else if (D == 96) {  // d = 128's tiles on columns padded to 128 (DP)
+        if (variant == 3) launch<96, 128, 2, true, true>(Q, K, V, O, LSE, scale, causal);
+        else if (variant == 4) launch<96, 176, 2, true, true>(Q, K, V, O, LSE, scale, causal);
+        else if (variant == 6) launch<96, 176, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
+        else launch<96, 128, 2, true, true, true>(Q, K, V, O, LSE, scale, causal);
     } else if (D == 128) {
         if (variant == 0) FA_LAUNCH(128, false, false); else if (variant == 1) FA_LAUNCH(128, true, false);
         else if (variant == 2) FA_LAUNCH(128, false, true); else if (variant == 3) FA_LAUNCH(128, true, true);
