@@ -111,6 +111,11 @@ constexpr int WIDE_BN = D == 192 ? FA_BN_D192 : FA_BN_D256;
 template <int D>
 constexpr int DP = D == 96 ? 128 : D;
 
+// Causal persistent tiles come from the scheduler (tile_counter, in the kernel below) at d <= 128;
+// at d = 256 its few registers made ptxas spill, and the wide heads keep the static order.
+template <int D>
+constexpr bool SCHEDULED = D <= 128;
+
 // mbarriers, TMA, descriptors, the m64n128 S = Q K^T and the P V products (shared with the
 // backward)
 #include "hopper_common.cuh"
@@ -233,13 +238,12 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     //     blocks, block 3 gets 5, 1, 5, 1, ...). So a scheduler: the host passes a zeroed
     //     tile_counter, and a block's producer takes its next tile with atomicAdd when it has
     //     issued the loads of its current one, and posts it to the consumers in next_tile.
-    //     The first blocks to finish take the next tiles, in the order above. (d <= 128: at
-    //     d = 256 the scheduler's few registers made ptxas spill, and the wide heads keep the
-    //     static order.)
+    //     The first blocks to finish take the next tiles, in the order above (d <= 128:
+    //     SCHEDULED).
     const int q_blocks = (Nq + BLOCK_M - 1) / BLOCK_M;
     const int first = PERSIST ? blockIdx.x : 0, step = PERSIST ? gridDim.x : 1;
     const int n_tiles = PERSIST ? q_blocks * B * H : 1;
-    const bool scheduled = PERSIST && D <= 128 && tile_counter != nullptr;
+    const bool scheduled = PERSIST && SCHEDULED<D> && tile_counter != nullptr;
     int q0 = 0, bh = 0, n_blocks = 0;
     auto take_tile = [&](int tile) {  // sets q0, bh and the number of key blocks
         int qb;
@@ -264,21 +268,11 @@ flash_attention_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
     const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
     if (threadIdx.x == 0) {
-        for (int c = 0; c < 2; ++c) {
-            mbar_init(&sm.tile_full[c], 1);
-            mbar_init(&sm.tile_empty[c], 128 * CONS);
-        }
-        for (int c = 0; c < CONS; ++c) {
-            mbar_init(&sm.q_full[c], 1);
-            mbar_init(&sm.q_empty[c], 128);
-        }
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&sm.k_full[s], 1);
-            mbar_init(&sm.v_full[s], 1);
-            mbar_init(&sm.k_empty[s], 128 * CONS);
-            mbar_init(&sm.v_empty[s], 128 * CONS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_ring(sm.q_full, sm.q_empty, CONS, 128);  // each consumer its own rows of Q
+        mbar_init_ring(sm.k_full, sm.k_empty, STAGES, 128 * CONS);
+        mbar_init_ring(sm.v_full, sm.v_empty, STAGES, 128 * CONS);
+        mbar_init_ring(sm.tile_full, sm.tile_empty, 2, 128 * CONS);
+        mbar_init_fence();
     }
     __syncthreads();
 
@@ -801,7 +795,7 @@ static void launch(const torch::Tensor& Q, const torch::Tensor& K, const torch::
     }
     // causal and persistent: the scheduler's counter, zeroed (tiles taken after the first wave)
     torch::Tensor counter;
-    if (PERSIST && causal && D <= 128) counter = torch::zeros({1}, Q.options().dtype(torch::kInt));
+    if (PERSIST && causal && fa_hopper::SCHEDULED<D>) counter = torch::zeros({1}, Q.options().dtype(torch::kInt));
     kernel<<<grid, 128 * (CONS + 1), SMEM, c10::cuda::getCurrentCUDAStream()>>>(
         q_map, k_map, v_map, reinterpret_cast<__nv_bfloat16*>(O.data_ptr()), LSE.data_ptr<float>(),
         B, H, Nq, Nk, scale, causal ? 1 : 0, counter.defined() ? counter.data_ptr<int>() : nullptr);

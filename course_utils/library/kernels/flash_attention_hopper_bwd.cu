@@ -371,13 +371,9 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
     const int wg = D == 128 ? __shfl_sync(0xffffffff, threadIdx.x / 128, 0) : threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
-        mbar_init(&sm.kv_full, 1);
-        mbar_init(&sm.kv_empty, 128 * CONSUMERS);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&sm.full[s], 1);
-            mbar_init(&sm.empty[s], 128 * CONSUMERS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_ring(&sm.kv_full, &sm.kv_empty, 1, 128 * CONSUMERS);  // K_j, V_j: one buffer
+        mbar_init_ring(sm.full, sm.empty, STAGES, 128 * CONSUMERS);       // Q_i, dO_i
+        mbar_init_fence();
     }
     __syncthreads();
 

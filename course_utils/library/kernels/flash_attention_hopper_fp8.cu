@@ -148,14 +148,10 @@ flash_attention_fp8_kernel(const __grid_constant__ CUtensorMap q_map,
     const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);  // uniform: see chapter 14's bf16 kernel
 
     if (threadIdx.x == 0) {
-        for (int c = 0; c < CONS; ++c) mbar_init(&sm.q_full[c], 1);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&sm.k_full[s], 1);
-            mbar_init(&sm.v_full[s], 1);
-            mbar_init(&sm.k_empty[s], 128 * CONS);
-            mbar_init(&sm.v_empty[s], 128 * CONS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        for (int c = 0; c < CONS; ++c) mbar_init(&sm.q_full[c], 1);  // one tile a block: no q_empty
+        mbar_init_ring(sm.k_full, sm.k_empty, STAGES, 128 * CONS);
+        mbar_init_ring(sm.v_full, sm.v_empty, STAGES, 128 * CONS);
+        mbar_init_fence();
     }
     __syncthreads();
 

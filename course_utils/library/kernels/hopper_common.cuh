@@ -91,6 +91,19 @@ __device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes)
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// A ring of `n` buffers, each with a "full" barrier (one arrival: the producer's expect-bytes, then
+// the copy's bytes) and an "empty" one (`readers` arrivals: every consumer thread that read it).
+__device__ __forceinline__ void mbar_init_ring(uint64_t* full, uint64_t* empty, int n, int readers) {
+    for (int s = 0; s < n; ++s) {
+        mbar_init(&full[s], 1);
+        mbar_init(&empty[s], readers);
+    }
+}
+// After one thread's mbar_init calls: the barriers, visible to the block's other threads (and
+// to TMA) once it passes its next __syncthreads.
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 // Has the phase of parity `phase` completed? (try_wait suspends the thread for a while first.)
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, int phase) {
     uint32_t done;
@@ -134,7 +147,7 @@ __device__ __forceinline__ T& probe_setup() {
     T& sm = shared_tiles<T>();
     if (threadIdx.x == 0) {
         mbar_init(&sm.full, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     return sm;

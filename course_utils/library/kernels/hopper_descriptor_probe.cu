@@ -147,7 +147,7 @@ __global__ void probe_b_kernel(const __grid_constant__ CUtensorMap x_map,
     unsigned char* smem = &shared_tiles<unsigned char>();
     if (threadIdx.x == 0) {
         mbar_init(&full, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -190,7 +190,7 @@ __global__ void probe_a_kernel(const __grid_constant__ CUtensorMap x_map,
     unsigned char* smem = &shared_tiles<unsigned char>();
     if (threadIdx.x == 0) {
         mbar_init(&full, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();
     if (threadIdx.x == 0) {
