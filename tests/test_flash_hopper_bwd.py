@@ -688,11 +688,13 @@ def test_the_division_check_catches_a_multiplier_rounded_down():
     assert (_divide(n, m, s) != (n // d).astype(np.uint64)).any()
 
 
-def _persistent_block(steps, stages, rng, bug=None):
+def _persistent_block(steps, stages, rng, bug=None, dk_late=False):
     """One block of the persistent kernel, run on model mbarriers (those of chapter 14's
     consumer-loop model) under a random interleaving: the producer and the two consumers as the
     kernel writes them.
     steps[n]: the query blocks of the block's n-th tile (0: a causal key block no query sees).
+    dk_late (d = 128, DK_LATE): a consumer's dK still reads step i's Q_i after the step, so it
+    releases that stage only after the next step's first wait (or at the tile's end).
     Returns None when every tile is read as it should be, else what went wrong."""
     from course_utils.library.hopper_pipeline import _Mbarrier
 
@@ -739,15 +741,32 @@ def _persistent_block(steps, stages, rng, bug=None):
                 return f"consumer {w} expected tile {n}, sm.tile holds {tile}"
             if steps[n] and shared["kv"] != n:
                 return f"consumer {w} at tile {n} found K, V of tile {shared['kv']}"
+            pending = None  # (stage, step) whose Q_i the late dK still reads
             for i in range(steps[n]):
                 yield full[s], phase
                 if shared["ring"][s] != (n, i):
                     return f"consumer {w} at tile {n}, step {i} read {shared['ring'][s]}"
-                empty[s].arrive()
+                if pending is not None:  # the first wait of this step: the last dK is done
+                    if shared["ring"][pending[0]] != (n, pending[1]):
+                        return f"consumer {w}'s dK of step {pending[1]} read a refilled stage"
+                    if bug != "late stage released early":
+                        empty[pending[0]].arrive()
+                    pending = None
+                if dk_late:
+                    pending = (s, i)
+                    if bug == "late stage released early":
+                        empty[s].arrive()
+                else:
+                    empty[s].arrive()
                 if s + 1 == stages:
                     s, phase = 0, phase ^ 1
                 else:
                     s += 1
+            if pending is not None:  # the tile's last dK
+                if shared["ring"][pending[0]] != (n, pending[1]):
+                    return f"consumer {w}'s last dK of tile {n} read a refilled stage"
+                if bug != "late stage released early":
+                    empty[pending[0]].arrive()
             shared["readers"].discard(w)
             kv_empty.arrive()
         return "a consumer ran past the end"
@@ -780,18 +799,26 @@ def test_the_persistent_protocol_under_random_interleavings():
                  "mbar_arrive(&sm.kv_full);  // no query sees these keys: nothing to load",
                  "mbar_arrive(&sm.kv_empty);"):
         assert line in text, f"the .cu no longer has {line!r}: update this test's model"
+    for line in ("if (s_pending >= 0) mbar_arrive(&sm.empty[s_pending]);",
+                 "s_pending = s;    // dO_i is no longer read, Q_i is until dK is done",
+                 "constexpr bool DK_LATE = D == 128 && PERSIST;"):
+        assert line in text, f"the .cu no longer has {line!r}: update this test's model (dk_late)"
     rng = np.random.default_rng(1)
     for steps in ([16], [16, 14, 12, 10], [3, 0, 0, 5, 1, 0], [0, 0, 2], [1] * 7, [2, 5, 0, 3, 3]):
         for stages in (2, 3):
-            for _ in range(20):
-                assert _persistent_block(steps, stages, rng) is None, (steps, stages)
+            for dk_late in (False, True):  # d = 64, d = 128
+                for _ in range(20):
+                    assert _persistent_block(steps, stages, rng, dk_late=dk_late) is None, (
+                        steps, stages, dk_late)
 
 
-@pytest.mark.parametrize("bug", ["no kv_empty wait", "ring restarts each tile", "kv parity fixed"])
+@pytest.mark.parametrize("bug", ["no kv_empty wait", "ring restarts each tile", "kv parity fixed",
+                                 "late stage released early"])
 def test_the_protocol_model_catches_planted_bugs(bug):
     rng = np.random.default_rng(2)
-    found = [_persistent_block(steps, 3, rng, bug=bug)
-             for steps in ([3, 0, 5, 1], [16, 14, 12], [2, 2, 2, 2]) for _ in range(20)]
+    found = [_persistent_block(steps, stages, rng, bug=bug, dk_late=bug.startswith("late"))
+             for steps in ([3, 0, 5, 1], [16, 14, 12], [2, 2, 2, 2]) for stages in (2, 3)
+             for _ in range(20)]
     assert any(found), bug
 
 

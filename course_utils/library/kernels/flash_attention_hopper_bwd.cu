@@ -430,6 +430,15 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
     // the position in the ring across tiles (stage s in its phase-th use, as the producer counts)
     // and the dS^T buffer of the step (they alternate)
     int s = 0, phase = 0, buf = 0;
+    // d = 128 (DK_LATE): dK_w += dS^T Q_i is issued after dQ_i and left running while dQ_i goes
+    // out and the next step's S^T and dP^T are issued; it still reads dS^T (ds) and Q_i (stage
+    // s_pending) until the next step's first wait. On an H200 the backward alone ran 1.00-1.03x
+    // of issuing dK with dV (8 shapes, median 1.02x). At d = 64 (128 query rows a step) ptxas
+    // serialized every wgmma for want of registers, and the one-block-per-tile build spilled 16
+    // bytes: there dK goes with dV.
+    constexpr bool DK_LATE = D == 128 && PERSIST;
+    uint32_t ds[R / 4];
+    int s_pending = -1;
     for (int n = 0;; ++n) {
         mbar_wait(&sm.kv_full, n & 1);  // this tile's K_j and V_j have landed
         const int tile = sm.tile;
@@ -463,8 +472,14 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             // st is key row key0 + 8 ((i % 4) / 2), query q0 + 8 (i / 4) + 2t + (i % 2): one float2
             // of lse2 serves 4 registers. Masked: keys past Nk, causal key > query. Queries past Nq need
             // no test: lse2 is +inf there (preprocessing), so P is 2^-inf = 0 without one.
-            wgmma_wait<1>();
+            wgmma_wait<1>();  // S^T done (and, DK_LATE, the last step's dK: groups retire in order)
             fence_regs(st);
+            if constexpr (DK_LATE) {
+                fence_regs(dk);  // unconditionally: ptxas must see dK retired on every path
+                fence_regs(ds);
+                if (s_pending >= 0) mbar_arrive(&sm.empty[s_pending]);  // its Q_i is no longer read
+                s_pending = -1;
+            }
             #pragma unroll
             for (int c = 0; c < R / 8; ++c) {
                 const float2 l = *reinterpret_cast<const float2*>(lse2_bh + q0 + 8 * c + 2 * t);
@@ -498,7 +513,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             }
             // bf16 pairs: word j = registers 2j, 2j + 1, which are the A fragments of the next
             // products (k-step k uses words 4k .. 4k + 3), as P in the forward's O += P V
-            uint32_t p[R / 4], ds[R / 4];
+            uint32_t p[R / 4];
             #pragma unroll
             for (int j = 0; j < R / 4; ++j) {
                 p[j] = pack_bf16(st[2 * j], st[2 * j + 1]);
@@ -515,10 +530,12 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                 const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
                 wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k));
             }
-            #pragma unroll
-            for (int k = 0; k < R / 16; ++k) {
-                const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
-                wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
+            if constexpr (!DK_LATE) {
+                #pragma unroll
+                for (int k = 0; k < R / 16; ++k) {
+                    const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
+                    wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
+                }
             }
             wgmma_commit();
 
@@ -536,13 +553,24 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                     wgmma_ss_dq<D>(dq, desc_dst_panel(dST, 0, k), desc_k_half<D>(sm.K, w, k), k > 0);
             }
             wgmma_commit();
-            wgmma_wait<0>();
+            if constexpr (DK_LATE) {
+                #pragma unroll
+                for (int k = 0; k < R / 16; ++k) {
+                    const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
+                    wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
+                }
+                wgmma_commit();
+                wgmma_wait<1>();  // dV and dQ done; dK still runs
+                s_pending = s;    // dO_i is no longer read, Q_i is until dK is done
+            } else {
+                wgmma_wait<0>();
+                fence_regs(dk);
+                fence_regs(ds);
+                mbar_arrive(&sm.empty[s]);  // Q_i and dO_i are no longer read
+            }
             fence_regs(dv);
-            fence_regs(dk);
             fence_regs(dq);
             fence_regs(p);
-            fence_regs(ds);
-            mbar_arrive(&sm.empty[s]);  // Q_i and dO_i are no longer read
 
             // Add this block's part of dQ_i (unscaled) into the float32 accumulator. The buffer is
             // free once the last step's bulk copy has read it; then float4 c of every thread goes to
@@ -567,6 +595,13 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             }
             if (++s == STAGES) s = 0, phase ^= 1;
             buf ^= 1;
+        }
+        if constexpr (DK_LATE) {  // the tile's last dK
+            wgmma_wait<0>();
+            fence_regs(dk);
+            fence_regs(ds);
+            if (s_pending >= 0) mbar_arrive(&sm.empty[s_pending]);
+            s_pending = -1;
         }
         mbar_arrive(&sm.kv_empty);  // K_j, V_j and sm.tile are no longer read: the next tile's may come
 
