@@ -293,8 +293,27 @@ def test_the_backward_refuses_the_wide_heads_before_building_anything():
     x = torch.zeros(1, 1, 4, 256)
     with pytest.raises(NotImplementedError, match="impl='triton'"):
         bwd(x, x, x, x, x, x[..., 0], False)
-    assert A.why_not("hopper", torch.zeros(1, 1, 4, 80)) is not None
-    assert A.why_not("hopper", torch.zeros(1, 1, 4, 96)) is not None  # until checked on a GPU
+    assert 96 in A.HOPPER_HEAD_DIMS and 80 not in A.HOPPER_HEAD_DIMS  # 96: forward only
+    with pytest.raises(NotImplementedError, match="forward runs d = 96, 192 and 256"):
+        bwd(*(torch.zeros(1, 1, 4, 96),) * 5, torch.zeros(1, 1, 4), False)
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_d96_through_the_front_door_runs_forward_and_refuses_the_backward(causal):
+    """attention(impl="hopper") at d = 96 takes the default variant (7 or 6) and matches float64;
+    a gradient through it is refused with what to use instead."""
+    from course_utils.library import attention as A
+
+    Q, K, V = (torch.randn(2, 3, 300, 96, device="cuda").bfloat16() for _ in range(3))
+    assert A.why_not("hopper", Q) is None
+    assert "built for d in" in A.why_not("hopper", Q[..., :80].contiguous())
+    q = Q.clone().requires_grad_()
+    O = A.attention(q, K, V, impl="hopper", causal=causal)
+    torch.testing.assert_close(O.double(), reference.attention(Q, K, V, causal=causal)[0],
+                               atol=2e-2, rtol=2e-2)
+    with pytest.raises(NotImplementedError, match="impl='triton'"):
+        O.sum().backward()
 
 
 @needs_sm90

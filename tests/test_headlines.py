@@ -27,6 +27,8 @@ def test_the_default_variant_is_a_rule_of_the_shape():
     assert headlines.default_variant(64, True, 4096) == 6
     assert headlines.default_variant(128, True, 4096) == 7
     assert headlines.default_variant(128, True, 8192) == 6
+    assert headlines.default_variant(96, True, 4096) == 7  # d = 128's tiles, d = 128's rule
+    assert headlines.default_variant(96, False, 1024) == 6
     assert headlines.default_variant(256, False, 8192) == 6  # the wide heads: 3 and 6 only
     assert headlines.default_variant(192, True, 8192) == 3
     with pytest.raises(ValueError, match="d in"):

@@ -149,13 +149,14 @@ def test_headline_recordings_replace_the_fallback(recordings, chapter, baseline)
     path.write_text(json.dumps(_headline(chapter)), encoding="utf-8")
     h = results.headlines(results.Recordings(recordings))[str(chapter)]
     assert h.source.split("`")[0] == f"{chapter}_headline" and "until" not in h.text
-    if chapter == 14:  # the forward at d = 192 and 256 joins the row, with its own recording
-        assert h.source == "14_headline`, `14_wide_heads`, `14_fp8" and "the wide heads" in h.text
+    if chapter == 14:  # the forward at d = 96, 192 and 256 joins the row, with its own recording
+        assert h.source == "14_headline`, `14_head_dims`, `14_fp8" and "forward only" in h.text
+        assert all(f"d = {D} " in h.text for D in (96, 192, 256))
         assert "FP8" in h.text and "Hadamard rotation" in h.text
-        (recordings / "14_wide_heads.json").unlink()
+        (recordings / "14_head_dims.json").unlink()
         (recordings / "14_fp8.json").unlink()
         alone = results.headlines(results.Recordings(recordings))["14"]
-        assert alone.source == "14_headline" and "wide heads" not in alone.text
+        assert alone.source == "14_headline" and "forward only" not in alone.text
         assert "FP8" not in alone.text
     assert h.runs == "5 interleaved rounds" and h.device == "H100 80GB HBM3"
     assert baseline in h.baseline and h.date == "2026-11-28"

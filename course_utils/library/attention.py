@@ -15,7 +15,7 @@
                mode): fp16/bf16/fp32 on a GPU, fp32/fp16 on the CPU, d in 16, 32, 64, 128
 "mma"          chapter 10's ``mma.sync`` kernel (CUDA, sm_80+): bf16, d = 64 or 128
 "hopper"       chapter 14's TMA + ``wgmma`` kernel (sm_90a: H100/H200): bf16, d = 64 or 128
-               (forward and backward), 192 or 256 (forward only)
+               (forward and backward), 96, 192 or 256 (forward only)
 "cuda"         chapters 07/08's CUDA C++ kernels (any CUDA GPU): fp32, d in 16, 32, 64, 128
 "numba"        not shipped: the course's Numba kernels are the ones written in the notebooks
 "torch"        chapter 12's FlashAttention-2 in PyTorch (``ops.attention_forward_torch``: key
@@ -61,9 +61,8 @@ from ..contract import BOTTOM_RIGHT, TOP_LEFT, causal_alignment
 IMPLS = ("triton", "mma", "hopper", "cuda", "numba", "torch", "reference")
 MMA_HEAD_DIMS = (64, 96, 128)  # chapter 10's kernels (its atomic backward: 64 and 128)
 HOPPER_BACKWARD_HEAD_DIMS = (64, 128)  # the head dims chapter 14's backward is built for
-HOPPER_HEAD_DIMS = (64, 128, 192, 256)  # ... and its forward (192, 256: variants 3 and 6)
-# (the kernel also builds d = 96, d = 128's tiles on padded columns; it joins HOPPER_HEAD_DIMS once
-# tests/test_flash_hopper.py's d = 96 cases have passed on a GPU)
+# ... and its forward (96: d = 128's tiles on columns padded to 128; 192, 256: variants 3 and 6)
+HOPPER_HEAD_DIMS = (64, 96, 128, 192, 256)
 LAYOUTS = ("bhnd", "bnhd", "bnd")
 
 __all__ = ["IMPLS", "LAYOUTS", "ImplUnavailable", "attention", "available",
@@ -302,14 +301,15 @@ def _kernels(impl):
 def default_variant(D: int, causal: bool, Nk: int) -> int:
     """Chapter 14's forward variant for a shape, fixed before any headline is timed.
 
-    The persistent kernel at every shape of d = 64 and 128: 6 (FlashAttention-3's tiles: 176
-    keys at d = 128, three consumers at d = 64) without the mask, and with it beyond 4096 keys
-    (d = 128) or 2048 (d = 64); below, 7 (128 x 128 tiles), where a causal tile's diagonal block
-    is a larger share of its work. Causal, the persistent blocks take their tiles from a
-    scheduler. Chosen from the H200 A/B of lecture 14 (its paragraph on the scheduler), not per
-    measurement. The wide heads (d = 192, 256) are built as variants 3 and 6 only, with their own
-    key tiles: 6 without the mask, 3 with it (one tile a block, a head's longest rows first: the
-    static order of their persistent kernel measured 0.89-0.96x of it).
+    The persistent kernel at every shape of d = 64, 96 and 128: 6 (FlashAttention-3's tiles: 176
+    keys at d = 128, and at d = 96, whose tiles are d = 128's on padded columns; three consumers
+    at d = 64) without the mask, and with it beyond 4096 keys (d = 96, 128) or 2048 (d = 64);
+    below, 7 (128 x 128 tiles), where a causal tile's diagonal block is a larger share of its
+    work. Causal, the persistent blocks take their tiles from a scheduler. Chosen from the H200
+    A/B of lecture 14 (its paragraph on the scheduler), not per measurement. The wide heads
+    (d = 192, 256) are built as variants 3 and 6 only, with their own key tiles: 6 without the
+    mask, 3 with it (one tile a block, a head's longest rows first: the static order of their
+    persistent kernel measured 0.89-0.96x of it).
     """
     if D not in HOPPER_HEAD_DIMS:
         raise ValueError(f"chapter 14's kernel is built for d in {HOPPER_HEAD_DIMS}, got d = {D}")
@@ -317,7 +317,7 @@ def default_variant(D: int, causal: bool, Nk: int) -> int:
         return 6
     if D > 128:
         return 3
-    return 7 if Nk <= {64: 2048, 128: 4096}[D] else 6
+    return 7 if Nk <= {64: 2048, 96: 4096, 128: 4096}[D] else 6
 
 
 _CUDA_MODULES: dict = {}
@@ -360,7 +360,7 @@ def _cuda_backward(impl):
         if impl == "hopper" and q.shape[-1] not in HOPPER_BACKWARD_HEAD_DIMS:
             raise NotImplementedError(
                 f"chapter 14's backward is built for d in {HOPPER_BACKWARD_HEAD_DIMS}, not d = "
-                f"{q.shape[-1]} (its forward runs d = 192 and 256): train with "
+                f"{q.shape[-1]} (its forward runs d = 96, 192 and 256): train with "
                 "impl='triton', or run this head dim forward only (no gradient through "
                 "impl='hopper')")
         _, bwd_mod = _cuda_module(impl)

@@ -37,12 +37,14 @@ BF16_PEAK_TFLOPS = 989  # H100 SXM and H200 datasheets: dense bf16 on the tensor
 CHAPTERS = {10: "FlashAttention-2 on tensor cores (mma.sync), chapter 10",
             14: "the Hopper kernel (TMA, wgmma, default variant), chapter 14"}
 
-WIDE_DS, WIDE_HEADS = (192, 256), 16  # chapter 14's wide heads: forward only, 16 heads each
+# chapter 14's head dims that run forward only (96: d = 128's tiles on padded columns; 192 and 256:
+# the wide heads), 16 heads each (H x d = 2048 is not a multiple of 96 or 192)
+FORWARD_ONLY_DS, FORWARD_ONLY_HEADS = (96, 192, 256), 16
 
 BACKWARDS = ("deterministic", "atomic")  # chapter 10's two backward kernels
 
 __all__ = ["BACKWARDS", "CHAPTERS", "ROUNDS", "default_variant", "measure",
-           "measure_backward_variants", "measure_fp8", "measure_wide", "print_fp8", "show",
+           "measure_backward_variants", "measure_fp8", "measure_head_dims", "print_fp8", "show",
            "summary"]
 
 
@@ -166,12 +168,12 @@ def measure(chapter: int, *, rounds: int = ROUNDS, Ns=NS, save: bool = True,
     return data
 
 
-def measure_wide(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
-                 progress: bool = False) -> dict:
-    """Chapter 14's forward at the wide heads (d in ``WIDE_DS``: 192, 256; its backward is built
-    for 64 and 128 only) against SDPA flash and cuDNN, as :func:`measure` times the others:
-    causal and not, N in ``Ns``, B x N = ``TOKENS``, ``WIDE_HEADS`` heads; saved as
-    ``14_wide_heads`` while recording."""
+def measure_head_dims(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
+                      progress: bool = False) -> dict:
+    """Chapter 14's forward at the head dims it runs forward only (d in ``FORWARD_ONLY_DS``: 96,
+    192, 256; its backward is built for 64 and 128) against SDPA flash and cuDNN, as
+    :func:`measure` times the others: causal and not, N in ``Ns``, B x N = ``TOKENS``,
+    ``FORWARD_ONLY_HEADS`` heads; saved as ``14_head_dims`` while recording."""
     import torch
 
     from .. import recorded
@@ -180,18 +182,19 @@ def measure_wide(*, rounds: int = ROUNDS, Ns=NS, save: bool = True,
         raise RuntimeError("chapter 14's kernel runs on sm_90 (H100/H200) only")
     fwd, train = _course_kernels(14)
     rows = []
-    for D in WIDE_DS:
+    for D in FORWARD_ONLY_DS:
         for causal in (False, True):
             for N in Ns:
                 rows += _shape_row(14, fwd, train, D, causal, N, rounds, modes=("fwd",),
-                                   H=WIDE_HEADS)
+                                   H=FORWARD_ONLY_HEADS)
                 if progress:
                     print(f"  measured d={D}, causal={causal}, N={N}", file=sys.stderr, flush=True)
-    data = {"chapter": 14, "kernel": CHAPTERS[14] + ", wide heads", "rounds": rounds,
-            "device": torch.cuda.get_device_name(), "dtype": "bfloat16", "tokens": TOKENS,
-            "heads": WIDE_HEADS, "peak_tflops": BF16_PEAK_TFLOPS, "rows": rows}
+    data = {"chapter": 14, "kernel": CHAPTERS[14] + ", the head dims run forward only",
+            "rounds": rounds, "device": torch.cuda.get_device_name(), "dtype": "bfloat16",
+            "tokens": TOKENS, "heads": FORWARD_ONLY_HEADS, "peak_tflops": BF16_PEAK_TFLOPS,
+            "rows": rows}
     if save:
-        recorded.save("14_wide_heads", data)
+        recorded.save("14_head_dims", data)
     return data
 
 
@@ -477,6 +480,12 @@ if __name__ == "__main__":
     for arg in sys.argv[1:] or ["10", "14"]:
         if arg == "10-backward":
             measure_backward_variants(progress=True)
+        elif arg == "14-head-dims":
+            rows = measure_head_dims(progress=True)["rows"]
+            for r in rows:
+                c = r["ratio"]["sdpa cudnn"]
+                print(f"d={r['D']} causal={r['causal']} N={r['N']}: {r['tflops']['course']:.0f} "
+                      f"TFLOP/s, {c['median']:.3f}x cuDNN ({c['lo']:.3f}-{c['hi']:.3f})")
         elif arg == "14-fp8":
             print_fp8(measure_fp8(progress=True), "measured now")
         else:

@@ -287,7 +287,7 @@ def _h14(rec: Recordings) -> Headline:
     if rec.has("14_headline"):
         h = _from_headline_file(rec, "14_headline", "TMA + `wgmma` forward (the default "
                                 "variant)", "sdpa cudnn", cudnn)
-        h = _with_wide_heads(rec, h) if rec.has("14_wide_heads") else h
+        h = _with_head_dims(rec, h) if rec.has("14_head_dims") else h
         return _with_fp8(rec, h) if rec.has("14_fp8") else h
     name = "14_ladder"
     d = rec.data(name)
@@ -304,9 +304,9 @@ def _h14(rec: Recordings) -> Headline:
         name)
 
 
-def _with_wide_heads(rec: Recordings, h: Headline) -> Headline:
-    """Chapter 14's row with the forward at d = 192 and 256 (``14_wide_heads``) added."""
-    name = "14_wide_heads"
+def _with_head_dims(rec: Recordings, h: Headline) -> Headline:
+    """Chapter 14's row with the forward at d = 96, 192 and 256 (``14_head_dims``) added."""
+    name = "14_head_dims"
     w = rec.data(name)
     parts = []
     for D in sorted({r["D"] for r in w["rows"]}):
@@ -315,7 +315,7 @@ def _with_wide_heads(rec: Recordings, h: Headline) -> Headline:
         parts.append(f"d = {D} {span(meds)}")
     best = max(r["tflops"]["course"] for r in w["rows"])
     return dataclasses.replace(
-        h, text=f"{h.text}; the wide heads, forward only: {', '.join(parts)} cuDNN, up to "
+        h, text=f"{h.text}; the head dims run forward only: {', '.join(parts)} cuDNN, up to "
                 f"{best:.0f} TFLOP/s ({short_device(w['device'])}, {rec.date(name)})",
         source=f"{h.source}`, `{name}")
 
