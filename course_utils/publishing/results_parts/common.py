@@ -139,16 +139,23 @@ def _tbps(nbytes: float, us: float) -> float:
 
 # ---------------------------------------------------------------- shared by headlines and renderers
 
+def _per_head_dim(rows: list[dict], value: Callable[[dict], float | None]) -> str:
+    """``d = 64 0.96-1.13x, d = 128 0.99-1.11x``: the span of ``value(row)`` over each head dim's
+    rows, head dims in order (a row whose value is None is left out)."""
+    parts = []
+    for D in sorted({r["D"] for r in rows}):
+        values = [v for r in rows if r["D"] == D and (v := value(r)) is not None]
+        parts.append(f"d = {D} {span(values)}")
+    return ", ".join(parts)
+
+
 def _from_headline_file(rec: Recordings, name: str, what: str, baseline: str,
                         label: str) -> Headline:
     """A headline from ``recorded/NN_headline.json`` (schema in
     :mod:`course_utils.library.headlines`)."""
     d = rec.data(name)
     rows = [r for r in d["rows"] if r["mode"] == "fwd"]
-    parts = []
-    for D in sorted({r["D"] for r in rows}):
-        meds = [r["ratio"][baseline]["median"] for r in rows if r["D"] == D]
-        parts.append(f"d = {D} {span(meds)}")
+    per_d = _per_head_dim(rows, lambda r: r["ratio"][baseline]["median"])
     lo = min(r["ratio"][baseline]["lo"] for r in rows)
     hi = max(r["ratio"][baseline]["hi"] for r in rows)
     rounds = sorted({r["ratio"][baseline]["rounds"] for r in d["rows"]})
@@ -156,7 +163,7 @@ def _from_headline_file(rec: Recordings, name: str, what: str, baseline: str,
     train = [r["ratio"][baseline]["median"] for r in d["rows"] if r["mode"] == "fwd+bwd"]
     also = f"; forward + backward {span(train)}" if train else ""
     return Headline(
-        f"{what} against {label}, medians of the rounds per shape: {', '.join(parts)} "
+        f"{what} against {label}, medians of the rounds per shape: {per_d} "
         f"(single rounds {span([lo, hi])}; {len(rows)} shapes, {d['dtype']}, "
         f"N {ks(r['N'] for r in rows)}, causal and not){also}",
         label, short_device(d["device"]), f"{rounds_text} interleaved rounds",

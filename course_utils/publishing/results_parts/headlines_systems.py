@@ -17,6 +17,7 @@ from .common import (
     Headline,
     Recordings,
     _from_headline_file,
+    _per_head_dim,
     _profile_part,
     _rounds_text,
     _tbps,
@@ -292,13 +293,10 @@ def _h14(rec: Recordings) -> Headline:
     name = "14_ladder"
     d = rec.data(name)
     rung = "cuda + ping-pong + overlap"
-    parts = []
-    for D in sorted({r["D"] for r in d["rows"]}):
-        v = [r["fwd"][rung] / r["fwd"]["sdpa cudnn"] for r in d["rows"] if r["D"] == D]
-        parts.append(f"d = {D} {span(v)}")
+    per_d = _per_head_dim(d["rows"], lambda r: r["fwd"][rung] / r["fwd"]["sdpa cudnn"])
     return Headline(
         f"TMA + `wgmma` forward, ping-pong with intra-warpgroup overlap, against {cudnn}: "
-        f"{', '.join(parts)} (bf16, N {ks(r['N'] for r in d['rows'])}, causal and not); from "
+        f"{per_d} (bf16, N {ks(r['N'] for r in d['rows'])}, causal and not); from "
         f"the lecture's ladder until `14_headline` is recorded",
         cudnn, rec.device(name), f"medians of {d['rounds']} rounds per shape", rec.date(name),
         name)
@@ -308,14 +306,11 @@ def _with_head_dims(rec: Recordings, h: Headline) -> Headline:
     """Chapter 14's row with the forward at d = 96, 192 and 256 (``14_head_dims``) added."""
     name = "14_head_dims"
     w = rec.data(name)
-    parts = []
-    for D in sorted({r["D"] for r in w["rows"]}):
-        meds = [r["ratio"]["sdpa cudnn"]["median"] for r in w["rows"]
-                if r["D"] == D and r["ratio"]["sdpa cudnn"]]
-        parts.append(f"d = {D} {span(meds)}")
+    per_d = _per_head_dim(w["rows"], lambda r: r["ratio"]["sdpa cudnn"]["median"]
+                          if r["ratio"]["sdpa cudnn"] else None)
     best = max(r["tflops"]["course"] for r in w["rows"])
     return dataclasses.replace(
-        h, text=f"{h.text}; the head dims run forward only: {', '.join(parts)} cuDNN, up to "
+        h, text=f"{h.text}; the head dims run forward only: {per_d} cuDNN, up to "
                 f"{best:.0f} TFLOP/s ({short_device(w['device'])}, {rec.date(name)})",
         source=f"{h.source}`, `{name}")
 
@@ -327,10 +322,7 @@ def _with_fp8(rec: Recordings, h: Headline) -> Headline:
     name = "14_fp8"
     f = rec.data(name)
     def per_d(run):  # "d = 128 a-b, d = 256 c-d": the head dims differ by far more than noise
-        return ", ".join(
-            f"d = {D} " + span([r["ratio"][f"{run} vs bf16"]["median"] for r in f["rows"]
-                                if r["D"] == D])
-            for D in sorted({r["D"] for r in f["rows"]}))
+        return _per_head_dim(f["rows"], lambda r: r["ratio"][f"{run} vs bf16"]["median"])
 
     acc = [row for rows in f["accuracy"]["rows"].values() for row in rows]
     top = max(row["outlier"] for row in acc)
