@@ -452,6 +452,19 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         float dv[ACC], dk[ACC];  // zero if no query sees these keys (i_first = q_blocks)
         #pragma unroll
         for (int i = 0; i < ACC; ++i) dv[i] = dk[i] = 0.f;
+        auto issue_dk = [&]() {  // dK_w += dS^T Q_i (stage s): with dV, or DK_LATE after dQ
+            #pragma unroll
+            for (int k = 0; k < R / 16; ++k) {
+                const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
+                wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
+            }
+        };
+        auto release_late_stage = [&]() {  // DK_LATE: the last dK has retired; its Q_i is free
+            fence_regs(dk);  // unconditionally: ptxas must see dK retired on every path
+            fence_regs(ds);
+            if (s_pending >= 0) mbar_arrive(&sm.empty[s_pending]);
+            s_pending = -1;
+        };
 
         for (int i = i_first; i < q_blocks; ++i) {
             const int q0 = i * R;
@@ -474,12 +487,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             // no test: lse2 is +inf there (preprocessing), so P is 2^-inf = 0 without one.
             wgmma_wait<1>();  // S^T done (and, DK_LATE, the last step's dK: groups retire in order)
             fence_regs(st);
-            if constexpr (DK_LATE) {
-                fence_regs(dk);  // unconditionally: ptxas must see dK retired on every path
-                fence_regs(ds);
-                if (s_pending >= 0) mbar_arrive(&sm.empty[s_pending]);  // its Q_i is no longer read
-                s_pending = -1;
-            }
+            if constexpr (DK_LATE) release_late_stage();
             #pragma unroll
             for (int c = 0; c < R / 8; ++c) {
                 const float2 l = *reinterpret_cast<const float2*>(lse2_bh + q0 + 8 * c + 2 * t);
@@ -530,13 +538,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
                 const uint32_t a[4] = {p[4 * k], p[4 * k + 1], p[4 * k + 2], p[4 * k + 3]};
                 wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k));
             }
-            if constexpr (!DK_LATE) {
-                #pragma unroll
-                for (int k = 0; k < R / 16; ++k) {
-                    const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
-                    wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
-                }
-            }
+            if constexpr (!DK_LATE) issue_dk();
             wgmma_commit();
 
             // dQ_i[:, (D/2) w ..] = dS K[:, (D/2) w ..] over all 128 keys: needs both consumers' dS^T.
@@ -554,11 +556,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
             }
             wgmma_commit();
             if constexpr (DK_LATE) {
-                #pragma unroll
-                for (int k = 0; k < R / 16; ++k) {
-                    const uint32_t a[4] = {ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]};
-                    wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k));
-                }
+                issue_dk();
                 wgmma_commit();
                 wgmma_wait<1>();  // dV and dQ done; dK still runs
                 s_pending = s;    // dO_i is no longer read, Q_i is until dK is done
@@ -598,10 +596,7 @@ flash_attention_hopper_bwd_kernel(const __grid_constant__ CUtensorMap q_map,
         }
         if constexpr (DK_LATE) {  // the tile's last dK
             wgmma_wait<0>();
-            fence_regs(dk);
-            fence_regs(ds);
-            if (s_pending >= 0) mbar_arrive(&sm.empty[s_pending]);
-            s_pending = -1;
+            release_late_stage();
         }
         mbar_arrive(&sm.kv_empty);  // K_j, V_j and sm.tile are no longer read: the next tile's may come
 
