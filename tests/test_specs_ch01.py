@@ -7,6 +7,7 @@ import torch
 from spec_helpers import Slip
 
 from course_utils import grader, reference
+from course_utils.grading.checks_compare import diagnose
 from course_utils.grading.harness.ch01 import measured_peak_bytes
 from course_utils.grading.specs import ch01
 
@@ -140,6 +141,23 @@ def test_naive_attention_upcasting_the_exp_fails_the_1e4_cases_visible_first():
     assert r.status == "failed" and r.passed == r.total - 2  # the visible twin and the hidden
     assert not r.message.startswith("(hidden case)")
     assert "scores of std 10000" in r.message and "exp in float64" in r.message
+
+
+# Inputs of the "std 50" case on which a model keyed on a row max above 88.72 named nothing
+# (CI of stop 62): a row max within a rounding of float32's limit (88.7228), and rows whose
+# exps are finite but whose sum is inf (O = 0 there, not NaN).
+@pytest.mark.parametrize("seed", [15479, 16769, 17087, 19752])
+def test_the_exp_slip_is_named_when_a_row_sits_at_exp_s_limit(seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, 2, 32, 16, generator=g) * math.sqrt(50.0) for _ in range(2))
+    v = torch.randn(1, 2, 32, 16, generator=g)
+    scale = 0.25
+    E = torch.exp(scale * (q @ k.mT))
+    O = (E / E.sum(dim=-1, keepdim=True)) @ v
+    assert not torch.isfinite(O).all() or (O == 0).all(dim=-1).any()  # the edge is there
+    right = ch01.expected_attention(q, k, v, False, scale)
+    found = diagnose(O, right, ch01.attention_mistakes(q, k, v, False, scale))
+    assert found is ch01.EXP_OVERFLOW
 
 
 @pytest.mark.parametrize(

@@ -174,7 +174,6 @@ EXP_UPCAST = Mistake(
     "upcasting moves the overflow from 88.7 to 709.8, which scores of about +-10,000 pass "
     "anyway: inf / inf = NaN. torch.softmax(S, dim=-1) is stable (chapter 02 shows how).",
 )
-_EXP_LIMITS = {"float32": (88.72, -103.9), "float64": (709.78, -745.1)}  # overflow, underflow
 
 
 def attention_mistakes(q, k, v, causal: bool, scale: float, default_call: bool = False):
@@ -187,15 +186,17 @@ def attention_mistakes(q, k, v, causal: bool, scale: float, default_call: bool =
     def prefixes(counts, s=scale, empty=0.0):
         return lambda: attention_over_prefixes(q, k, v, counts, s, empty)
 
-    def exp_without_max(limits):
+    def exp_without_max(dtype):
+        # The slip itself, computed as the student's code does: float32 scores, exp in
+        # ``dtype``, then each row divided by its sum. A threshold on the row max would miss the
+        # rows whose largest score sits within a rounding of exp's limit (88.7228 in float32)
+        # and those whose exps are finite but whose sum overflows (P = e / inf = 0, not NaN).
         def model():
-            right = expected_attention(q, k, v, causal, scale)
-            S = scale * (q.double() @ k.double().mT)
+            S = scale * (q.float() @ k.float().mT)
             S = S.masked_fill(torch.tensor([[j >= n for j in range(Nk)] for n in seen],
                                            device=S.device), -math.inf)  # fmt: skip
-            high, low = limits
-            overflow = (S.amax(dim=-1) > high) | (S.amax(dim=-1) < low)
-            return torch.where(overflow[..., None], nan, right)
+            E = torch.exp(S.to(dtype))
+            return (E / E.sum(dim=-1, keepdim=True)).double() @ v.double()
 
         return model
 
@@ -221,8 +222,8 @@ def attention_mistakes(q, k, v, causal: bool, scale: float, default_call: bool =
         found.append((SCALE_IGNORED, prefixes(seen, 1.0 / math.sqrt(d))))
     # float64's model first: where it differs from the answer (scores past 709), float32's
     # overflows too, and the answer that survived float32's range was the upcast one
-    found += [(EXP_UPCAST, exp_without_max(_EXP_LIMITS["float64"])),
-              (EXP_OVERFLOW, exp_without_max(_EXP_LIMITS["float32"]))]  # fmt: skip
+    found += [(EXP_UPCAST, exp_without_max(torch.float64)),
+              (EXP_OVERFLOW, exp_without_max(torch.float32))]  # fmt: skip
     return found
 
 
