@@ -153,3 +153,11 @@ class Slip:
 
     def fails(self):
         return first_failure_names(self.exercise_id, self.make(), *self.words)
+
+
+def source_has(text, lines, update="this test's mirror"):
+    """Each of ``lines`` is in ``text``, a kernel's source that a test mirrors or models in
+    Python: a line that moved or changed fails here, naming what to ``update``, rather than
+    leaving the test checking a kernel that no longer exists."""
+    for line in lines:
+        assert line in text, f"the .cu no longer has {line!r}: update {update}"

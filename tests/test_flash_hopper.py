@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from spec_helpers import forward_matches_float64, poison_free_cuda_memory
+from spec_helpers import forward_matches_float64, poison_free_cuda_memory, source_has
 
 from course_utils import cuda as C
 from course_utils import hopper, portability, reference, runtime
@@ -89,13 +89,14 @@ def _v_desc(base, k, BN=BLOCK_N):
 
 def test_kernel_source_builds_the_descriptors_mirrored_here():
     text = SOURCE.read_text() + (KERNELS / "hopper_common.cuh").read_text()
-    for line in ("q_start = smem_desc(sm.Q + w * 64 * 64, 16, 1024);",
-                 "desc_plus(q_start, (k / 4) * BLOCK_M * 64 + (k % 4) * 16)",
-                 "desc_plus(smem_desc(sm.K[s], 16, 1024), (k / 4) * BN * 64 + (k % 4) * 16)",
-                 "desc_plus(smem_desc(sm.V[s], BN * 128, 1024), k * 16 * 64)",
-                 "const uint32_t lo = static_cast<uint32_t>(d) + elems * 2 / 16;",
-                 "return (d & 0xFFFFFFFF00000000ull) | lo;"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "q_start = smem_desc(sm.Q + w * 64 * 64, 16, 1024);",
+        "desc_plus(q_start, (k / 4) * BLOCK_M * 64 + (k % 4) * 16)",
+        "desc_plus(smem_desc(sm.K[s], 16, 1024), (k / 4) * BN * 64 + (k % 4) * 16)",
+        "desc_plus(smem_desc(sm.V[s], BN * 128, 1024), k * 16 * 64)",
+        "const uint32_t lo = static_cast<uint32_t>(d) + elems * 2 / 16;",
+        "return (d & 0xFFFFFFFF00000000ull) | lo;",
+    ))
 
 
 def test_descriptor_plus_is_the_descriptor_of_the_moved_start():
@@ -144,11 +145,12 @@ def test_wgmma_reads_the_elements_each_product_needs(D, BN, BM):
 
 def test_kernel_source_pads_d96_to_two_panels():
     text = SOURCE.read_text()
-    for line in ("constexpr int DP = D == 96 ? 128 : D;",
-                 "for (int k = 0; k < D / 16; ++k) wgmma_ss<BN>(s_acc, q_desc(k), k_desc(s, k),",
-                 "wgmma_rs<DP<D>, DP<D>>(o, a, v_desc(s, k));",
-                 "mbar_expect_bytes(&sm.k_full[s], BN * DP<D> * 2);"):
-        assert line in text, f"the .cu no longer has {line!r}: update the d = 96 tests"
+    source_has(text, (
+        "constexpr int DP = D == 96 ? 128 : D;",
+        "for (int k = 0; k < D / 16; ++k) wgmma_ss<BN>(s_acc, q_desc(k), k_desc(s, k),",
+        "wgmma_rs<DP<D>, DP<D>>(o, a, v_desc(s, k));",
+        "mbar_expect_bytes(&sm.k_full[s], BN * DP<D> * 2);",
+    ), "the d = 96 tests")
 
 
 def test_a_wrong_stride_reads_other_elements():
@@ -471,12 +473,13 @@ def test_the_shuffles_give_each_lane_8_contiguous_columns():
     assert ("store_row_bf16<D>(O + ((size_t)head * Nq + r) * D,\n" + " " * 30
             + "reinterpret_cast<const float(&)[D / 2]>(o), h, inv, t, r < Nq);"
             in SOURCE.read_text())
-    for line in ("__shfl_xor_sync(0xffffffff, (t & 1) ? x[c] : x[c + 1], 1);",
-                 "if (t & 1) x[c] = got; else x[c + 1] = got;",
-                 "__shfl_xor_sync(0xffffffff, (t & 2) ? x[c] : x[c + 2], 2);",
-                 "if (t & 2) x[c] = got; else x[c + 2] = got;",
-                 "*reinterpret_cast<uint4*>(out + 8 * (4 * a + t))"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "__shfl_xor_sync(0xffffffff, (t & 1) ? x[c] : x[c + 1], 1);",
+        "if (t & 1) x[c] = got; else x[c + 1] = got;",
+        "__shfl_xor_sync(0xffffffff, (t & 2) ? x[c] : x[c + 2], 2);",
+        "if (t & 2) x[c] = got; else x[c + 2] = got;",
+        "*reinterpret_cast<uint4*>(out + 8 * (4 * a + t))",
+    ))
     for cols in (64, 128):
         stored = _store_row_bf16(cols)
         assert sorted(stored) == list(range(0, cols, 8))  # every 16-byte chunk of the row once
@@ -501,9 +504,10 @@ def _take_tile(tile, q_blocks, BH, causal):
 
 def test_kernel_source_takes_tiles_as_mirrored_here():
     text = SOURCE.read_text()
-    for line in ("qb = tile % q_blocks;", "bh = tile / q_blocks;",
-                 "if (causal) qb = q_blocks - 1 - qb;"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "qb = tile % q_blocks;", "bh = tile / q_blocks;",
+        "if (causal) qb = q_blocks - 1 - qb;",
+    ))
 
 
 @pytest.mark.parametrize("q_blocks, BH, sms", [(1, 1, 132), (3, 150, 132), (32, 128, 132),
@@ -549,9 +553,10 @@ def _schedule(q_blocks, BH, sms, scheduled):
 
 def test_kernel_source_schedules_causal_tiles_as_modelled_here():
     text = SOURCE.read_text()
-    for line in ("const int next = atomicAdd(tile_counter, 1) + gridDim.x;",
-                 "next = sm.next_tile[n & 1];"):
-        assert line in text, f"the .cu no longer has {line!r}: update _schedule"
+    source_has(text, (
+        "const int next = atomicAdd(tile_counter, 1) + gridDim.x;",
+        "next = sm.next_tile[n & 1];",
+    ), "_schedule")
 
 
 @pytest.mark.parametrize("q_blocks, BH", [(8, 1024), (16, 512), (32, 256), (3, 150)])

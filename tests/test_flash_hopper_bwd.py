@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from spec_helpers import poison_free_cuda_memory
+from spec_helpers import poison_free_cuda_memory, source_has
 
 from course_utils import checks, hopper, portability, runtime
 from course_utils import cuda as C
@@ -104,33 +104,33 @@ def _desc_k_half(base, D, w, k):  # B of dQ_i at R = 64: K[:, (D/2) w ..], MN-ma
 
 def test_kernel_source_builds_the_descriptors_mirrored_here():
     text = SOURCE.read_text() + (KERNELS / "hopper_common.cuh").read_text()  # + the shared products
-    for line in (
-            "rows = smem_desc(K + w * 64 * 64, 16, 1024);",
-            "desc_plus(rows, (k / 4) * BLOCK_N * 64 + (k % 4) * 16)",
-            "desc_plus(smem_desc(X, 16, 1024), (k / 4) * R * 64 + (k % 4) * 16)",
-            "desc_plus(smem_desc(X, ROWS * 128, 1024), k * 16 * 64)",
-            "const uint32_t lo = static_cast<uint32_t>(d) + elems * 2 / 16;",
-            "desc_rows_mn<BLOCK_N>(dST + w * BLOCK_N * 64, k)",
-            "desc_rows_mn<BLOCK_N>(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64, k)",
-            # which descriptor feeds which product, and the transpose immediates
-            "wgmma_ss<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0)",
-            "wgmma_ss<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0)",
-            "wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k))",
-            "wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k))",
-            "if constexpr (R == 128)",
-            "wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_rows_mn<BLOCK_N>(sm.K, k), k > 0)",
-            "wgmma_ss_dq<D>(dq, desc_dst_panel(dST, 0, k), desc_k_half<D>(sm.K, w, k), k > 0)",
-            "m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
-            "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,"
-            "%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,"
-            "%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0",
-            "m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
-            "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0",
-            "m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
-            "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 1, 1",
-            "m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
-            "%16, %17, p, 1, 1, 1, 1"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "rows = smem_desc(K + w * 64 * 64, 16, 1024);",
+        "desc_plus(rows, (k / 4) * BLOCK_N * 64 + (k % 4) * 16)",
+        "desc_plus(smem_desc(X, 16, 1024), (k / 4) * R * 64 + (k % 4) * 16)",
+        "desc_plus(smem_desc(X, ROWS * 128, 1024), k * 16 * 64)",
+        "const uint32_t lo = static_cast<uint32_t>(d) + elems * 2 / 16;",
+        "desc_rows_mn<BLOCK_N>(dST + w * BLOCK_N * 64, k)",
+        "desc_rows_mn<BLOCK_N>(K + (D / 2) * w / 64 * BLOCK_N * 64 + (D / 2) * w % 64, k)",
+        # which descriptor feeds which product, and the transpose immediates
+        "wgmma_ss<R>(st, desc_kw(sm.K, w, k), desc_rows_k<R>(sm.Q[s], k), k > 0)",
+        "wgmma_ss<R>(dpt, desc_kw(sm.V, w, k), desc_rows_k<R>(sm.dO[s], k), k > 0)",
+        "wgmma_rs_d<D>(dv, a, desc_rows_mn<R>(sm.dO[s], k))",
+        "wgmma_rs_d<D>(dk, a, desc_rows_mn<R>(sm.Q[s], k))",
+        "if constexpr (R == 128)",
+        "wgmma_ss_tt_n64(dq, desc_dst_panel(dST, w, k), desc_rows_mn<BLOCK_N>(sm.K, k), k > 0)",
+        "wgmma_ss_dq<D>(dq, desc_dst_panel(dST, 0, k), desc_k_half<D>(sm.K, w, k), k > 0)",
+        "m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
+        "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,"
+        "%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,"
+        "%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0",
+        "m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
+        "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0",
+        "m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,"
+        "%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 1, 1",
+        "m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "%16, %17, p, 1, 1, 1, 1",
+    ))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -197,9 +197,10 @@ def test_store_dst_writes_the_swizzled_tile_that_desc_dst_reads(R):
     """Word j of a consumer thread is dS^T (registers 2j, 2j + 1 of its accumulator); store_dst
     must put each bf16 where tile_addresses (TMA's layout, which desc_dst_panel reads) says."""
     text = SOURCE.read_text()
-    for line in ("const int row = 64 * w + 16 * warp + g + 8 * (j % 2), chunk = ((j / 2) % 8) ^ g;",
-                 "base + (j / 16) * BLOCK_N * 128 + row * 128 + chunk * 16 + 4 * t) = ds[j];"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "const int row = 64 * w + 16 * warp + g + 8 * (j % 2), chunk = ((j / 2) % 8) ^ g;",
+        "base + (j / 16) * BLOCK_N * 128 + row * 128 + chunk * 16 + 4 * t) = ds[j];",
+    ))
     tile = hopper.tile_addresses(BLOCK_N, R, 0)
     rows, cols = hopper.accumulator_rows_cols(R)  # S^T / dS^T: 64 keys x R queries
     written = []
@@ -240,18 +241,19 @@ def test_the_kernels_index_formulas_follow_the_accumulator_layout(R):
     """The .cu names the key and query of each register by hand (masks, LSE and Delta loads, the
     dK / dV epilogue); mirrored here, they must agree with accumulator_rows_cols."""
     text = SOURCE.read_text()
-    for line in ("const int key = key0 + 8 * ((idx % 4) / 2), q = q0 + 8 * (idx / 4) + 2 * t"
-                 " + idx % 2;",
-                 "for (int idx = 0; idx < R / 2; ++idx) {",
-                 "lse2_bh + q0 + 8 * c + 2 * t", "delta_bh + q0 + 8 * c + 2 * t",
-                 "const int idx = 4 * c + j;", "dpt[idx] - (j % 2 ? dl.y : dl.x)",
-                 "fmaf(st[idx], scale_log2, -(j % 2 ? l.y : l.x))",
-                 "const size_t row = ((size_t)bh * Nk + key) * D;",
-                 "store_row_bf16<D>(dK + row, dk, h, scale, t, key < Nk);",
-                 "store_row_bf16<D>(dV + row, dv, h, 1.f, t, key < Nk);",
-                 "const int key0 = kw0 + 16 * warp + g;",
-                 "for (int c = 0; c < R / 8; ++c) {"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "const int key = key0 + 8 * ((idx % 4) / 2), q = q0 + 8 * (idx / 4) + 2 * t"
+        " + idx % 2;",
+        "for (int idx = 0; idx < R / 2; ++idx) {",
+        "lse2_bh + q0 + 8 * c + 2 * t", "delta_bh + q0 + 8 * c + 2 * t",
+        "const int idx = 4 * c + j;", "dpt[idx] - (j % 2 ? dl.y : dl.x)",
+        "fmaf(st[idx], scale_log2, -(j % 2 ? l.y : l.x))",
+        "const size_t row = ((size_t)bh * Nk + key) * D;",
+        "store_row_bf16<D>(dK + row, dk, h, scale, t, key < Nk);",
+        "store_row_bf16<D>(dV + row, dv, h, 1.f, t, key < Nk);",
+        "const int key0 = kw0 + 16 * warp + g;",
+        "for (int c = 0; c < R / 8; ++c) {",
+    ))
     tid = np.arange(128)
     warp, g, t = tid // 32, (tid % 32) // 4, tid % 4
     rows, cols = hopper.accumulator_rows_cols(R)  # S^T, dP^T: keys x queries
@@ -299,18 +301,19 @@ def test_the_dq_accumulator_round_trip(D):
     must find there the element the register holds (accumulator_rows_cols), and a warp's store
     must be 512 contiguous bytes (no bank conflict)."""
     text = SOURCE.read_text()
-    for line in ("reinterpret_cast<float4*>(dq_smem)[128 * c + tid]",
-                 "make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3])",
-                 "dQacc + ((size_t)head * q_blocks + i) * R * D + w * (R * D / 2)",
-                 "constexpr int R = BM<D>, TILE4 = R * D / 4;",
-                 "const size_t tile = f / TILE4;",
-                 "w = in_tile / (TILE4 / 2), c = in_tile % (TILE4 / 2) / 128;",
-                 "const int tid = in_tile % 128, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;",
-                 "const int q = (int)(tile % q_blocks) * R + (R == 128 ? 64 * w : 0) + 16 * warp"
-                 " + g;",
-                 "const int col = (R == 128 ? 0 : (D / 2) * w) + 8 * c + 2 * t;",
-                 "dQ + (bh * Nq + q + 8) * D + col) = pack_bf16(v.z * scale, v.w * scale)"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "reinterpret_cast<float4*>(dq_smem)[128 * c + tid]",
+        "make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3])",
+        "dQacc + ((size_t)head * q_blocks + i) * R * D + w * (R * D / 2)",
+        "constexpr int R = BM<D>, TILE4 = R * D / 4;",
+        "const size_t tile = f / TILE4;",
+        "w = in_tile / (TILE4 / 2), c = in_tile % (TILE4 / 2) / 128;",
+        "const int tid = in_tile % 128, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;",
+        "const int q = (int)(tile % q_blocks) * R + (R == 128 ? 64 * w : 0) + 16 * warp"
+        " + g;",
+        "const int col = (R == 128 ? 0 : (D / 2) * w) + 8 * c + 2 * t;",
+        "dQ + (bh * Nq + q + 8) * D + col) = pack_bf16(v.z * scale, v.w * scale)",
+    ))
     R = R_OF[D]
     q_blocks, seen = 3, set()
     for bh in range(2):
@@ -609,14 +612,15 @@ def _tiles_taken(n_tiles, sms, order, counter_start=0):
 
 def test_the_persistent_blocks_take_every_tile_once():
     text = SOURCE.read_text()
-    for line in ("const int my_tile = PERSIST ? blockIdx.x : (blockIdx.z * H + blockIdx.y) * n_kb"
-                 " + blockIdx.x;",
-                 "tile = gridDim.x + atomicAdd(tile_counter, 1);",
-                 "if (tile_counter && bh == 0 && r == 0 && j == 0) *tile_counter = 0;",
-                 "if (tile >= n_tiles) break;",
-                 "const int bh = by_n_kb(tile), kb = tile - bh * n_kb, i_first ="
-                 " first_q_block(kb);"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "const int my_tile = PERSIST ? blockIdx.x : (blockIdx.z * H + blockIdx.y) * n_kb"
+        " + blockIdx.x;",
+        "tile = gridDim.x + atomicAdd(tile_counter, 1);",
+        "if (tile_counter && bh == 0 && r == 0 && j == 0) *tile_counter = 0;",
+        "if (tile >= n_tiles) break;",
+        "const int bh = by_n_kb(tile), kb = tile - bh * n_kb, i_first ="
+        " first_q_block(kb);",
+    ))
     rng = np.random.default_rng(0)
     for n_tiles in (1, 5, 132, 133, 1000):
         order = rng.integers(0, 1 << 30, size=4 * n_tiles)
@@ -662,12 +666,13 @@ def test_the_tile_division_by_a_multiplier_is_exact():
     ~25 instructions of a runtime division; mirrored here, it must equal n // d for every
     n < 2^31 the kernel can see (the host refuses 2^31 tiles)."""
     text = SOURCE.read_text()
-    for line in ("while ((int64_t(1) << l) < d) ++l;",
-                 "return {static_cast<uint32_t>(((uint64_t(1) << (31 + l)) + d - 1) / d), 31 + l};",
-                 "return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(n)) * m)"
-                 " >> s);",
-                 "const int head = by_n_kb(sm.tile);", "tile_counter, div_by(n_kb),"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's mirror"
+    source_has(text, (
+        "while ((int64_t(1) << l) < d) ++l;",
+        "return {static_cast<uint32_t>(((uint64_t(1) << (31 + l)) + d - 1) / d), 31 + l};",
+        "return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(n)) * m)"
+        " >> s);",
+        "const int head = by_n_kb(sm.tile);", "tile_counter, div_by(n_kb),",
+    ))
     rng = np.random.default_rng(0)
     divisors = [*range(1, 1025), 1 << 20, (1 << 20) + 1, 3 * 5 * 7 * 11 * 13 * 17,
                 (1 << 30) + 1, (1 << 31) - 1, *rng.integers(1025, 1 << 31, 64).tolist()]
@@ -793,16 +798,18 @@ def test_the_persistent_protocol_under_random_interleavings():
     holds the next tile's K, V back until both consumers are done. Every interleaving must read
     each step's Q_i, dO_i and each tile's K, V, without deadlock."""
     text = SOURCE.read_text()
-    for line in ("if (n > 0) mbar_wait(&sm.kv_empty, (n - 1) & 1);",
-                 "mbar_wait(&sm.kv_full, n & 1);", "mbar_wait(&sm.empty[s], phase ^ 1);",
-                 "mbar_wait(&sm.full[s], phase);", "if (++s == STAGES) s = 0, phase ^= 1;",
-                 "mbar_arrive(&sm.kv_full);  // no query sees these keys: nothing to load",
-                 "mbar_arrive(&sm.kv_empty);"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's model"
-    for line in ("if (s_pending >= 0) mbar_arrive(&sm.empty[s_pending]);",
-                 "s_pending = s;    // dO_i is no longer read, Q_i is until dK is done",
-                 "constexpr bool DK_LATE = D == 128 && PERSIST;"):
-        assert line in text, f"the .cu no longer has {line!r}: update this test's model (dk_late)"
+    source_has(text, (
+        "if (n > 0) mbar_wait(&sm.kv_empty, (n - 1) & 1);",
+        "mbar_wait(&sm.kv_full, n & 1);", "mbar_wait(&sm.empty[s], phase ^ 1);",
+        "mbar_wait(&sm.full[s], phase);", "if (++s == STAGES) s = 0, phase ^= 1;",
+        "mbar_arrive(&sm.kv_full);  // no query sees these keys: nothing to load",
+        "mbar_arrive(&sm.kv_empty);",
+    ), "this test's model")
+    source_has(text, (
+        "if (s_pending >= 0) mbar_arrive(&sm.empty[s_pending]);",
+        "s_pending = s;    // dO_i is no longer read, Q_i is until dK is done",
+        "constexpr bool DK_LATE = D == 128 && PERSIST;",
+    ), "this test's model (dk_late)")
     rng = np.random.default_rng(1)
     for steps in ([16], [16, 14, 12, 10], [3, 0, 0, 5, 1, 0], [0, 0, 2], [1] * 7, [2, 5, 0, 3, 3]):
         for stages in (2, 3):
