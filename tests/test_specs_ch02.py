@@ -13,7 +13,7 @@ from spec_helpers import Slip, module_builder, solution_source
 from course_utils import grader, runtime
 from course_utils.grading.checks import CheckFailure
 from course_utils.grading.harness.ch02 import THREADS
-from course_utils.grading.specs import ch02
+from course_utils.grading.specs import ch02, ch02_row
 
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions/02_softmax_stable_and_online.ipynb"
 BASE = solution_source(SOLUTION, lambda s: s.startswith("import math") or "BEGIN SOLUTION" in s)
@@ -114,6 +114,17 @@ def test_online_softmax_minus_inf_minus_minus_inf():
     f = failure(ch02.online_softmax, name, unsafe)
     assert "NaN" in f.detail and "safe max" in f.hint
     assert grader.check("02.online_softmax", unsafe).passed == len(ch02.online_softmax.cases) - 1
+
+
+def test_the_masked_block_case_tells_the_nan_slip_from_l_not_rescaled():
+    # once in about 200 draws every unmasked row had its max in its first block: l not rescaled
+    # then gave the right answer beside the NaN rows, and was named before the NaN slip
+    for _ in range(200):
+        x = ch02._masked_first_blocks(5, 45, 8)
+        model = {m: f for m, f in ch02._online_mistakes(x, 8)}
+        no_rescale = model[ch02.MISTAKE_NO_RESCALE]()
+        nan_rows = model[ch02.MISTAKE_NAN_MASKED_BLOCK]()
+        assert not torch.allclose(no_rescale[2], nan_rows[2])  # row 2's max grows: they differ
 
 
 def test_online_softmax_forgets_the_partial_block():
@@ -258,6 +269,22 @@ def test_attention_row_hard_coded_scale_and_log2():
                 "last query, window longer than the row (plain causal), N = 50",
                 lambda *a: attention_row(*a, log=torch.log2))  # fmt: skip
     assert "lse" in f.detail and "natural log" in f.hint
+
+
+def test_an_lse_slip_that_changes_o_is_not_named_beside_a_right_o():
+    # lse is one number: a slip over other keys fell within the tolerance of a base-2 lse by
+    # chance about once in 150 draws, and was named first; o had passed, so it cannot be that
+    from course_utils.grading.checks_compare import diagnose
+
+    o_right, lse = torch.zeros(4, dtype=torch.float64), torch.tensor(1.0)
+    slips = [(ch02_row.MISTAKE_ROW_FUTURE, lambda: (torch.ones(4), torch.tensor(1.0))),
+             (ch02_row.MISTAKE_ROW_LOG2, lambda: (None, torch.tensor(1.0)))]  # fmt: skip
+    kept = ch02_row._lse_slips(slips, o_right, 1e-5, 1e-5)
+    assert diagnose(lse, torch.tensor(2.0), kept) is ch02_row.MISTAKE_ROW_LOG2
+    assert diagnose(lse, torch.tensor(2.0), kept[:1]) is None
+    slips[0] = (ch02_row.MISTAKE_ROW_FUTURE, lambda: (o_right, torch.tensor(1.0)))  # o as right
+    assert diagnose(lse, torch.tensor(2.0), ch02_row._lse_slips(slips, o_right, 1e-5, 1e-5)) \
+        is ch02_row.MISTAKE_ROW_FUTURE
 
 
 def test_attention_row_that_forms_all_scores_is_caught_by_the_measure():

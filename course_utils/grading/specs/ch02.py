@@ -372,11 +372,15 @@ def _growing_rows(R, N, top):
 
 
 def _masked_first_blocks(R, N, block):
-    """Random -inf entries; row 0 has its first block masked, row 1 its first two blocks."""
+    """Random -inf entries; row 0 has its first block masked, row 1 its first two blocks; row 2's
+    largest logit is its last, so that its running max grows after the first block: a slip in
+    the rescaling then shows in row 2, apart from the NaN of the masked blocks (where the max of
+    every unmasked row sat in its first block, l not rescaled gave the same answer here)."""
     x = _mask_randomly(_randn(R, N, std=3.0), 0.3)
     x[0, :block] = -math.inf
     x[1, : 2 * block] = -math.inf
     x[0, block], x[1, 2 * block] = 1.0, 2.0  # a finite logit right after the masked blocks
+    x[2, -1] = float(x[2, :-1].amax().clamp(min=0.0)) + 1.0
     return x
 
 
