@@ -1,0 +1,86 @@
+"""Grade every named slip of some chapters again and again, on fresh random inputs each time.
+
+A slip's test (``tests/test_specs_chNN.py``, its ``NAMED_MISTAKES``) passes when the slip fails
+a visible case with a message that names it. The cases draw new inputs on every run, so a
+diagnosis that holds on most draws but not all (two slips' models that agree by chance, a
+threshold a rounding away from the slip's own arithmetic) passes the suite most days and fails
+CI now and then. This sweep finds those: each slip is graded for ``--seconds`` (at least three
+times, at most ``--max-runs``), and every run whose diagnosis differs is printed. Run by hand::
+
+    python tools/slip_sweep.py 01 02 --seconds 8
+
+A chapter is its two digits (``14_overlap`` for that spec file). Exit status 1 when a slip was
+unstable. ``tests/test_slip_sweep.py`` runs it on one slip, once.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sweep(chapters, seconds, max_runs, only=None, out=sys.stdout):
+    """Grade each slip of ``chapters`` for ``seconds``; return the names of the unstable ones.
+    ``only``: a substring of the slips' names (``"02.online_softmax: no safe max"``) to keep.
+    The grader's environment variables are as they were once it returns."""
+    import course_utils
+    from course_utils import grader
+
+    course_utils.setup(verbose=False)  # the simulator and the interpreter without a GPU
+    saved = {name: os.environ.get(name) for name in (grader.GRADING_ENV, grader.RAISE_ENV)}
+    os.environ[grader.GRADING_ENV] = "1"  # hidden cases too, as the tests' grading_env does
+    os.environ.pop(grader.RAISE_ENV, None)
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        return _sweep(chapters, seconds, max_runs, only, out)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _sweep(chapters, seconds, max_runs, only, out):
+    unstable = []
+    for chapter in chapters:
+        slips = importlib.import_module(f"test_specs_ch{chapter}").NAMED_MISTAKES
+        for slip in slips:
+            if only and only not in repr(slip):
+                continue
+            start, runs, failures = time.time(), 0, []
+            while runs < max_runs and (runs < 3 or time.time() - start < seconds):
+                runs += 1
+                try:
+                    slip.fails()
+                except Exception as exc:  # noqa: BLE001 (an assertion or a crash: both count)
+                    failures.append(" ".join(str(exc).split())[:400])
+            verdict = "UNSTABLE" if failures else "ok"
+            print(f"{verdict} {slip!r}: {len(failures)} of {runs} runs differ "
+                  f"({time.time() - start:.1f} s)", file=out, flush=True)  # fmt: skip
+            for failure in failures[:2]:
+                print(f"    {failure}", file=out, flush=True)
+            if failures:
+                unstable.append(repr(slip))
+    return unstable
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("chapters", nargs="+", help="two digits each: 01 02 14_overlap")
+    parser.add_argument("--seconds", type=float, default=8.0, help="time per slip")
+    parser.add_argument("--max-runs", type=int, default=2000, help="runs per slip at most")
+    parser.add_argument("--only", help="a substring of the names of the slips to sweep")
+    args = parser.parse_args(argv)
+    unstable = sweep(args.chapters, args.seconds, args.max_runs, args.only)
+    print(f"{len(unstable)} unstable: {', '.join(unstable) or 'none'}")
+    return 1 if unstable else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
