@@ -54,3 +54,34 @@ def test_the_command_sweeps_a_real_slip():
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ok 01.naive_attention: exp(S) / sum: 0 of 3 runs differ" in run.stdout
     assert "0 unstable: none" in run.stdout
+
+
+def test_a_right_answer_that_fails_on_some_draws_is_reported(monkeypatch):
+    from spec_helpers import solution_source
+
+    namespace = {}
+    exec(solution_source(REPO / "solutions" / "01_attention_as_classification.ipynb",
+                         lambda s: "def query_block_peak_bytes" in s), namespace)  # fmt: skip
+    right, calls = namespace["query_block_peak_bytes"], [0]
+
+    def wrong_now_and_then(*args):
+        calls[0] += 1
+        return right(*args) + (calls[0] % 7 == 0)  # one byte off on every seventh call
+
+    tool = _tool()
+    monkeypatch.setattr(tool, "solution_answers", lambda chapter: [
+        ("01.memory_formula", right), ("01.memory_formula", wrong_now_and_then)])
+    out = io.StringIO()
+    assert tool.sweep_solutions(["01"], seconds=0.0, max_runs=10, out=out) == ["01.memory_formula"]
+    first, second = out.getvalue().splitlines()[0], out.getvalue().splitlines()[1]
+    assert first.startswith("ok 01.memory_formula (the solution): 0 of 3 runs differ")
+    assert second.startswith("UNSTABLE 01.memory_formula (the solution):")
+
+
+def test_the_command_sweeps_the_solution_notebook():
+    run = subprocess.run([sys.executable, str(TOOL), "01", "--solutions", "--seconds", "0",
+                          "--max-runs", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for exercise in ("01.naive_attention", "01.split_merge_heads", "01.memory_formula"):
+        assert f"ok {exercise} (the solution): 0 of 1 runs differ" in run.stdout

@@ -9,12 +9,17 @@ times, at most ``--max-runs``), and every run whose diagnosis differs is printed
 
     python tools/slip_sweep.py 01 02 --seconds 8
 
-A chapter is its two digits (``14_overlap`` for that spec file). Exit status 1 when a slip was
-unstable. ``tests/test_slip_sweep.py`` runs it on one slip, once.
+A chapter is its two digits (``14_overlap`` for that spec file). With ``--solutions`` it sweeps
+the answers instead: each solution notebook's code runs once (IPython, as nbval runs it), every
+``grader.check(exercise, answer)`` it makes is captured, and each answer is graded again and again
+with the hidden cases on; a right answer that fails on some draw would cost a student marks.
+Exit status 1 when anything was unstable. ``tests/test_slip_sweep.py`` runs both, briefly.
 """
 
 import argparse
+import contextlib
 import importlib
+import io
 import os
 import sys
 import time
@@ -49,24 +54,90 @@ def sweep(chapters, seconds, max_runs, only=None, out=sys.stdout):
 def _sweep(chapters, seconds, max_runs, only, out):
     unstable = []
     for chapter in chapters:
-        slips = importlib.import_module(f"test_specs_ch{chapter}").NAMED_MISTAKES
-        for slip in slips:
-            if only and only not in repr(slip):
-                continue
-            start, runs, failures = time.time(), 0, []
-            while runs < max_runs and (runs < 3 or time.time() - start < seconds):
-                runs += 1
-                try:
-                    slip.fails()
-                except Exception as exc:  # noqa: BLE001 (an assertion or a crash: both count)
-                    failures.append(" ".join(str(exc).split())[:400])
-            verdict = "UNSTABLE" if failures else "ok"
-            print(f"{verdict} {slip!r}: {len(failures)} of {runs} runs differ "
-                  f"({time.time() - start:.1f} s)", file=out, flush=True)  # fmt: skip
-            for failure in failures[:2]:
-                print(f"    {failure}", file=out, flush=True)
-            if failures:
-                unstable.append(repr(slip))
+        for slip in importlib.import_module(f"test_specs_ch{chapter}").NAMED_MISTAKES:
+            if not only or only in repr(slip):
+                if not _repeat(repr(slip), slip.fails, seconds, max_runs, out):
+                    unstable.append(repr(slip))
+    return unstable
+
+
+def _repeat(name, attempt, seconds, max_runs, out):
+    """Call ``attempt`` for ``seconds`` (3 times at least, ``max_runs`` at most); an exception is
+    a run that differs. Print the verdict and the first two differences; True when none."""
+    start, runs, failures = time.time(), 0, []
+    while runs < max_runs and (runs < 3 or time.time() - start < seconds):
+        runs += 1
+        try:
+            attempt()
+        except Exception as exc:  # noqa: BLE001 (an assertion or a crash: both count)
+            failures.append(" ".join(str(exc).split())[:400])
+    verdict = "UNSTABLE" if failures else "ok"
+    print(f"{verdict} {name}: {len(failures)} of {runs} runs differ "
+          f"({time.time() - start:.1f} s)", file=out, flush=True)  # fmt: skip
+    for failure in failures[:2]:
+        print(f"    {failure}", file=out, flush=True)
+    return not failures
+
+
+def solution_answers(chapter):
+    """``[(exercise_id, answer)]``: the ``grader.check`` calls of the solution notebook of
+    ``chapter`` (two digits), captured while its code cells run in one IPython shell."""
+    import json
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from course_utils import grader
+
+    (path,) = (ROOT / "solutions").glob(f"{chapter}_*.ipynb")
+    captured, check = [], grader.check
+
+    def capture(exercise_id, answer):
+        captured.append((exercise_id, answer))
+        return check(exercise_id, answer)
+
+    grader.check = capture
+    shell = InteractiveShell.instance()
+    try:
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                with contextlib.redirect_stdout(io.StringIO()):  # the notebook's own prints
+                    result = shell.run_cell("".join(cell["source"]), silent=True)
+                if not result.success:
+                    raise RuntimeError(f"{path.name}: a cell failed: {result.error_in_exec!r}")
+    finally:
+        grader.check = check
+        InteractiveShell.clear_instance()
+    return captured
+
+
+def sweep_solutions(chapters, seconds, max_runs, out=sys.stdout):
+    """Grade each answer of the solution notebooks of ``chapters`` for ``seconds`` with the
+    hidden cases on; return the exercises whose right answer failed on some draw."""
+    import course_utils
+    from course_utils import grader
+
+    course_utils.setup(verbose=False)
+    unstable = []
+    for chapter in chapters:
+        answers = solution_answers(chapter)  # as the notebook runs: the hidden cases off
+        saved = {name: os.environ.get(name) for name in (grader.GRADING_ENV, grader.RAISE_ENV)}
+        os.environ[grader.GRADING_ENV] = "1"
+        os.environ.pop(grader.RAISE_ENV, None)
+        try:
+            for exercise_id, answer in answers:
+                def attempt(exercise_id=exercise_id, answer=answer):
+                    with contextlib.redirect_stdout(io.StringIO()):  # check's verdict line
+                        result = grader.check(exercise_id, answer)
+                    assert result.status == "passed", f"{result.status}: {result.message}"
+
+                if not _repeat(f"{exercise_id} (the solution)", attempt, seconds, max_runs, out):
+                    unstable.append(exercise_id)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     return unstable
 
 
@@ -76,8 +147,13 @@ def main(argv=None):
     parser.add_argument("--seconds", type=float, default=8.0, help="time per slip")
     parser.add_argument("--max-runs", type=int, default=2000, help="runs per slip at most")
     parser.add_argument("--only", help="a substring of the names of the slips to sweep")
+    parser.add_argument("--solutions", action="store_true",
+                        help="sweep the solution notebooks' answers instead of the slips")
     args = parser.parse_args(argv)
-    unstable = sweep(args.chapters, args.seconds, args.max_runs, args.only)
+    if args.solutions:
+        unstable = sweep_solutions(args.chapters, args.seconds, args.max_runs)
+    else:
+        unstable = sweep(args.chapters, args.seconds, args.max_runs, args.only)
     print(f"{len(unstable)} unstable: {', '.join(unstable) or 'none'}")
     return 1 if unstable else 0
 
