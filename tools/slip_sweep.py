@@ -33,16 +33,25 @@ def sweep(chapters, seconds, max_runs, only=None, out=sys.stdout):
     ``only``: a substring of the slips' names (``"02.online_softmax: no safe max"``) to keep.
     The grader's environment variables are as they were once it returns."""
     import course_utils
-    from course_utils import grader
 
     course_utils.setup(verbose=False)  # the simulator and the interpreter without a GPU
-    saved = {name: os.environ.get(name) for name in (grader.GRADING_ENV, grader.RAISE_ENV)}
-    os.environ[grader.GRADING_ENV] = "1"  # hidden cases too, as the tests' grading_env does
-    os.environ.pop(grader.RAISE_ENV, None)
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
-    try:
+    with _hidden_cases_on():
         return _sweep(chapters, seconds, max_runs, only, out)
+
+
+@contextlib.contextmanager
+def _hidden_cases_on():
+    """The grader as `python -m course_utils grade` runs it (the tests' grading_env): hidden
+    cases on, failures returned rather than raised; its variables as they were after."""
+    from course_utils import grader
+
+    saved = {name: os.environ.get(name) for name in (grader.GRADING_ENV, grader.RAISE_ENV)}
+    os.environ[grader.GRADING_ENV] = "1"
+    os.environ.pop(grader.RAISE_ENV, None)
+    try:
+        yield
     finally:
         for name, value in saved.items():
             if value is None:
@@ -120,10 +129,7 @@ def sweep_solutions(chapters, seconds, max_runs, out=sys.stdout):
     unstable = []
     for chapter in chapters:
         answers = solution_answers(chapter)  # as the notebook runs: the hidden cases off
-        saved = {name: os.environ.get(name) for name in (grader.GRADING_ENV, grader.RAISE_ENV)}
-        os.environ[grader.GRADING_ENV] = "1"
-        os.environ.pop(grader.RAISE_ENV, None)
-        try:
+        with _hidden_cases_on():
             for exercise_id, answer in answers:
                 def attempt(exercise_id=exercise_id, answer=answer):
                     with contextlib.redirect_stdout(io.StringIO()):  # check's verdict line
@@ -132,12 +138,6 @@ def sweep_solutions(chapters, seconds, max_runs, out=sys.stdout):
 
                 if not _repeat(f"{exercise_id} (the solution)", attempt, seconds, max_runs, out):
                     unstable.append(exercise_id)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
     return unstable
 
 
