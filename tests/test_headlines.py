@@ -51,6 +51,17 @@ def test_the_table_prints_medians_with_spread_and_fits_a_lecture(capsys):
     assert "1.01 (0.90-1.20)" in out and len(out.splitlines()) < 60
 
 
+def test_the_table_prints_a_forward_only_recording(capsys):
+    # 14_head_dims: forward rows only, a fixed H instead of H x d
+    from course_utils import recorded
+
+    data = recorded.load("14_head_dims", verbose=False)
+    headlines._print(data, "recorded")
+    out = capsys.readouterr().out
+    assert f"H = {data['heads']}" in out and "fwd+bwd" not in out
+    assert len(out.splitlines()) == 3 + len(data["rows"]) + 1  # two lines, a header, a footer
+
+
 def test_show_on_a_cpu_prints_the_recording_or_says_it_is_missing(capsys):
     if headlines.runtime_on_gpu():
         pytest.skip("on a GPU show() measures")

@@ -419,19 +419,22 @@ def _fmt(r):
 
 
 def _print(data: dict, where: str) -> None:
-    print(f"{data['kernel']}: bf16, B x N = {data['tokens']}, H x d = {data['hidden']}; "
-          f"{where}")
+    """The table of a headline recording: of :func:`measure` (forward and forward + backward at
+    a fixed H x d) or of :func:`measure_head_dims` (forward only, a fixed H)."""
+    size = f"H x d = {data['hidden']}" if "hidden" in data else f"H = {data['heads']}"
+    print(f"{data['kernel']}: bf16, B x N = {data['tokens']}, {size}; {where}")
     print(f"ratio = SDPA's time / the course's time, median (lowest-highest) over "
           f"{data['rounds']} interleaved rounds; > 1: the course is faster")
+    recorded_modes = [m for m in ("fwd", "fwd+bwd") if any(r["mode"] == m for r in data["rows"])]
     head = f"{'d':>3} {'causal':>6} {'N':>5} | "
     print(head + " | ".join(f"{m + ' TFLOP/s':>15} {'x flash':>16} {'x cuDNN':>16}"
-                            for m in ("fwd", "fwd+bwd")))
+                            for m in recorded_modes))
     by_shape = {}
     for r in data["rows"]:
         by_shape.setdefault((r["D"], r["causal"], r["N"]), {})[r["mode"]] = r
     for (D, causal, N), modes in by_shape.items():
         cells = []
-        for m in ("fwd", "fwd+bwd"):
+        for m in recorded_modes:
             r = modes[m]
             cells.append(f"{r['tflops'][COURSE]:15.0f} {_fmt(r['ratio']['sdpa flash']):>16} "
                          f"{_fmt(r['ratio']['sdpa cudnn']):>16}")
@@ -481,11 +484,8 @@ if __name__ == "__main__":
         if arg == "10-backward":
             measure_backward_variants(progress=True)
         elif arg == "14-head-dims":
-            rows = measure_head_dims(progress=True)["rows"]
-            for r in rows:
-                c = r["ratio"]["sdpa cudnn"]
-                print(f"d={r['D']} causal={r['causal']} N={r['N']}: {r['tflops']['course']:.0f} "
-                      f"TFLOP/s, {c['median']:.3f}x cuDNN ({c['lo']:.3f}-{c['hi']:.3f})")
+            data = measure_head_dims(progress=True)
+            _print(data, f"measured now on {data['device']}")
         elif arg == "14-fp8":
             print_fp8(measure_fp8(progress=True), "measured now")
         else:
